@@ -1,0 +1,1 @@
+"""longctx: long-context inference engine."""

@@ -1,0 +1,1 @@
+"""Sequence parallelism: ring attention and sharded-KV decode."""
