@@ -1,0 +1,145 @@
+"""The Python API: ``LLM`` and ``SamplingParams``, shaped like vLLM's so one import swaps.
+
+Owns: accepting user input (strings, token-id dicts, chat messages), validating it with
+messages that say what was wrong, and driving the engine to completion or as a stream.
+Never: model math or scheduling.
+
+    from longctx import LLM, SamplingParams
+    llm = LLM()                                   # the default model
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from longctx.config import split_engine_kwargs
+from longctx.engine import LLMEngine, RequestOutput
+from longctx.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class StreamDelta:
+    """One piece of a streamed generation."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    output: RequestOutput | None = None  # set on the last delta
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
+        load, cache, sched = split_engine_kwargs({"model": model, **engine_kwargs})
+        self.engine = LLMEngine(load, cache, sched)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ input
+
+    def _to_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is an empty string")
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not ids:
+                    raise ValueError("prompt_token_ids must be a non-empty list of integers")
+                return list(ids), prompt.get("prompt")
+            if "prompt" in prompt:
+                return self._to_ids(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        raise TypeError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        ids = self.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, on_prefill_progress: ProgressFn | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (batched); outputs in the order of ``prompts``."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        params = self._params_list(sampling_params, len(prompts))
+        encoded = [self._to_ids(p) for p in prompts]  # validate all before adding any
+        for ids, p in zip(encoded, params):
+            self.engine.scheduler.check_fits(len(ids[0]), p.max_tokens)
+        request_ids = []
+        try:
+            for (ids, text), p in zip(encoded, params):
+                request_ids.append(self.engine.add_request(ids, p, prompt=text))
+            self._run(set(request_ids), on_prefill_progress)
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort(rid)
+            raise
+        return [self.engine.release(rid) for rid in request_ids]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template applied)."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c)} for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               *, on_prefill_progress: ProgressFn | None = None) -> Iterator[StreamDelta]:
+        """Yield text as it is produced for one prompt."""
+        ids, text = self._to_ids(prompt)
+        rid = self.engine.add_request(ids, sampling_params or SamplingParams(), prompt=text)
+        finished = False
+        try:
+            while not finished:
+                for update in self.engine.step():
+                    if update.request_id != rid:
+                        continue
+                    if not update.new_token_ids:
+                        if on_prefill_progress:
+                            on_prefill_progress(update.num_computed_tokens, update.num_prompt_tokens)
+                        continue
+                    finished = update.finished
+                    yield StreamDelta(update.new_text, update.new_token_ids, update.finished,
+                                      update.finish_reason,
+                                      self.engine.release(rid) if finished else None)
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+
+    def _run(self, pending: set[str], on_progress: ProgressFn | None) -> None:
+        while pending:
+            for update in self.engine.step():
+                if update.finished:
+                    pending.discard(update.request_id)
+                elif on_progress and not update.new_token_ids:
+                    on_progress(update.num_computed_tokens, update.num_prompt_tokens)

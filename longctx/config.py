@@ -1,0 +1,77 @@
+"""Engine configuration: one frozen dataclass per concern, validated on construction.
+
+Owns: the knobs users set (through ``LLM(...)`` keyword arguments or CLI flags, which are
+derived from these fields) and their checks.
+Never: behaviour. Components read these; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value a user gave is invalid; the message says which and why."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    model: str = field(default="smollm2-135m", metadata={"help": "alias, HF folder or .gguf file"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:N"})
+    num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: leave as is)"})
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=64, metadata={"help": "tokens per KV page"})
+    kv_cache_gb: float = field(default=1.0, metadata={"help": "memory budget for the KV pool (GiB)"})
+    num_blocks: int = field(default=0, metadata={"help": "exact KV pool size in pages (overrides kv_cache_gb)"})
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
+               f"block_size must be a power of two in [1, 1024], got {self.block_size}")
+        _check(self.kv_cache_gb > 0, f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        _check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget per step (the prefill chunk size)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+
+
+CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig)
+
+
+def split_engine_kwargs(kwargs: dict[str, Any]) -> tuple[ModelLoadConfig, CacheConfig, SchedulerConfig]:
+    """Route ``LLM(**kwargs)`` keywords to the dataclass that owns each; unknown keys are an error."""
+    known = {f.name: cls for cls in CONFIG_CLASSES for f in fields(cls)}
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    parts: dict[type, dict[str, Any]] = {cls: {} for cls in CONFIG_CLASSES}
+    for key, value in kwargs.items():
+        parts[known[key]][key] = value
+    return tuple(cls(**parts[cls]) for cls in CONFIG_CLASSES)  # type: ignore[return-value]

@@ -1,0 +1,208 @@
+"""The engine: the step loop (schedule -> run -> sample -> update) and per-request outputs.
+
+Owns: building the model, KV pool, scheduler and runner from the configs; one ``step()``;
+detokenization, stop rules and timings of each request.
+Never: parsing user input (``longctx.api`` and the CLI do that) or choosing what runs
+(the scheduler).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from longctx.attention import select_backend
+from longctx.cache.block_pool import BlockPool
+from longctx.config import CacheConfig, ModelLoadConfig, SchedulerConfig
+from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
+from longctx.model.loader import load_model, resolve_model
+from longctx.model.tokenizer import load_tokenizer
+from longctx.runner import ModelRunner
+from longctx.sampling import make_generator, sample
+from longctx.sampling_params import SamplingParams
+from longctx.scheduler import Request, RequestStatus, Scheduler
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class StepUpdate:
+    """What one step did for one request: new tokens and text, or prefill progress."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    text: str = ""
+    stop_ids: frozenset[int] = frozenset()
+
+
+class LLMEngine:
+    def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig) -> None:
+        if load.num_threads:
+            torch.set_num_threads(load.num_threads)
+        self.device = torch.device(load.device)
+        self.dtype = TORCH_DTYPES[load.dtype]
+        path = resolve_model(load.model)
+        self.model = load_model(load.model, dtype=self.dtype, device=self.device)
+        self.model_config = self.model.config
+        self.tokenizer = load_tokenizer(path)
+        max_len = sched.max_model_len or self.model_config.max_position_embeddings
+        num_blocks = num_blocks_for(self.model_config, cache, self.dtype)
+        self.kv = DeviceKVPool(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len)
+        backend = select_backend(self.device, self.model_config.head_dim)
+        self.runner = ModelRunner(self.model, self.kv, backend, self.device)
+        self.max_model_len = max_len
+        self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, request_id: str | None = None) -> str:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id, list(prompt_token_ids), params)
+        self.scheduler.add(request)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        self._tracked[request_id] = _Tracked(request, prompt, make_generator(params),
+                                             RequestMetrics(time.perf_counter()), stop_ids=stop_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and tracked.request.status != RequestStatus.FINISHED:
+            self.scheduler.finish(tracked.request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output(self, request_id: str) -> RequestOutput:
+        t = self._tracked[request_id]
+        req = t.request
+        return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids,
+                             [CompletionOutput(0, t.text, list(req.output_token_ids), req.finish_reason)],
+                             req.status == RequestStatus.FINISHED, t.metrics)
+
+    def release(self, request_id: str) -> RequestOutput:
+        """The final output of a finished request; the engine forgets it."""
+        out = self.output(request_id)
+        del self._tracked[request_id]
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[StepUpdate]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule any request (KV pool too small?)")
+            return []
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            m = self._tracked[seq.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        logits = self.runner.execute(batch)
+        self.scheduler.advance(batch)
+        sampling = [s for s in batch.seqs if s.sample]
+        tracked = [self._tracked[s.request_id] for s in sampling]
+        tokens = sample(logits, [t.request.params for t in tracked], [t.generator for t in tracked])
+        now = time.perf_counter()
+        updates = {s.request_id: self._progress(self._tracked[s.request_id]) for s in batch.seqs}
+        for t, token in zip(tracked, tokens):
+            updates[t.request.request_id] = self._append(t, token, now)
+        return list(updates.values())
+
+    def _progress(self, t: _Tracked) -> StepUpdate:
+        req = t.request
+        return StepUpdate(req.request_id, [], "", req.num_computed_tokens, len(req.prompt_token_ids),
+                          False, None)
+
+    def _append(self, t: _Tracked, token: int, now: float) -> StepUpdate:
+        req, params = t.request, t.request.params
+        req.output_token_ids.append(token)
+        m = t.metrics
+        m.first_token_time = m.first_token_time or now
+        m.token_times.append(now)
+        old_text = t.text
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        reason = None
+        if token in t.stop_ids:
+            reason = "stop"
+        for stop in params.stop:
+            at = text.find(stop, max(0, len(old_text) - len(stop)))
+            if at >= 0:
+                text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                reason = "stop"
+                break
+        if reason is None and (len(req.output_token_ids) >= params.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None and text.endswith("\ufffd"):
+            text = old_text  # an incomplete UTF-8 sequence: wait for the next token
+        t.text = text
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            m.finished_time = now
+        new_text = text[len(old_text):] if text.startswith(old_text) else text
+        return StepUpdate(req.request_id, [token], new_text, req.num_computed_tokens,
+                          len(req.prompt_token_ids), reason is not None, reason)

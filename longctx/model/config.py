@@ -1,0 +1,181 @@
+"""Model configuration: one frozen dataclass read from an HF ``config.json`` or GGUF metadata.
+
+Owns: the architecture numbers the model and the KV cache need, validated once.
+Never: weights, devices, or serving knobs (those live in ``longctx.config``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or RoPE variant is not one longctx implements."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE variant and its parameters (HF ``rope_scaling`` / ``rope_parameters`` fields)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"RoPE type {self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if self.rope_type != "default" and self.factor <= 0:
+            raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+        if self.rope_type == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None
+                                           or self.original_max_position_embeddings is None):
+            raise ValueError("llama3 RoPE needs low_freq_factor, high_freq_factor and "
+                             "original_max_position_embeddings")
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None, max_position_embeddings: int) -> "RopeScaling":
+        if not params:
+            return cls()
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        fields = {k: params[k] for k in (
+            "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+            "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+            if params.get(k) is not None}
+        if rope_type == "yarn":
+            fields.setdefault("original_max_position_embeddings", max_position_embeddings)
+        return cls(rope_type=rope_type, **fields)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder. Field names follow HF ``config.json`` where one exists."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r} is not supported; longctx runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; longctx runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_hf(rope, cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {folder}: not an HF checkpoint folder")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_gguf_fields(cls, meta: dict[str, Any], has_output_weight: bool) -> "ModelConfig":
+        """Build from GGUF key/values (``general.architecture``, ``llama.*``, ``tokenizer.ggml.*``)."""
+        arch = meta.get("general.architecture", "")
+        if arch not in ("llama", "qwen2"):
+            raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        num_heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        head_dim = int(get("rope.dimension_count", hidden // num_heads))
+        rope: dict[str, Any] = {}
+        if get("rope.scaling.type") not in (None, "none"):
+            rope = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0),
+                    "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        return cls(
+            model_type=arch,
+            vocab_size=int(get("vocab_size", 0)),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_hidden_layers=int(get("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            max_position_embeddings=int(get("context_length", 2048)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=RopeScaling.from_hf(rope, int(get("context_length", 2048))),
+            tie_word_embeddings=not has_output_weight,
+            attention_bias=arch == "qwen2",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(x for x in (meta.get("tokenizer.ggml.eos_token_id"),) if x is not None),
+        )

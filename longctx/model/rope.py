@@ -1,0 +1,124 @@
+"""Rotary position embeddings: default, linear, dynamic-NTK, llama3 and YaRN frequencies.
+
+Owns: inverse frequencies per RoPE variant (the formulas real checkpoints were trained with, as
+HF transformers defines them) and applying the rotation to q/k.
+Never: attention, caching of K/V.
+
+Dynamic NTK follows HF: the base is stretched by the longest position in the current forward
+once it passes ``max_position_embeddings``. (Keys cached by earlier, shorter forwards keep
+their old rotation; HF behaves the same way.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig, RopeScaling
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rs: RopeScaling) -> torch.Tensor:
+    old_len = rs.original_max_position_embeddings
+    low_wavelen = old_len / rs.low_freq_factor
+    high_wavelen = old_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(base: float, dim: int, rs: RopeScaling) -> tuple[torch.Tensor, float]:
+    factor = rs.factor
+    attention_factor = rs.attention_factor
+    if attention_factor is None:
+        if rs.mscale and rs.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, rs.mscale) / _yarn_mscale(factor, rs.mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = rs.beta_fast or 32, rs.beta_slow or 1
+    orig = rs.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: high-frequency dims keep their original frequency
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def inv_freq_for(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D / 2] and the cos/sin scale for ``config`` (and, for dynamic NTK,
+    the current sequence length)."""
+    rs, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    if rs.rope_type == "default":
+        return _base_inv_freq(base, dim), 1.0
+    if rs.rope_type == "linear":
+        return _base_inv_freq(base, dim) / rs.factor, 1.0
+    if rs.rope_type == "llama3":
+        return _llama3_inv_freq(_base_inv_freq(base, dim), rs), 1.0
+    if rs.rope_type == "yarn":
+        return _yarn_inv_freq(base, dim, rs)
+    # dynamic NTK
+    max_pos = config.max_position_embeddings
+    seq_len = max(seq_len or max_pos, max_pos)
+    base = base * ((rs.factor * seq_len / max_pos) - (rs.factor - 1)) ** (dim / (dim - 2))
+    return _base_inv_freq(base, dim), 1.0
+
+
+class RotaryEmbedding:
+    """cos/sin tables for positions, built once per device; dynamic NTK recomputes past the
+    trained window."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.dynamic = config.rope_scaling.rope_type == "dynamic"
+        inv_freq, self.scale = inv_freq_for(config)
+        self.table_len = config.max_position_embeddings
+        self.cos, self.sin = self._tables(inv_freq, torch.arange(self.table_len), self.scale, device)
+
+    @staticmethod
+    def _tables(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (P, D/2), fp32 as in HF
+        return (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2] (fp32) for positions [T]."""
+        max_pos = int(positions.max()) + 1 if positions.numel() else 0
+        if self.dynamic and max_pos > self.config.max_position_embeddings:
+            inv_freq, scale = inv_freq_for(self.config, max_pos)
+            return self._tables(inv_freq, positions.cpu(), scale, positions.device)
+        if max_pos > self.table_len:
+            inv_freq, scale = inv_freq_for(self.config)
+            self.table_len = max(max_pos, 2 * self.table_len)
+            self.cos, self.sin = self._tables(inv_freq, torch.arange(self.table_len), scale,
+                                              self.cos.device)
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    cos = cos[:, None, :].to(x.dtype)  # (T, 1, D/2)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

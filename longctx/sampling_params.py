@@ -1,0 +1,52 @@
+"""``SamplingParams``: how one request's tokens are chosen and when it stops (no torch).
+
+Field names and meanings follow vLLM's ``SamplingParams`` so code moves over by changing one
+import. Validated on construction; a bad value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None  # reproducible per request when set
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()  # stop strings; not included in the output text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        checks = [
+            (isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+             f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+             f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.seed is None or isinstance(self.seed, int),
+             f"seed must be an integer, got {self.seed!r}"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             f"stop must be non-empty strings, got {self.stop!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

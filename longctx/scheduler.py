@@ -1,0 +1,220 @@
+"""The scheduler: which requests run this step, how many tokens each computes, which pages.
+
+Owns: the waiting and running queues, the token budget, page allocation through the
+``BlockPool``, preemption. Never: torch, tensors, or sampling.
+
+One accounting rule covers everything: a request has ``num_tokens`` (prompt + output so far)
+and ``num_computed_tokens`` (those whose KV is in the cache). Each step a request computes
+``min(num_tokens - num_computed_tokens, budget left)`` tokens. A prefill chunk and a decode
+step are the same subtraction; a request whose step reaches ``num_tokens`` samples a token.
+
+Step order: running requests with the fewest pending tokens first (decodes before the rest of
+a long prefill, so a document's prefill never stalls running streams), then waiting requests
+in arrival order while budget, pages and ``max_num_seqs`` allow.
+
+When pages run out, the most recently admitted running request that has not been scheduled
+this step is preempted: its pages are freed, ``num_computed_tokens`` drops to 0, and it goes
+back to the front of the waiting queue to be recomputed (prompt and output so far) later.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from longctx.cache.block_pool import BlockPool
+from longctx.config import SchedulerConfig
+from longctx.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class RequestTooLongError(ValueError):
+    """A request that could never be served with this model and cache."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step, as plain data for the runner."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute now
+    start_pos: int  # their first position (= tokens already cached)
+    block_ids: list[int]  # the request's pages, covering start_pos + len(token_ids)
+    sample: bool  # this step reaches the end of the known tokens: sample the next one
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    seqs: list[ScheduledSeq]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add(self, request: Request) -> None:
+        self.check_fits(len(request.prompt_token_ids), request.params.max_tokens)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_order = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ``RequestTooLongError`` for a request that could never run."""
+        if prompt_len < 1:
+            raise RequestTooLongError("the prompt is empty: give at least one token")
+        if prompt_len >= self.max_model_len:
+            raise RequestTooLongError(
+                f"the prompt has {prompt_len} tokens but the model's context window is "
+                f"{self.max_model_len} tokens (prompt plus at least one new token must fit)")
+        longest = min(prompt_len + max_tokens, self.max_model_len)
+        if self.blocks_for(longest) > self.pool.num_blocks:
+            raise RequestTooLongError(
+                f"a request of {prompt_len} prompt + {max_tokens} new tokens needs "
+                f"{self.blocks_for(longest)} KV pages of {self.block_size} tokens, but the cache "
+                f"holds only {self.pool.num_blocks}: raise kv_cache_gb or lower max_tokens")
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished (or aborted) and free its pages."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._free_blocks(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted: list[str] = []
+        for req in sorted(self.running, key=lambda r: (r.num_pending, r.arrival_order)):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(req.num_pending, budget)
+            while not self._grow(req, req.num_computed_tokens + num_new):
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                scheduled[req.request_id] = self._seq(req, num_new)
+                budget -= num_new
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            num_new = min(req.num_pending, budget)
+            if not self._grow(req, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = self._seq(req, num_new)
+            budget -= num_new
+        return ScheduledBatch(seqs=list(scheduled.values()), preempted=preempted)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The runner computed ``batch``: its tokens are cached now."""
+        for seq in batch.seqs:
+            self.requests[seq.request_id].num_computed_tokens += len(seq.token_ids)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(request_id=req.request_id,
+                            token_ids=req.token_slice(start, start + num_new), start_pos=start,
+                            block_ids=list(req.block_ids), sample=start + num_new == req.num_tokens)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give ``req`` pages for ``num_tokens`` tokens; False if the pool is short."""
+        missing = self.blocks_for(num_tokens) - len(req.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.pool.num_free:
+            return False
+        req.block_ids.extend(self.pool.allocate(missing))
+        return True
+
+    def _pick_victim(self, exclude: dict[str, ScheduledSeq]) -> Request:
+        for req in sorted(self.running, key=lambda r: -r.arrival_order):
+            if req.request_id not in exclude:
+                return req
+        raise RuntimeError("no request left to preempt")  # unreachable: the requester is one
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free_blocks(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        if req.block_ids:
+            self.pool.release(req.block_ids)
+            req.block_ids = []
