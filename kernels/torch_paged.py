@@ -10,11 +10,11 @@ How it is fast:
 * Blocks are views when they can be. The block pool hands out the lowest free ids, so a
   sequence's blocks are usually consecutive; for such a run the sequence's K/V is a plain view
   of the cache (no gather). Only a shuffled table pays an ``index_select`` copy.
-* Each sequence's queries go through ``scaled_dot_product_attention`` (PyTorch's fused CPU
-  flash kernel) with ``enable_gqa``: causal chunks with no cached prefix use ``is_causal``; a
-  chunk after cached keys uses a bottom-right bool mask; decode (one query) needs no mask.
-* When a caller needs the log-sum-exp (ring attention, split merges), the per-sequence call
-  goes through ``_scaled_dot_product_flash_attention_for_cpu``, which returns it.
+* Decode and verification (up to ``SMALL_Q`` new tokens): the query heads of a GQA group are
+  stacked and attention is two batched matmuls over strided views of the pages (measured at
+  8K context, 9/3 heads, D=64: ~1.2 ms per layer vs ~2.4 ms for SDPA with ``enable_gqa``).
+* Prefill chunks: PyTorch's fused CPU flash kernel, called twice (prefix unmasked, chunk
+  causal) and merged by log-sum-exp, so no fully-masked block is ever computed.
 
 Shape legend: T new tokens (flattened), S context of one sequence, H query heads, Hkv kv
 heads, D head dim, NB blocks, BS block size.
@@ -47,41 +47,66 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
     return cache.index_select(0, index).view(-1, *cache.shape[2:])[:length]
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-                is_causal: bool, scale: float, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [L, H, D], k/v [S, Hkv, D] -> out [L, H, D] (and lse fp32 [L, H])."""
-    group = q.shape[1] // k.shape[1]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if not need_lse:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, is_causal=is_causal,
-                                             scale=scale, enable_gqa=group > 1)
-        return out[0].transpose(0, 1), None
-    if group > 1:
-        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-    mask = None
+SMALL_Q = 64  # up to this many new tokens per sequence: the grouped-matmul path
+
+
+def _attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode / verification: few queries over the whole context, as two batched matmuls.
+
+    The query heads that share a KV head are stacked into one matrix, so each KV head's keys
+    are read once per step: scores [Hkv, G * L, S] = q_g @ K^T. K/V stay strided views of the
+    cache (no copy)."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    qg = q.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale  # (Hkv, G * L, S)
     if visible is not None:
-        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~visible, float("-inf"))
+        scores = scores.view(num_kv, group, q_len, -1).masked_fill(~visible, float("-inf"))
+        scores = scores.view(num_kv, group * q_len, -1)
+    lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G * L)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0).to(v.dtype)
+    out = torch.matmul(probs, v.permute(1, 0, 2))  # (Hkv, G * L, D)
+    out = out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    return out, lse.view(num_kv, group, q_len).permute(2, 0, 1).reshape(q_len, num_heads)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's fused CPU flash kernel with its lse. q [L, H, D], k/v [S, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]  # (1, H, L, D)
+    kh = k.transpose(0, 1)[None].repeat_interleave(group, dim=1)  # (1, H, S, D)
+    vh = v.transpose(0, 1)[None].repeat_interleave(group, dim=1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qh, kh, vh, 0.0, is_causal, attn_mask=mask, scale=scale)
-    out, lse = out[0].transpose(0, 1), lse[0].transpose(0, 1).float()  # (L, H, D), (L, H)
-    if visible is not None:  # a row that sees nothing: lse -inf, output 0
-        empty = ~visible.any(dim=-1)
-        if bool(empty.any()):
-            out = out.masked_fill(empty[:, None, None], 0.0)
-            lse = lse.masked_fill(empty[:, None], float("-inf"))
-    return out, lse
+        qh, kh, vh, 0.0, causal, scale=scale)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()  # (L, H, D), (L, H)
+
+
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk (the last L of S tokens): the cached prefix without a mask plus the
+    chunk itself with a causal mask, merged by log-sum-exp. A single masked call would run
+    the fully masked upper-right blocks too (measured ~1.5x slower at L=2048, S=8192)."""
+    q_len, ctx_len = q.shape[0], k.shape[0]
+    num_cached = ctx_len - q_len
+    out_self, lse_self = _flash(q, k[num_cached:], v[num_cached:], True, scale)
+    if num_cached == 0:
+        return out_self, lse_self
+    out_prefix, lse_prefix = _flash(q, k[:num_cached], v[:num_cached], False, scale)
+    return merge_attn_states(out_prefix, lse_prefix, out_self, lse_self)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
-                    tree_mask: torch.Tensor | None = None, need_lse: bool = True,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as ``reference.paged_attention``; ``need_lse=False`` skips the lse."""
+                    tree_mask: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.paged_attention`` (``out`` may be given to fill)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if need_lse else None
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     tables, ctx_lens, cu = block_table.tolist(), context_lens.tolist(), cu_seqlens_q.tolist()
     for b, ctx_len in enumerate(ctx_lens):
         start, end = cu[b], cu[b + 1]
@@ -91,15 +116,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = sequence_kv(k_cache, tables[b], ctx_len)  # (S, Hkv, D)
         v = sequence_kv(v_cache, tables[b], ctx_len)
         seq_tree = tree_mask[start:end] if tree_mask is not None else None
-        visible, is_causal = None, False
-        if seq_tree is not None or (1 < q_len < ctx_len):
-            visible = causal_visibility(q_len, ctx_len, seq_tree, device=q.device)
-        elif q_len > 1:  # q_len == ctx_len: plain causal, top-left == bottom-right
-            is_causal = True
-        o, l = _attend_one(q[start:end], k, v, visible, is_causal, scale, need_lse)
+        if q_len <= SMALL_Q:
+            visible = None
+            if seq_tree is not None or q_len > 1:
+                visible = causal_visibility(q_len, ctx_len, seq_tree, device=q.device)
+            o, l = _attend_small(q[start:end], k, v, visible, scale)
+        elif seq_tree is not None:
+            raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {q_len}")
+        else:
+            o, l = _attend_chunk(q[start:end], k, v, scale)
         out[start:end] = o
-        if lse is not None:
-            lse[start:end] = l
+        lse[start:end] = l
     return out, lse
 
 

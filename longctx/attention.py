@@ -69,7 +69,7 @@ class TorchAttentionBackend:
         torch_paged.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out, _ = torch_paged.paged_attention(
             q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
-            scale=self.scale, tree_mask=meta.tree_mask, need_lse=False)
+            scale=self.scale, tree_mask=meta.tree_mask)
         return out
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
