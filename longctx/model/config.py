@@ -109,6 +109,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; longctx runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", True) and window < cfg.get("max_position_embeddings", 0):
+            raise UnsupportedModelError(
+                f"{model_type} checkpoint uses sliding-window attention ({window} tokens), which "
+                "longctx does not implement")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}

@@ -1,0 +1,73 @@
+"""Our model vs transformers on tiny random checkpoints of every supported architecture and
+RoPE variant, at sequence lengths past the RoPE scaling threshold (fp32, 1e-4 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx.attention import AttentionMetadata, select_backend
+from longctx.model.config import UnsupportedModelError
+from longctx.model.loader import load_model
+from tiny_models import KINDS, make_checkpoint, write_gguf
+
+SEQ_LEN = 100  # past max_position_embeddings (64) and every original_max_position_embeddings (32)
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _our_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    backend = select_backend("cpu", model.config.head_dim)
+    hidden = model(ids, torch.arange(len(ids)), backend, AttentionMetadata.dense([len(ids)]))
+    return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(tmp_path, kind):
+    hf = make_checkpoint(tmp_path, kind)
+    ids = torch.randint(0, hf.config.vocab_size, (SEQ_LEN,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    ours = _our_logits(load_model(str(tmp_path)), ids)
+    assert _relative_error(ours, expected) < 1e-4
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = make_checkpoint(tmp_path, "qwen2", max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ids = torch.arange(40) % hf.config.vocab_size
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    assert _relative_error(_our_logits(load_model(str(tmp_path)), ids), expected) < 1e-4
+
+
+def test_gguf_file_matches_hf_folder(tmp_path, monkeypatch):
+    """A GGUF written with llama.cpp's q/k permutation loads to the same logits."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_checkpoint(tmp_path / "hf", "llama-default")
+    gguf_path = tmp_path / "tiny.gguf"
+    write_gguf(gguf_path, hf)
+    ids = torch.arange(50) % hf.config.vocab_size
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    model = load_model(str(gguf_path))
+    assert model.config.num_key_value_heads == 2 and not model.config.tie_word_embeddings
+    assert _relative_error(_our_logits(model, ids), expected) < 1e-5
+
+
+def test_unsupported_architecture_names_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(str(tmp_path))
+
+
+def test_sliding_window_checkpoint_is_rejected(tmp_path):
+    from transformers import MistralConfig
+
+    MistralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=50, max_position_embeddings=128,
+                  sliding_window=32).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        load_model(str(tmp_path))

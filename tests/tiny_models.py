@@ -1,0 +1,159 @@
+"""Tiny random-weight checkpoints built with transformers, for parity tests that run anywhere.
+
+``make_checkpoint(tmp_path, kind)`` saves an HF folder (safetensors) and returns it with the
+HF model (fp32, eval). ``write_gguf`` writes the same weights as a GGUF file, permuting q/k
+rows the way llama.cpp's converter does, so the GGUF loader's un-permutation is exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BASE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+ROPE = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}
+
+KINDS = [f"llama-{r}" for r in ROPE] + ["llama-tied", "mistral", "qwen2", "llama-mha"]
+
+
+def hf_config(kind: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    kwargs = dict(BASE)
+    if kind == "mistral":
+        return MistralConfig(**kwargs, sliding_window=None, rope_theta=10000.0)
+    if kind == "qwen2":
+        return Qwen2Config(**kwargs, rope_theta=10000.0)
+    if kind == "llama-tied":
+        return LlamaConfig(**kwargs, tie_word_embeddings=True, rope_theta=10000.0)
+    if kind == "llama-mha":
+        kwargs.update(num_key_value_heads=4, hidden_size=128, num_attention_heads=4)
+        return LlamaConfig(**kwargs, rope_theta=10000.0)
+    rope = ROPE[kind.split("-", 1)[1]]
+    params = {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}
+    return LlamaConfig(**kwargs, rope_parameters=params)
+
+
+def make_checkpoint(folder: Path, kind: str, seed: int = 0, max_shard_size: str | None = None):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    with torch.no_grad():  # give norms and biases non-trivial values
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return model
+
+
+def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert permutation: rotate-half halves -> interleaved pairs."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(path: Path, model) -> None:
+    """Write an HF Llama model's weights (fp32) and config as a GGUF file."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in model.state_dict().items():
+        data = tensor.float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            if module == "self_attn.q_proj":
+                data = _permute_for_gguf(data, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                data = _permute_for_gguf(data, cfg.num_key_value_heads)
+            out = f"blk.{layer}.{names[module]}.{kind}"
+        writer.add_tensor(out, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_char_tokenizer(folder: Path, vocab_size: int = BASE["vocab_size"]) -> None:
+    """A character-level fast tokenizer over ``vocab_size`` ids (0-2 special), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in chars:
+        vocab[ch] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<extra{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    fast.save_pretrained(folder)
+
+
+def make_engine_checkpoint(folder: Path, seed: int = 0):
+    """A tiny Llama with a 1K window and a tokenizer: enough for engine tests."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**BASE, "max_position_embeddings": 1024}, rope_theta=10000.0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    write_char_tokenizer(folder)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Reference greedy continuation: a full forward per token, argmax of the last logits."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
