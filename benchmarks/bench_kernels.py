@@ -1,0 +1,267 @@
+"""Benchmark the paged attention kernels: decode bandwidth and prefill-chunk throughput.
+
+On CUDA it times ``longctx.kernels.triton_attention.paged_attention`` and, when flash-attn is
+installed, ``flash_attn_with_kvcache`` on the same shapes:
+
+* decode, batch 1 and batch 8, each sequence at ``--context`` tokens: achieved GB/s, the bytes
+  of K and V the step must read divided by its time;
+* one prefill chunk of ``--chunk`` tokens after ``--context - --chunk`` cached tokens:
+  TFLOP/s, 4 * D * H * (visible query-key pairs) divided by the time.
+
+On a machine without CUDA there are no Triton numbers (the Triton interpreter is a test tool,
+not a kernel): the script says so and times only the plain-torch reference on smaller shapes.
+
+Results go to ``benchmarks/results/kernels-<device>.json`` with the machine's description; the
+table is printed last. Usage: ``python benchmarks/bench_kernels.py [--context 32768] [--reps 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from longctx.kernels import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+FLASH_ATTN_BLOCK = 256  # flash-attn's paged KV needs block sizes that are multiples of 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case: ``batch`` sequences of ``context`` tokens, ``q_len`` of them new."""
+
+    name: str
+    batch: int
+    context: int
+    q_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def kv_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * elem
+
+    def flops(self) -> int:
+        cached = self.context - self.q_len
+        pairs = self.q_len * cached + self.q_len * (self.q_len + 1) // 2  # causal, per sequence
+        return 4 * self.batch * self.num_heads * self.head_dim * pairs
+
+
+@dataclass
+class Result:
+    impl: str
+    case: str
+    batch: int
+    context: int
+    q_len: int
+    block_size: int
+    dtype: str
+    ms: float
+    gb_per_s: float | None
+    tflop_per_s: float | None
+
+
+def build_inputs(shape: Shape, device: torch.device):
+    """Random paged batch: shuffled block table, the new tokens already in the cache."""
+    bs = shape.block_size
+    blocks_per_seq = math.ceil(shape.context / bs)
+    num_blocks = shape.batch * blocks_per_seq
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.dtype)
+    v_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    block_table = perm.view(shape.batch, blocks_per_seq).to(torch.int32)  # (B, max_blocks)
+    q = torch.randn(shape.batch * shape.q_len, shape.num_heads, shape.head_dim, generator=gen,
+                    device=device).to(shape.dtype)  # (T, H, D)
+    context_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device)
+    cu_seqlens = torch.arange(0, shape.batch + 1, dtype=torch.int32, device=device) * shape.q_len
+    return q, k_cache, v_cache, block_table, context_lens, cu_seqlens
+
+
+def time_call(fn, device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds of ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_result(impl: str, shape: Shape, ms: float) -> Result:
+    decode = shape.q_len == 1
+    return Result(impl, shape.name, shape.batch, shape.context, shape.q_len, shape.block_size,
+                  str(shape.dtype).removeprefix("torch."), round(ms, 4),
+                  round(shape.kv_bytes() / ms / 1e6, 1) if decode else None,
+                  None if decode else round(shape.flops() / ms / 1e9, 2))
+
+
+def flash_attn_call(shape: Shape, inputs):
+    from flash_attn import flash_attn_with_kvcache
+
+    q, k_cache, v_cache, block_table, context_lens, _ = inputs
+    q4 = q.view(shape.batch, shape.q_len, shape.num_heads, shape.head_dim)  # (B, L, H, D)
+    return lambda: flash_attn_with_kvcache(q4, k_cache, v_cache, cache_seqlens=context_lens,
+                                           block_table=block_table, causal=True)
+
+
+def bench_cuda(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
+    from longctx.kernels import triton_attention
+
+    device = torch.device("cuda")
+    have_flash = importlib.util.find_spec("flash_attn") is not None
+    notes = [] if have_flash else ["flash-attn is not installed: no flash-attn rows"]
+    results = []
+    for shape in shapes:
+        inputs = build_inputs(shape, device)
+        ms = time_call(lambda: triton_attention.paged_attention(*inputs), device, args.warmup,
+                       args.reps)
+        results.append(make_result("triton", shape, ms))
+        if have_flash and shape.block_size % FLASH_ATTN_BLOCK == 0:
+            ms = time_call(flash_attn_call(shape, inputs), device, args.warmup, args.reps)
+            results.append(make_result("flash-attn", shape, ms))
+        del inputs
+        torch.cuda.empty_cache()
+    return results, notes
+
+
+def bench_cpu_reference(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
+    device = torch.device("cpu")
+    results = []
+    for shape in shapes:
+        inputs = build_inputs(shape, device)
+        ms = time_call(lambda: reference.paged_attention(*inputs), device, 1, args.reps)
+        results.append(make_result("reference", shape, ms))
+    notes = ["No CUDA device: Triton numbers need a GPU and none were measured. The rows are the "
+             "plain-torch reference (kernels/reference.py), which is a correctness oracle, not "
+             "a fast path."]
+    return results, notes
+
+
+def model_shapes(context: int, chunk: int, dtype: torch.dtype, block_sizes: list[int]):
+    """Llama-3-8B attention geometry: 32 query heads, 8 KV heads, head dim 128."""
+    shapes = []
+    for bs in block_sizes:
+        common = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=bs, dtype=dtype)
+        shapes += [
+            Shape(f"decode-b1-{context}", 1, context, 1, **common),
+            Shape(f"decode-b8-{context}", 8, context, 1, **common),
+            Shape(f"prefill-chunk{chunk}-at-{context}", 1, context, chunk, **common),
+        ]
+    return shapes
+
+
+def git_rev() -> str:
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+    rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return rev + ("-dirty" if git("status", "--porcelain").strip() else "")
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    info = {"cpu_model": cpu_model(), "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "git_rev": git_rev(), "gpu": None, "triton": None, "flash_attn": None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    for name in ("triton", "flash_attn"):
+        if importlib.util.find_spec(name) is not None:
+            info[name] = getattr(importlib.import_module(name), "__version__", "unknown")
+    return info
+
+
+def device_slug() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "cuda-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def print_table(results: list[Result]) -> None:
+    header = (f"{'impl':<11} {'case':<30} {'BS':>4} {'dtype':<9} {'ms':>10} {'GB/s':>8} "
+              f"{'TFLOP/s':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        gbs = f"{r.gb_per_s:.1f}" if r.gb_per_s is not None else "-"
+        tfl = f"{r.tflop_per_s:.2f}" if r.tflop_per_s is not None else "-"
+        print(f"{r.impl:<11} {r.case:<30} {r.block_size:>4} {r.dtype:<9} {r.ms:>10.3f} "
+              f"{gbs:>8} {tfl:>8}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens per sequence (default 32768 on CUDA, 2048 on the CPU)")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="prefill chunk tokens (default 2048 on CUDA, 128 on the CPU)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls (CUDA 20, CPU 3)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default benchmarks/results/kernels-<device>.json)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    on_cuda = torch.cuda.is_available()
+    context = args.context or (32768 if on_cuda else 2048)
+    chunk = args.chunk or (2048 if on_cuda else 128)
+    args.reps = args.reps or (20 if on_cuda else 3)
+    if on_cuda:
+        shapes = model_shapes(context, chunk, torch.bfloat16, [16, FLASH_ATTN_BLOCK])
+        results, notes = bench_cuda(shapes, args)
+    else:
+        print("No CUDA device: Triton kernels need a GPU, so no Triton number is measured here. "
+              "Timing only the plain-torch reference on small shapes.")
+        shapes = model_shapes(context, chunk, torch.float32, [16])
+        results, notes = bench_cpu_reference(shapes, args)
+    report = {"machine": machine_info(), "device": device_slug(),
+              "shapes": [{**asdict(s), "dtype": str(s.dtype)} for s in shapes],
+              "results": [asdict(r) for r in results], "notes": notes}
+    path = args.out or RESULTS / f"kernels-{device_slug()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    for note in notes:
+        print(note)
+    print(f"wrote {path}")
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

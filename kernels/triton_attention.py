@@ -1,0 +1,562 @@
+"""Triton paged attention: split-KV flash decoding, lookahead verification and prefill chunks.
+
+Owns: the GPU attention kernels over paged KV (``paged_attention``), the KV write
+(``write_kv``) and the log-sum-exp merge of partial attention (``merge_attn_states``), with the
+same signatures and ``(out, lse)`` conventions as ``kernels/reference.py``.
+Never: scheduling, allocation of KV pages, or any import beyond torch and triton.
+
+Algorithm (FlashAttention-2, Dao 2023; flash decoding, Dao et al. 2023)
+-----------------------------------------------------------------------
+One kernel family serves decode (q_len 1), lookahead verification (q_len <= 63, causal or tree
+mask) and prefill chunks (q_len in the thousands). A program owns
+
+    (query block of one sequence, kv head, KV split)
+
+where a query block is ``BLOCK_Q`` consecutive new tokens times the ``GROUP = H // Hkv`` query
+heads that share the kv head, packed as ``BLOCK_M >= BLOCK_Q * GROUP`` rows of one ``tl.dot``
+operand (row r = token r // GROUP, head r % GROUP). Decode therefore reads each K/V tile once
+for the whole GQA group, and a prefill chunk is tiled over query blocks like flash attention.
+
+Each program walks its key range in ``BLOCK_N`` tiles, gathering every key's page through the
+block table (so any block size works, and a tile may straddle pages), and keeps the online
+softmax state (running max m, sum l, accumulator acc) in fp32. Keys every row of the block may
+see (the cached prefix and, causally, the block's own diagonal start) are walked without a
+visibility mask; the remaining tiles apply the bottom-right causal mask or the tree mask.
+
+Split-KV: when query blocks x kv heads cannot fill the GPU (decode of few long sequences), the
+key range is cut into ``num_splits`` equal, tile-aligned ranges; stage 1 writes one partial
+(out, lse) per split and stage 2 merges them with the same log-sum-exp helper that
+``merge_attn_states`` uses:
+
+    m = max(lse_a, lse_b),  w_x = exp(lse_x - m),
+    out = (w_a out_a + w_b out_b) / (w_a + w_b),  lse = m + log(w_a + w_b)
+
+An empty part (lse = -inf) weighs 0; a row with no visible key ends with out 0, lse -inf.
+
+Limits
+------
+* q, k_cache, v_cache share one dtype: fp16, bf16 or fp32. Dots run in that dtype with fp32
+  accumulation (fp32 uses IEEE products, not TF32, on small tiles); softmax statistics are fp32.
+* Head dim: any size up to 256; non-powers of two are padded with masks.
+* Tree masks: q_len <= 63 per sequence (bit j of an int64 word). Every query sees all cached keys.
+* The launcher reads the largest context and q_len back to the host (one sync) to size tiles
+  and splits; CUDA-graph capture would need those passed in.
+* Launch configs are fixed heuristics (``plan_launch``), not autotuned. They compile for
+  sm_80/sm_90 (tests/kernels/compile_triton_offline.py; no register spills for D <= 128 when
+  checked with cuobjdump), but their speed has not been measured on a GPU yet. Under
+  ``TRITON_INTERPRET=1`` (CPU tests) they are small and fixed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals there must be constexpr
+MAX_TREE_TOKENS = 63
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+# ---------------------------------------------------------------------------------------------
+# @triton.jit helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_pair(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attentions over disjoint keys. out [R, D] fp32, lse [R] fp32 (ln)."""
+    m = tl.maximum(lse_a, lse_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(lse_a - m_safe)  # exp(-inf) = 0 for an empty part
+    w_b = tl.exp(lse_b - m_safe)
+    total = w_a + w_b
+    denom = tl.where(total > 0, total, 1.0)
+    # an empty part adds exactly nothing, even if its out holds garbage
+    part_a = tl.where(w_a[:, None] > 0, w_a[:, None] * out_a, 0.0)
+    part_b = tl.where(w_b[:, None] > 0, w_b[:, None] * out_b, 0.0)
+    out = (part_a + part_b) / denom[:, None]
+    lse = tl.where(total > 0, m_safe + tl.log(denom), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest b with first_block(b) = cu_seqlens[b] // BLOCK_Q + b <= pid (binary search).
+
+    first_block is strictly increasing and leaves each sequence at least ceil(q_len / BLOCK_Q)
+    program ids, so the grid needs only T // BLOCK_Q + B programs and no host-side map.
+    """
+    lo = pid * 0
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_block = tl.load(cu_seqlens_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        go_right = first_block <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
+                  key_lo, key_hi, ctx_len, num_cached, tok, tree_words,
+                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                  qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (acc, m, l) over keys [key_lo, key_hi) of one sequence.
+
+    Scores are in log2 units (qk_scale = scale * log2 e). K/V loads are masked to keys below
+    ctx_len, so uninitialised pages (possibly NaN) are never read. MASKED adds the causal or
+    tree visibility mask; without it every key in range must be visible to every row.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for start in range(key_lo, key_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) absolute key positions
+        key_ok = pos < ctx_len
+        page = tl.load(table_row_ptr + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
+        k_ptrs = (k_head_ptr + page[None, :] * stride_kb + slot[None, :] * stride_ks
+                  + offs_d[:, None] * stride_kd)  # (BLOCK_D, BLOCK_N)
+        k_t = tl.load(k_ptrs, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        scores = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            if HAS_TREE:
+                bit = (pos - num_cached).to(tl.int64)
+                bit = tl.minimum(tl.maximum(bit, 0), 63)
+                in_tree = ((tree_words[:, None] >> bit[None, :]) & 1) != 0
+                visible = (pos[None, :] < num_cached) | (in_tree & key_ok[None, :])
+            else:
+                visible = pos[None, :] <= num_cached + tok[:, None]
+            scores = tl.where(visible & key_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = (v_head_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                  + offs_d[None, :] * stride_vd)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr,
+        qk_scale, num_seqs, split_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Stage 1: one (query block, kv head, split) -> partial out [rows, D] and lse [rows]."""
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(cu_seqlens_ptr, num_seqs, pid_q, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int32)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int32) - q_start
+    first_tok = (pid_q - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_tok >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    num_cached = ctx_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first_tok + rows // GROUP  # (BLOCK_M,) token index within the sequence
+    head = kv_head * GROUP + rows % GROUP  # (BLOCK_M,) query head
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = (q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    if HAS_TREE:
+        tree_words = tl.load(tree_ptr + q_start + tok, mask=row_ok, other=0)
+    else:
+        tree_words = tok
+
+    # Keys [0, full_end) are visible to every row of this block; [full_end, causal_end) need
+    # the mask; nothing at or past causal_end is visible to any row.
+    last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+    if HAS_TREE:
+        full_end = num_cached
+        causal_end = ctx_len
+    else:
+        full_end = num_cached + first_tok + 1
+        causal_end = num_cached + last_tok + 1
+    key_lo = split * split_size
+    key_hi = tl.minimum(key_lo + split_size, causal_end)
+    key_mid = tl.maximum(key_lo, tl.minimum(key_hi, full_end // BLOCK_N * BLOCK_N))
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, key_lo, key_mid, ctx_len,
+        num_cached, tok, tree_words, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+        stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, key_mid, key_hi, ctx_len,
+        num_cached, tok, tree_words, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+        stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc = 0 -> out 0
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    out_ptrs = (out_ptr + split * stride_os + (q_start + tok)[:, None] * stride_ot
+                + head[:, None] * stride_oh + offs_d[None, :] * stride_od)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse_ptrs = lse_ptr + split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows, num_splits,
+                         stride_ps, stride_pr, stride_ls, stride_or,
+                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Stage 2: fold num_splits partials [S, R, D] / [S, R] into out [R, D], lse [R]."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    out = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for split in range(num_splits):
+        part_ptrs = part_out_ptr + split * stride_ps + rows[:, None] * stride_pr + offs_d[None, :]
+        part = tl.load(part_ptrs, mask=mask, other=0.0)
+        part_lse = tl.load(part_lse_ptr + split * stride_ls + rows, mask=row_ok,
+                           other=float("-inf"))
+        out, lse = _merge_pair(out, lse, part, part_lse)
+    tl.store(out_ptr + rows[:, None] * stride_or + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_states_kernel(out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr, num_rows,
+                         stride_ar, stride_br, stride_or,
+                         HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge two partial attentions row by row: rows [R, D], lse [R]."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    out_a = tl.load(out_a_ptr + rows[:, None] * stride_ar + offs_d[None, :], mask=mask, other=0.0)
+    out_b = tl.load(out_b_ptr + rows[:, None] * stride_br + offs_d[None, :], mask=mask, other=0.0)
+    lse_a = tl.load(lse_a_ptr + rows, mask=row_ok, other=float("-inf"))
+    lse_b = tl.load(lse_b_ptr + rows, mask=row_ok, other=float("-inf"))
+    out, lse = _merge_pair(out_a.to(tl.float32), lse_a.to(tl.float32),
+                           out_b.to(tl.float32), lse_b.to(tl.float32))
+    tl.store(out_ptr + rows[:, None] * stride_or + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_kv_heads,
+                     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                     stride_cb, stride_cs, stride_ch, stride_cd,
+                     stride_wb, stride_ws, stride_wh, stride_wd,
+                     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One new token: copy its [Hkv, D] K and V rows into slot_mapping[t] (slot < 0: skip)."""
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_mapping_ptr + t + heads * 0).to(tl.int64)  # (BLOCK_H,) one slot, per row
+    mask = (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM) & (slot[:, None] >= 0)
+    page = slot[:, None] // PAGE_SIZE
+    offset = slot[:, None] % PAGE_SIZE
+    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask)
+    k_dst = (k_cache_ptr + page * stride_cb + offset * stride_cs + heads[:, None] * stride_ch
+             + offs_d[None, :] * stride_cd)
+    v_dst = (v_cache_ptr + page * stride_wb + offset * stride_ws + heads[:, None] * stride_wh
+             + offs_d[None, :] * stride_wd)
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if not _interpreting() and next(iter(devices)).type != "cuda":
+        raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests); "
+                         "use longctx.kernels.torch_paged on the CPU")
+
+
+def _dot_config(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """The tl.dot operand dtype and precision for inputs of ``dtype``."""
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}: use float16, bfloat16 or float32")
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting()):
+        return tl.float32, "ieee"  # the interpreter cannot compute in bf16
+    return _TL_DTYPES[dtype], "tf32"  # precision is ignored for 16-bit operands
+
+
+@dataclass(frozen=True)
+class PagedLaunch:
+    """Tile sizes and the KV split of one paged_attention call."""
+
+    block_m: int  # query rows per program (tokens x heads of one GQA group)
+    block_q: int  # tokens per query block
+    block_n: int  # keys per tile
+    num_splits: int  # KV splits per query block
+    split_size: int  # keys per split, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a pretend GPU small enough that test shapes exercise splits
+
+
+def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
+                max_q_len: int, max_ctx_len: int, dtype: torch.dtype, device: torch.device,
+                num_splits: int | None = None) -> PagedLaunch:
+    """Choose tiles and the KV split.
+
+    Tiles: 16-bit inputs take up to 128 query rows and 64-key tiles (32 for D > 128); fp32
+    inputs multiply without tensor cores and keep 16 rows and 32 keys on 8 warps, the largest
+    tiles that compiled without register spills for D = 128 (checked offline for sm_80/sm_90).
+    Splits grow until (query programs x kv heads x splits) is about two waves of the GPU, but
+    each split keeps at least ``min_keys`` keys: one long sequence then fills every SM, while a
+    large batch or a prefill chunk (many query blocks) runs unsplit and needs no stage 2.
+    """
+    interpreting = _interpreting()
+    wide = dtype != torch.float32 and not interpreting
+    max_rows = 128 if wide else (64 if interpreting else 16)
+    block_m = max(16, min(max_rows, triton.next_power_of_2(max_q_len * group)),
+                  triton.next_power_of_2(group))
+    block_q = block_m // group
+    block_n = 64 if wide and head_dim <= 128 else 32
+    if num_splits is None:
+        num_programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+        min_keys = block_n if interpreting else 256
+        wanted = triton.cdiv(2 * _num_sms(device), num_programs)
+        num_splits = max(1, min(wanted, triton.cdiv(max_ctx_len, min_keys), 128))
+    split_size = triton.cdiv(triton.cdiv(max(max_ctx_len, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max_ctx_len, split_size))
+    num_warps = 8 if block_m >= 128 or dtype == torch.float32 else 4
+    return PagedLaunch(block_m, block_q, block_n, num_splits, split_size, num_warps,
+                       num_stages=1 if interpreting else 2)
+
+
+def _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
+                        tree_mask) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [T, H, D] and k_cache [NB, BS, Hkv, D], got "
+                         f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "differ")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit KV heads/dim "
+                         f"{num_kv_heads}/{k_cache.shape[3]} (need H % Hkv == 0, same D)")
+    if head_dim > 256:
+        raise ValueError(f"head dim {head_dim} > 256 is not supported")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    num_seqs = block_table.shape[0]
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError("block_table must be int32 [B, max_blocks]")
+    if context_lens.shape != (num_seqs,) or cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(f"need context_lens [{num_seqs}] and cu_seqlens_q [{num_seqs + 1}], got "
+                         f"{tuple(context_lens.shape)} and {tuple(cu_seqlens_q.shape)}")
+    if tree_mask is not None and (tree_mask.shape != (q.shape[0],)
+                                  or tree_mask.dtype != torch.int64):
+        raise ValueError(f"tree_mask must be int64 [{q.shape[0]}], got {tree_mask.dtype} "
+                         f"{tuple(tree_mask.shape)}")
+    _check_device(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
+                  *([tree_mask] if tree_mask is not None else []))
+
+
+def _sequence_extents(context_lens, cu_seqlens_q) -> tuple[int, int]:
+    """(max q_len, max context length), validating q_len <= context length: one host sync."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    stats = torch.stack([q_lens.max(), context_lens.max(), (context_lens - q_lens).min(),
+                         q_lens.min()]).tolist()
+    max_q_len, max_ctx_len, min_cached, min_q_len = stats
+    if min_cached < 0 or min_q_len < 0:
+        raise ValueError("every sequence needs 0 <= q_len <= context length "
+                         "(context_lens counts cached + new tokens)")
+    return max_q_len, max_ctx_len
+
+
+def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, *,
+                           scale: float | None = None, tree_mask: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention with an optional forced split count (tests and benchmarks)."""
+    _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, tree_mask)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = block_table.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out, lse
+    max_q_len, max_ctx_len = _sequence_extents(context_lens, cu_seqlens_q)
+    if tree_mask is not None and max_q_len > MAX_TREE_TOKENS:
+        raise ValueError(f"tree masks support at most {MAX_TREE_TOKENS} new tokens per "
+                         f"sequence, got {max_q_len}")
+    plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_q_len,
+                       max_ctx_len, q.dtype, q.device, num_splits)
+    if plan.num_splits == 1:
+        part_out, part_lse = out[None], lse[None]  # stage 1 writes the result directly
+    else:
+        part_out = torch.empty((plan.num_splits, num_tokens, num_heads, head_dim),
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((plan.num_splits, num_tokens, num_heads), dtype=torch.float32,
+                               device=q.device)
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    dot_dtype, dot_precision = _dot_config(q.dtype)
+    grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
+        tree_mask if tree_mask is not None else cu_seqlens_q,
+        part_out, part_lse,
+        scale * LOG2E, num_seqs, plan.split_size,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *part_out.stride(), *part_lse.stride(),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
+        PAGE_SIZE=k_cache.shape[1], HAS_TREE=tree_mask is not None,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.num_splits > 1:
+        _launch_merge_splits(part_out, part_lse, out, lse)
+    return out, lse
+
+
+def _launch_merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor) -> None:
+    """Stage 2 over contiguous partials [S, T, H, D] / [S, T, H] into out [T, H, D]."""
+    num_splits, num_tokens, num_heads, head_dim = part_out.shape
+    assert part_out.is_contiguous() and part_lse.is_contiguous() and out.is_contiguous()
+    num_rows = num_tokens * num_heads
+    block_r = 16
+    _merge_splits_kernel[(triton.cdiv(num_rows, block_r),)](
+        part_out, part_lse, out, lse, num_rows, num_splits,
+        part_out.stride(0), head_dim, part_lse.stride(0), head_dim,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions (signatures as in kernels/reference.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, context_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
+                    tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a flattened batch of new tokens over paged KV (which already holds them).
+
+    q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
+    context_lens [B] (cached + new tokens); cu_seqlens_q [B + 1]; tree_mask int64 [T] or None.
+    Returns out [T, H, D] (dtype of q) and lse fp32 [T, H].
+    """
+    return launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
+                                  scale=scale, tree_mask=tree_mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip)."""
+    if k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need k/v [T, Hkv, D] of one shape and caches of one shape, got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"k {tuple(k.shape)} does not fit k_cache {tuple(k_cache.shape)} or "
+                         f"slot_mapping {tuple(slot_mapping.shape)}")
+    _check_device(k_cache, v_cache, k, v, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, num_kv_heads,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                      lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets. out [..., H, D], lse [..., H] (fp32).
+
+    A part with lse = -inf (no keys) contributes nothing; both empty gives out 0, lse -inf.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape \
+            or out_a.shape[:-1] != lse_a.shape:
+        raise ValueError(f"need out [..., H, D] and lse [..., H] of matching shapes, got "
+                         f"{tuple(out_a.shape)}, {tuple(lse_a.shape)}, {tuple(out_b.shape)}, "
+                         f"{tuple(lse_b.shape)}")
+    _check_device(out_a, lse_a, out_b, lse_b)
+    head_dim = out_a.shape[-1]
+    rows_a, rows_b = out_a.reshape(-1, head_dim), out_b.reshape(-1, head_dim)  # (R, D)
+    if rows_a.stride(1) != 1 or rows_b.stride(1) != 1:
+        rows_a, rows_b = rows_a.contiguous(), rows_b.contiguous()
+    flat_lse_a = lse_a.reshape(-1).contiguous()  # (R,)
+    flat_lse_b = lse_b.reshape(-1).contiguous()
+    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
+    num_rows = rows_a.shape[0]
+    if num_rows == 0:
+        return out, lse
+    block_r = 16
+    _merge_states_kernel[(triton.cdiv(num_rows, block_r),)](
+        rows_a, flat_lse_a, rows_b, flat_lse_b, out, lse, num_rows,
+        rows_a.stride(0), rows_b.stride(0), head_dim,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim))
+    return out, lse
