@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,39 +54,81 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-class TorchAttentionBackend:
-    """The CPU path (also correct on CUDA): ``longctx.kernels.torch_paged``."""
+class PagedAttentionBackend:
+    """Write the step's K/V into the pages, then paged attention, with one kernel module:
+    ``longctx.kernels.torch_paged`` (CPU) or ``longctx.kernels.triton_attention`` (CUDA).
+    Both have the signatures of ``kernels/reference.py``."""
 
-    name = "torch"
-
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, kernels: Any, name: str) -> None:
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.kernels, self.name = kernels, name
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         if meta.kv_caches is None:
-            return self._dense(q, k, v, meta)
+            return dense_causal(q, k, v, meta.query_lens, self.scale)
         k_cache, v_cache = meta.kv_caches[layer_idx]
-        torch_paged.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out, _ = torch_paged.paged_attention(
+        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out, _ = self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
             scale=self.scale, tree_mask=meta.tree_mask)
         return out
 
-    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        out = torch.empty_like(q)
-        start = 0
-        for q_len in meta.query_lens:
-            end = start + q_len
-            qh, kh, vh = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, L, D)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_len > 1, scale=self.scale,
-                                               enable_gqa=q.shape[1] != k.shape[1])
-            out[start:end] = o[0].transpose(0, 1)
-            start = end
-        return out
+
+class FlashAttnBackend(PagedAttentionBackend):
+    """flash-attn's ``flash_attn_with_kvcache`` for pure decode steps (one new token per
+    sequence, no tree mask, block size a multiple of 256, as flash-attn's paged KV requires);
+    every other step goes to the Triton kernels."""
+
+    def __init__(self, head_dim: int, triton_kernels: Any, flash_attn: Any) -> None:
+        super().__init__(head_dim, triton_kernels, "flash-attn+triton")
+        self.flash_attn = flash_attn
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        decode_only = (meta.kv_caches is not None and meta.tree_mask is None
+                       and all(n == 1 for n in meta.query_lens)
+                       and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
+        if not decode_only:
+            return super().forward(layer_idx, q, k, v, meta)
+        k_cache, v_cache = meta.kv_caches[layer_idx]
+        cached = meta.context_lens_t - 1  # the new token is appended by flash-attn itself
+        out = self.flash_attn.flash_attn_with_kvcache(
+            q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None], cache_seqlens=cached,
+            block_table=meta.block_table, softmax_scale=self.scale, causal=True)
+        return out[:, 0]
 
 
-def select_backend(device: torch.device | str, head_dim: int) -> TorchAttentionBackend:
-    """The attention implementation for ``device``."""
-    return TorchAttentionBackend(head_dim)
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
+                 scale: float) -> torch.Tensor:
+    """Cache-free attention: each sequence attends causally to its own tokens only."""
+    out = torch.empty_like(q)
+    start = 0
+    for q_len in query_lens:
+        end = start + q_len
+        qh, kh, vh = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, L, D)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_len > 1, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out
+
+
+def select_backend(device: torch.device | str, head_dim: int, prefer: str = "auto") -> PagedAttentionBackend:
+    """The attention implementation for ``device``: on CUDA flash-attn (decode) + Triton when
+    flash-attn is installed, else Triton; on the CPU the torch path. ``prefer`` forces one of
+    ``torch``, ``triton``, ``flash-attn``."""
+    device = torch.device(device)
+    if prefer == "torch" or (prefer == "auto" and device.type != "cuda"):
+        return PagedAttentionBackend(head_dim, torch_paged, "torch")
+    from longctx.kernels import triton_attention
+
+    if prefer in ("auto", "flash-attn"):
+        try:
+            import flash_attn
+        except ImportError:
+            if prefer == "flash-attn":
+                raise
+        else:
+            return FlashAttnBackend(head_dim, triton_attention, flash_attn)
+    return PagedAttentionBackend(head_dim, triton_attention, "triton")

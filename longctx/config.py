@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 
 
 class ConfigError(ValueError):
@@ -28,8 +29,13 @@ class ModelLoadConfig:
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:N"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: leave as is)"})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto | torch | triton | flash-attn (auto: by device)"})
 
     def __post_init__(self) -> None:
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+               f"got {self.attention_backend!r}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
 

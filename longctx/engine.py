@@ -109,7 +109,7 @@ class LLMEngine:
         self.kv = DeviceKVPool(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len)
-        backend = select_backend(self.device, self.model_config.head_dim)
+        backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         self.max_model_len = max_len
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(

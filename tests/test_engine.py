@@ -171,3 +171,15 @@ def test_chat_and_text_prompts(tiny):
     assert text.prompt == "Hello there" and len(text.prompt_token_ids) == 11
     with pytest.raises(ValueError, match="messages"):
         llm.chat([])
+
+
+def test_triton_backend_gives_the_same_greedy_tokens(tiny):
+    """The engine runs the Triton kernels unchanged (here under the Triton interpreter)."""
+    folder, _ = tiny
+    prompts = [{"prompt_token_ids": p} for p in _prompts([37, 20], seed=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    torch_llm = LLM(folder, block_size=16, max_num_batched_tokens=16)
+    triton_llm = LLM(folder, block_size=16, max_num_batched_tokens=16, attention_backend="triton")
+    assert triton_llm.engine.runner.backend.name == "triton"
+    expected = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)] == expected
