@@ -16,17 +16,23 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None  # reproducible per request when set
     max_tokens: int = 16
-    stop: tuple[str, ...] = ()  # stop strings; not included in the output text
-    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] | None = ()  # stop strings; not included in the output text
+    stop_token_ids: tuple[int, ...] | None = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(stop_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), "
+                             f"got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
