@@ -10,9 +10,11 @@ How it is fast:
 * Blocks are views when they can be. The block pool hands out the lowest free ids, so a
   sequence's blocks are usually consecutive; for such a run the sequence's K/V is a plain view
   of the cache (no gather). Only a shuffled table pays an ``index_select`` copy.
-* Decode and verification (up to ``SMALL_Q`` new tokens): the query heads of a GQA group are
-  stacked and attention is two batched matmuls over strided views of the pages (measured at
-  8K context, 9/3 heads, D=64: ~1.2 ms per layer vs ~2.4 ms for SDPA with ``enable_gqa``).
+* Decode and verification (up to ``SMALL_Q`` new tokens): two matmuls over views of the pages,
+  no mask kernel. With few KV heads, K/V are read as [S, Hkv * D] matrices against a
+  block-diagonal query operand; otherwise the query heads of a GQA group are stacked per KV
+  head (measured at 8K context, 9/3 heads, D=64: ~1.1-1.3 ms per layer block-diagonal,
+  ~1.2-1.8 ms grouped, ~2.4 ms for SDPA with ``enable_gqa``; the machine is noisy).
 * Prefill chunks: PyTorch's fused CPU flash kernel, called twice (prefix unmasked, chunk
   causal) and merged by log-sum-exp, so no fully-masked block is ever computed.
 
@@ -50,24 +52,65 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
 SMALL_Q = 64  # up to this many new tokens per sequence: the grouped-matmul path
 
 
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4  # up to this many KV heads, the block-diagonal decode path
+
+
 def _attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode / verification: few queries over the whole context, as two batched matmuls.
+    """Decode / verification: few queries (L) over the whole context. q [L, H, D], k/v [S, Hkv, D]."""
+    if k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
+        return _attend_block_diagonal(q, k, v, visible, scale)
+    return _attend_grouped(q, k, v, visible, scale)
 
-    The query heads that share a KV head are stacked into one matrix, so each KV head's keys
-    are read once per step: scores [Hkv, G * L, S] = q_g @ K^T. K/V stay strided views of the
-    cache (no copy)."""
+
+def _softmax_stats(scores: torch.Tensor, visible_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [R, S] fp32 -> (probabilities unnormalised by the row sum, lse [R])."""
+    if visible_rows is not None:
+        scores = scores.masked_fill(~visible_rows, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # rows seeing nothing
+    probs = torch.exp(scores - peak)
+    total = probs.sum(dim=-1, keepdim=True)
+    return probs / torch.where(total > 0, total, torch.ones_like(total)), (peak + torch.log(total)).squeeze(-1)
+
+
+def _attend_block_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           visible: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reads K and V as plain [S, Hkv * D] matrices (a contiguous view of the pages) in one
+    matmul each. Each query row is spread over all Hkv * D columns with zeros outside its own
+    KV head (a block-diagonal operand), so scores [L * H, S] = q_b @ K^T and the output is the
+    diagonal block of P @ V. Costs Hkv times the flops of the grouped form but streams the KV
+    bytes once in large GEMMs; measured ~25% faster at 8K context for 3 KV heads."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    own = torch.arange(num_heads, device=q.device) // group  # (H,) each head's KV head
+    select = own[:, None] == torch.arange(num_kv, device=q.device)[None, :]  # (H, Hkv)
+    q_b = (q[:, :, None, :] * select[None, :, :, None]).view(q_len * num_heads, num_kv * head_dim)
+    scores = torch.mm(q_b, k.reshape(-1, num_kv * head_dim).t()).float() * scale  # (L*H, S)
+    rows = None
+    if visible is not None:  # (L, S) -> (L*H, S)
+        rows = visible[:, None, :].expand(q_len, num_heads, -1).reshape(q_len * num_heads, -1)
+    probs, lse = _softmax_stats(scores, rows)
+    out = torch.mm(probs.to(v.dtype), v.reshape(-1, num_kv * head_dim))  # (L*H, Hkv*D)
+    out = out.view(q_len, num_heads, num_kv, head_dim)[:, torch.arange(num_heads), own]  # (L, H, D)
+    return out, lse.view(q_len, num_heads)
+
+
+def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query heads that share a KV head are stacked into one matrix, so each KV head's keys
+    are read once per step: scores [Hkv, G * L, S] = q_g @ K^T over strided views (no copy)."""
     q_len, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
     qg = q.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
     scores = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale  # (Hkv, G * L, S)
-    if visible is not None:
-        scores = scores.view(num_kv, group, q_len, -1).masked_fill(~visible, float("-inf"))
-        scores = scores.view(num_kv, group * q_len, -1)
-    lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G * L)
-    probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0).to(v.dtype)
-    out = torch.matmul(probs, v.permute(1, 0, 2))  # (Hkv, G * L, D)
+    rows = None
+    if visible is not None:  # (L, S) -> (Hkv, G * L, S)
+        rows = visible[None, None].expand(num_kv, group, q_len, -1).reshape(num_kv, group * q_len, -1)
+    probs, lse = _softmax_stats(scores, rows)
+    out = torch.matmul(probs.to(v.dtype), v.permute(1, 0, 2))  # (Hkv, G * L, D)
     out = out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
     return out, lse.view(num_kv, group, q_len).permute(2, 0, 1).reshape(q_len, num_heads)
 

@@ -1,0 +1,59 @@
+"""Model load time: cold (empty weight cache: GGUF dequantized and cached) vs warm (cache hit).
+
+Each load runs in a fresh process (``python -c``), timing model + tokenizer construction as
+``LLM()`` does it, after imports. Writes benchmarks/results/load-<host>.json, prints a table.
+Usage: python benchmarks/bench_load.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_e2e import RESULTS, machine_info
+
+PROBE = """
+import time, torch
+torch.set_num_threads(2)
+from longctx.model.loader import load_model, resolve_model
+from longctx.model.tokenizer import load_tokenizer
+t0 = time.perf_counter()
+model = load_model("smollm2-135m")
+tok = load_tokenizer(resolve_model("smollm2-135m"))
+print(time.perf_counter() - t0)
+"""
+
+
+def load_once(cache_dir: str) -> float:
+    env = {**os.environ, "LONGCTX_CACHE_DIR": cache_dir}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        cold = load_once(cache)
+        warm = [load_once(cache) for _ in range(args.repeats)]
+    report = {"machine": machine_info(), "cold_s": cold, "warm_s": warm}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"load-{platform.node() or 'host'}.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    print(f"{'load':<6} {'seconds':>8}")
+    print(f"{'cold':<6} {cold:>8.2f}")
+    print(f"{'warm':<6} {statistics.median(warm):>8.2f}  (median of {len(warm)}: "
+          f"{', '.join(f'{w:.2f}' for w in warm)})")
+
+
+if __name__ == "__main__":
+    main()
