@@ -52,13 +52,13 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
 SMALL_Q = 64  # up to this many new tokens per sequence: the grouped-matmul path
 
 
-BLOCK_DIAGONAL_MAX_KV_HEADS = 4  # up to this many KV heads, the block-diagonal decode path
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4  # decode (one query) with up to this many KV heads: block-diagonal
 
 
 def _attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode / verification: few queries (L) over the whole context. q [L, H, D], k/v [S, Hkv, D]."""
-    if k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
+    if q.shape[0] == 1 and k.shape[1] <= BLOCK_DIAGONAL_MAX_KV_HEADS:
         return _attend_block_diagonal(q, k, v, visible, scale)
     return _attend_grouped(q, k, v, visible, scale)
 

@@ -1,6 +1,6 @@
-"""The CPU torch path's two decode/verify forms (block-diagonal and grouped) both match the
-reference: the shared cases use few KV heads, which take the block-diagonal form, so here the
-grouped form is forced, and a many-KV-head case exercises the switch itself."""
+"""The CPU torch path's two small-query forms (block-diagonal, used for decode with few KV
+heads, and grouped) both match the reference: each case runs with the block-diagonal form
+allowed and forbidden."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ CASES = {
     "decode": Case((1, 1), (75, 161), num_kv_heads=2, group=3, seed=31),
     "verify-q5": Case((5, 1), (90, 41), num_kv_heads=2, group=3, seed=32),
     "tree7": Case((7, 1), (70, 20), num_kv_heads=2, group=3, trees=(TWO_BRANCH_TREE, None), seed=33),
+    "decode-batch": Case((1, 1, 1), (33, 64, 5), num_kv_heads=3, group=3, seed=35),
     "many-kv-heads": Case((1, 3), (50, 77), num_kv_heads=8, group=2, seed=34),
 }
 
