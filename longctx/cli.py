@@ -2,7 +2,8 @@
 
 Owns: flags (engine flags are derived from the config dataclasses' fields), reading prompt
 files, streaming text to stdout and progress to stderr, turning user errors into one-line
-messages with exit code 2.
+messages with exit code 2. ``serve`` builds its ``ServerConfig`` from flags and hands over to
+``longctx.server.launch`` (imported only then: it pulls in FastAPI and uvicorn).
 Never: model or engine logic.
 """
 
@@ -15,13 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-from longctx.config import CONFIG_CLASSES, ConfigError
+from longctx.config import CONFIG_CLASSES, ConfigError, ModelLoadConfig
 from longctx.sampling_params import SamplingParams
+from longctx.server.config import ServerConfig
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    for cls in CONFIG_CLASSES:
+def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_CLASSES,
+                      title: str = "engine") -> None:
+    group = parser.add_argument_group(title)
+    for cls in classes:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             kind = type(f.default)
@@ -29,8 +32,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                                help=f"{f.metadata.get('help', '')} (default: {f.default})")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)}
+def _config_kwargs(args: argparse.Namespace, classes: tuple = CONFIG_CLASSES) -> dict:
+    return {f.name: getattr(args, f.name) for cls in classes for f in dataclasses.fields(cls)}
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep only the first N tokens of the document (0: all)")
     _add_sampling_flags(gen)
     _add_config_flags(gen)
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (see docs/serve.md)",
+                           description="Serve the model over an OpenAI-compatible HTTP API: "
+                                       "/v1/completions, /v1/chat/completions, /v1/models, "
+                                       "/health, /metrics.")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                       help="the model (same as --model)")
+    _add_config_flags(serve, (ServerConfig,), "server")
+    _add_config_flags(serve)
     return parser
 
 
@@ -92,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from longctx.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    llm = LLM(**_engine_kwargs(args))
+    llm = LLM(**_config_kwargs(args))
     tokenizer = llm.get_tokenizer()
     doc_ids = tokenizer.encode(text, add_special_tokens=False)
     if args.max_prompt_tokens:
@@ -124,6 +135,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model not in (args.model_tag, ModelLoadConfig.model):
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    server_config = ServerConfig(**_config_kwargs(args, (ServerConfig,)))
+    from longctx.server.launch import run_server
+
+    return run_server(server_config, _config_kwargs(args))
+
+
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve}
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
@@ -132,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return cmd_generate(args)
+        return COMMANDS[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"longctx: error: {err}", file=sys.stderr)
         return 2

@@ -86,7 +86,20 @@ class _Tracked:
     generator: torch.Generator | None
     metrics: RequestMetrics
     text: str = ""
+    num_sent: int = 0  # characters of ``text`` already handed out as ``new_text``
     stop_ids: frozenset[int] = frozenset()
+
+
+def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper start of some stop string: text a
+    later token may turn into a stop (and cut), so it is not handed out yet."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
 
 
 class LLMEngine:
@@ -208,6 +221,9 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             m.finished_time = now
-        new_text = text[len(old_text):] if text.startswith(old_text) else text
+            end = len(text)
+        else:
+            end = max(t.num_sent, len(text) - partial_stop_len(text, params.stop))
+        new_text, t.num_sent = text[t.num_sent:end], end
         return StepUpdate(req.request_id, [token], new_text, req.num_computed_tokens,
                           len(req.prompt_token_ids), reason is not None, reason)

@@ -183,3 +183,17 @@ def test_triton_backend_gives_the_same_greedy_tokens(tiny):
     assert triton_llm.engine.runner.backend.name == "triton"
     expected = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)] == expected
+
+
+def test_stream_never_emits_text_a_stop_string_later_cuts(tiny):
+    """Text that may start a stop string is held back; the streamed pieces add up to the
+    final (cut) text exactly."""
+    folder, _ = tiny
+    llm = LLM(folder)
+    prompt = {"prompt_token_ids": _prompts([40], seed=9)[0]}
+    text = llm.generate(prompt, GREEDY)[0].outputs[0].text
+    stop = text[3:6]  # three characters: the first two arrive a token before the stop completes
+    params = SamplingParams(temperature=0, max_tokens=12, stop=stop, ignore_eos=True)
+    deltas = list(llm.stream(prompt, params))
+    assert "".join(d.text for d in deltas) == text[: text.find(stop)]
+    assert deltas[-1].finish_reason == "stop"

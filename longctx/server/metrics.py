@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server: latency histograms, queue gauges, KV pages, counters.
+
+Owns: the metric objects (in a registry of their own, so two servers in one process do not
+collide) and their exposition text. Never: reading the engine; the engine thread reports.
+prometheus-client's metrics are thread-safe, so the engine thread writes and the event loop
+renders without a lock.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+# Prefill of a long document can take minutes on a CPU: the upper buckets reach that far.
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "longctx_time_to_first_token_seconds",
+            "Seconds from a request's arrival at the server to its first generated token.",
+            buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "longctx_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a request (finished requests).",
+            buckets=ITL_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(
+            "longctx_e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last token (finished requests).",
+            buckets=E2E_BUCKETS, registry=r)
+        self.num_running = Gauge("longctx_num_requests_running",
+                                 "Requests in the engine's running batch.", registry=r)
+        self.num_waiting = Gauge("longctx_num_requests_waiting",
+                                 "Requests accepted and waiting for a running slot (or KV pages).",
+                                 registry=r)
+        self.kv_pages_used = Gauge("longctx_kv_pages_used", "KV cache pages holding tokens.",
+                                   ["tier"], registry=r)
+        self.kv_pages_free = Gauge("longctx_kv_pages_free", "KV cache pages free.", ["tier"], registry=r)
+        self.requests_finished = Counter(
+            "longctx_requests_finished_total",
+            "Requests that left the engine, by finish reason (stop, length, abort).",
+            ["finish_reason"], registry=r)
+        self.requests_rejected = Counter(
+            "longctx_requests_rejected_total",
+            "Requests refused with 429 because the queue was full.", registry=r)
+        self.prompt_tokens = Counter("longctx_prompt_tokens_total",
+                                     "Prompt tokens of requests added to the engine.", registry=r)
+        self.generation_tokens = Counter("longctx_generation_tokens_total",
+                                         "Tokens generated.", registry=r)
+
+    def set_engine_state(self, num_running: int, num_waiting: int, pages_used: int, pages_free: int) -> None:
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_pages_used.labels(tier="device").set(pages_used)
+        self.kv_pages_free.labels(tier="device").set(pages_free)
+
+    def observe_finished(self, finish_reason: str, e2e_seconds: float, inter_token: list[float]) -> None:
+        self.requests_finished.labels(finish_reason=finish_reason).inc()
+        self.e2e_latency.observe(e2e_seconds)
+        for gap in inter_token:
+            self.inter_token_latency.observe(gap)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
