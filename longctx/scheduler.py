@@ -8,9 +8,14 @@ and ``num_computed_tokens`` (those whose KV is in the cache). Each step a reques
 ``min(num_tokens - num_computed_tokens, budget left)`` tokens. A prefill chunk and a decode
 step are the same subtraction; a request whose step reaches ``num_tokens`` samples a token.
 
-Step order: running requests with the fewest pending tokens first (decodes before the rest of
-a long prefill, so a document's prefill never stalls running streams), then waiting requests
-in arrival order while budget, pages and ``max_num_seqs`` allow.
+Step order, each part only while budget, pages and ``max_num_seqs`` allow:
+  1. running requests whose pending tokens all fit (decodes, last chunks), fewest first;
+  2. waiting requests, in arrival order, whose whole prompt fits what is left (a short question
+     gets its first token in this step instead of waiting out a long document's prefill);
+  3. the other running requests (the next chunk of a long prefill);
+  4. waiting requests in arrival order, as chunks.
+A document's prefill therefore never stalls running streams or short newcomers, and gets
+every token of budget they leave.
 
 When pages run out, the most recently admitted running request that has not been scheduled
 this step is preempted: its pages are freed, ``num_computed_tokens`` drops to 0, and it goes
@@ -88,6 +93,19 @@ class ScheduledBatch:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has handed out so far."""
+
+    budget: int
+    scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    def take(self, seq: ScheduledSeq) -> None:
+        self.scheduled[seq.request_id] = seq
+        self.budget -= len(seq.token_ids)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
                  max_model_len: int) -> None:
@@ -145,36 +163,45 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledSeq] = {}
-        preempted: list[str] = []
-        for req in sorted(self.running, key=lambda r: (r.num_pending, r.arrival_order)):
-            if budget == 0:
-                break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            num_new = min(req.num_pending, budget)
-            while not self._grow(req, req.num_computed_tokens + num_new):
-                victim = self._pick_victim(exclude=scheduled)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            if req.status == RequestStatus.RUNNING:
-                scheduled[req.request_id] = self._seq(req, num_new)
-                budget -= num_new
-        while (self.waiting and budget > 0 and not preempted
+        step = _Step(self.config.max_num_batched_tokens)
+        ordered = sorted(self.running, key=lambda r: (r.num_pending, r.arrival_order))
+        finishing = [r for r in ordered if r.num_pending <= step.budget]
+        for req in finishing:  # decodes (and last chunks) first
+            self._schedule_running(req, step)
+        self._admit(step, whole_only=True)  # short prompts before a long prefill's next chunk
+        for req in ordered:
+            if req not in finishing:
+                self._schedule_running(req, step)
+        self._admit(step, whole_only=False)
+        return ScheduledBatch(seqs=list(step.scheduled.values()), preempted=step.preempted)
+
+    def _schedule_running(self, req: Request, step: "_Step") -> None:
+        if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
+            return
+        num_new = min(req.num_pending, step.budget)
+        while not self._grow(req, req.num_computed_tokens + num_new):
+            victim = self._pick_victim(exclude=step.scheduled)
+            self._preempt(victim)
+            step.preempted.append(victim.request_id)
+            if victim is req:
+                return
+        step.take(self._seq(req, num_new))
+
+    def _admit(self, step: "_Step", whole_only: bool) -> None:
+        """Admit waiting requests in arrival order; with ``whole_only``, only while the head's
+        whole pending prompt fits the budget left (it then samples in this very step)."""
+        while (self.waiting and step.budget > 0 and not step.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(req.num_pending, budget)
+            if whole_only and req.num_pending > step.budget:
+                return
+            num_new = min(req.num_pending, step.budget)
             if not self._grow(req, req.num_computed_tokens + num_new):
-                break
+                return
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.request_id] = self._seq(req, num_new)
-            budget -= num_new
-        return ScheduledBatch(seqs=list(scheduled.values()), preempted=preempted)
+            step.take(self._seq(req, num_new))
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The runner computed ``batch``: its tokens are cached now."""
@@ -200,7 +227,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self, exclude: dict[str, ScheduledSeq]) -> Request:
-        for req in sorted(self.running, key=lambda r: -r.arrival_order):
+        for req in reversed(self.running):  # most recently admitted first
             if req.request_id not in exclude:
                 return req
         raise RuntimeError("no request left to preempt")  # unreachable: the requester is one
