@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import statistics
@@ -24,29 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+from machine import machine_info
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 ENGINES = ("hf-fp32", "longctx-fp32", "longctx-bf16")
 
 
 # ---------------------------------------------------------------- machine facts and ceilings
-
-def machine_info() -> dict:
-    import torch
-
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "git_rev": rev}
-
 
 def ceilings(threads: int) -> dict:
     import torch

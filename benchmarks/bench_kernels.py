@@ -23,10 +23,8 @@ import argparse
 import importlib.util
 import json
 import math
-import platform
 import re
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from pathlib import Path
 import torch
 
 from longctx.kernels import reference
+from machine import machine_info as shared_machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -216,26 +215,8 @@ def model_shapes(context: int, chunk: int, dtype: torch.dtype, block_sizes: list
     return shapes
 
 
-def git_rev() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
-    rev = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    return rev + ("-dirty" if git("status", "--porcelain").strip() else "")
-
-
-def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return match.group(1).strip() if match else platform.processor() or "unknown"
-
-
 def machine_info() -> dict:
-    info = {"cpu_model": cpu_model(), "cpu_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "git_rev": git_rev(), "gpu": None, "triton": None, "flash_attn": None}
+    info = shared_machine_info(gpu=None, triton=None, flash_attn=None)
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda

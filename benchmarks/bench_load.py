@@ -15,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from bench_e2e import RESULTS, machine_info
 

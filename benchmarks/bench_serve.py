@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+from machine import machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
@@ -45,26 +46,6 @@ READY_RE = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)/v1")
 
 
 # ---------------------------------------------------------------- machine facts and prompts
-
-def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent).stdout.strip()
-    try:
-        import torch
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch_version, "httpx": httpx.__version__,
-            "python": platform.python_version(), "git_rev": rev}
-
 
 class Prompts:
     """Token-id prompts cut from the GPL-3 text (repeated as needed), tokenized by the
@@ -399,7 +380,7 @@ def main() -> None:
     t0 = time.perf_counter()
     report = asyncio.run(run_all(args, prompts))
     report["total_s"] = time.perf_counter() - t0
-    report = {"machine": machine_info(),
+    report = {"machine": machine_info(httpx=httpx.__version__),
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
               **report}
     RESULTS.mkdir(exist_ok=True)

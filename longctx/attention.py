@@ -15,6 +15,7 @@ tests) each sequence attends causally to its own new tokens only.
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +42,9 @@ class AttentionMetadata:
     @classmethod
     def dense(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
         """Metadata for a cache-free forward: each sequence is exactly its new tokens."""
-        cu = torch.tensor([0] + list(_cumsum(query_lens)), dtype=torch.int32, device=device)
+        cu = torch.tensor(list(accumulate(query_lens, initial=0)), dtype=torch.int32, device=device)
         return cls(query_lens=list(query_lens), context_lens=list(query_lens), cu_seqlens_q=cu,
                    context_lens_t=torch.tensor(query_lens, dtype=torch.int32, device=device))
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 class PagedAttentionBackend:

@@ -7,6 +7,8 @@ Never: requests, sampling, or deciding what runs.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from longctx.attention import AttentionMetadata
@@ -34,9 +36,7 @@ class ModelRunner:
         context_lens = [s.start_pos + len(s.token_ids) for s in batch.seqs]
         width = max(len(s.block_ids) for s in batch.seqs)
         table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
+        cu = list(accumulate(query_lens, initial=0))
         dev = self.device
         meta = AttentionMetadata(
             query_lens=query_lens, context_lens=context_lens,
