@@ -12,6 +12,7 @@ Never: model math or scheduling.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -39,9 +40,36 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
         load, cache, sched = split_engine_kwargs({"model": model, **engine_kwargs})
         self.engine = LLMEngine(load, cache, sched)
+        self._closed = False
+        # Runs when this LLM is garbage-collected or, at the latest, at interpreter exit.
+        self._atexit = weakref.finalize(self, self.engine.persist_prefix_cache)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def cache_stats(self):
+        """``PrefixCacheStats``: prompt tokens seen, prefilled, and served per cache tier."""
+        return self.engine.cache_stats()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached pages on the device and host tiers (the disk tier stays)."""
+        self.engine.clear_prefix_cache()
+
+    def close(self) -> None:
+        """Persist the prefix cache to the disk tier (when ``disk_cache_dir`` is set). Also
+        runs at interpreter exit; calling it twice is harmless."""
+        if not self._closed:
+            self._closed = True
+            self._atexit.detach()
+            self.engine.persist_prefix_cache()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ input
 
@@ -51,6 +79,9 @@ class LLM:
                 raise ValueError("prompt is an empty string")
             return self.engine.tokenizer.encode(prompt, add_special_tokens=False), prompt
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt dict key(s): {', '.join(sorted(unknown))}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not ids:
@@ -92,12 +123,13 @@ class LLM:
             raise ValueError("no prompts given")
         params = self._params_list(sampling_params, len(prompts))
         encoded = [self._to_ids(p) for p in prompts]  # validate all before adding any
+        salts = [_salt(p) for p in prompts]
         for ids, p in zip(encoded, params):
             self.engine.scheduler.check_fits(len(ids[0]), p.max_tokens)
         request_ids = []
         try:
-            for (ids, text), p in zip(encoded, params):
-                request_ids.append(self.engine.add_request(ids, p, prompt=text))
+            for salt, (ids, text), p in zip(salts, encoded, params):
+                request_ids.append(self.engine.add_request(ids, p, prompt=text, cache_salt=salt))
             self._run(set(request_ids), on_prefill_progress)
         except BaseException:
             for rid in request_ids:
@@ -117,7 +149,8 @@ class LLM:
                *, on_prefill_progress: ProgressFn | None = None) -> Iterator[StreamDelta]:
         """Yield text as it is produced for one prompt."""
         ids, text = self._to_ids(prompt)
-        rid = self.engine.add_request(ids, sampling_params or SamplingParams(), prompt=text)
+        rid = self.engine.add_request(ids, sampling_params or SamplingParams(), prompt=text,
+                                      cache_salt=_salt(prompt))
         finished = False
         try:
             while not finished:
@@ -143,3 +176,11 @@ class LLM:
                     pending.discard(update.request_id)
                 elif on_progress and not update.new_token_ids:
                     on_progress(update.num_computed_tokens, update.num_prompt_tokens)
+
+
+def _salt(prompt: PromptType) -> str | None:
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
+

@@ -27,9 +27,13 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_C
     for cls in classes:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            kind = type(f.default)
-            group.add_argument(flag, type=kind, default=f.default, dest=f.name,
-                               help=f"{f.metadata.get('help', '')} (default: {f.default})")
+            help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+            if isinstance(f.default, bool):  # --flag / --no-flag
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   dest=f.name, help=help_text)
+            else:
+                group.add_argument(flag, type=type(f.default), default=f.default, dest=f.name,
+                                   help=help_text)
 
 
 def _config_kwargs(args: argparse.Namespace, classes: tuple = CONFIG_CLASSES) -> dict:

@@ -45,12 +45,25 @@ class CacheConfig:
     block_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     kv_cache_gb: float = field(default=1.0, metadata={"help": "memory budget for the KV pool (GiB)"})
     num_blocks: int = field(default=0, metadata={"help": "exact KV pool size in pages (overrides kv_cache_gb)"})
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV pages of earlier requests' common prefixes"})
+    host_cache_gb: float = field(
+        default=2.0, metadata={"help": "host (CPU) tier for pages evicted from the device (GiB; 0: none)"})
+    disk_cache_dir: str = field(
+        default="", metadata={"help": "folder for the disk tier; pages persist across restarts ('': none)"})
+    disk_cache_gb: float = field(default=20.0, metadata={"help": "disk tier budget (GiB)"})
 
     def __post_init__(self) -> None:
         _check(1 <= self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two in [1, 1024], got {self.block_size}")
         _check(self.kv_cache_gb > 0, f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         _check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
+        _check(self.host_cache_gb >= 0, f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
+        _check(self.disk_cache_gb > 0, f"disk_cache_gb must be positive, got {self.disk_cache_gb}")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        _check(not self.disk_cache_dir or self.enable_prefix_caching,
+               "disk_cache_dir needs enable_prefix_caching")
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,13 @@ import torch
 
 from longctx.attention import select_backend
 from longctx.cache.block_pool import BlockPool
+from longctx.cache.radix_tree import RadixTree
 from longctx.config import CacheConfig, ModelLoadConfig, SchedulerConfig
-from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
-from longctx.model.loader import load_model, resolve_model
+from longctx.kv.device_pool import DeviceKVPool, bytes_per_block, num_blocks_for
+from longctx.kv.disk_store import DiskKVStore
+from longctx.kv.host_pool import HostKVPool
+from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
+from longctx.model.loader import load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
 from longctx.sampling import make_generator, sample
@@ -121,7 +125,8 @@ class LLMEngine:
         num_blocks = num_blocks_for(self.model_config, cache, self.dtype)
         self.kv = DeviceKVPool(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len)
+        self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
+        self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache)
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         self.max_model_len = max_len
@@ -130,16 +135,68 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
+    def _build_prefix_cache(self, cache: CacheConfig, path) -> PrefixCache:
+        page_bytes = bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        host_pages = host_tier_pages(cache.host_cache_gb, page_bytes)
+        host = HostKVPool(self.kv, host_pages) if host_pages else None
+        disk = None
+        if cache.disk_cache_dir:
+            c = self.model_config
+            shape = (c.num_hidden_layers, 2, cache.block_size, c.num_key_value_heads, c.head_dim)
+            disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), shape, self.dtype)
+        tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
+        key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype))
+        return PrefixCache(tree, self.pool, self.kv, host, disk, key)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens seen, prefilled, and served from each cache tier, so far."""
+        sched, pc = self.scheduler, self.prefix_cache
+        stats = PrefixCacheStats(sched.num_prompt_tokens, sched.num_computed_prompt_tokens)
+        if pc is not None:
+            stats.hit_tokens = dict(pc.hit_tokens)
+            if pc.disk is not None:
+                stats.disk_misses = dict(pc.disk.misses)
+                stats.pages_written_to_disk = pc.disk.num_written
+        return stats
+
+    def kv_usage(self) -> dict[str, dict[str, int]]:
+        """Pages per tier: ``in_use`` by requests, ``cached`` (held by the prefix store only, so
+        free to evict) and ``free``. Host and disk appear when those tiers exist."""
+        in_use = len({b for r in self.scheduler.running for b in r.block_ids})
+        held = self.pool.num_blocks - self.pool.num_free
+        usage = {"device": {"in_use": in_use, "cached": held - in_use, "free": self.pool.num_free}}
+        pc = self.prefix_cache
+        if pc is not None and pc.host_kv is not None:
+            usage["host"] = {"in_use": 0, "cached": pc.tree.num_host_pages,
+                             "free": pc.tree.num_free_host_pages}
+        if pc is not None and pc.disk is not None:
+            usage["disk"] = {"in_use": 0, "cached": pc.disk.num_pages, "free": 0}
+        return usage
+
+    def persist_prefix_cache(self) -> int:
+        """Write every cached page to the disk tier (if there is one); returns pages written."""
+        return self.prefix_cache.persist() if self.prefix_cache is not None else 0
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page from the device and host tiers (the disk tier is kept)."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("cannot clear the prefix cache while requests are running")
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, request_id: str | None = None) -> str:
+                    prompt: str | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(request_id, list(prompt_token_ids), params)
+        request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         self.scheduler.add(request)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         self._tracked[request_id] = _Tracked(request, prompt, make_generator(params),

@@ -17,9 +17,18 @@ Step order, each part only while budget, pages and ``max_num_seqs`` allow:
 A document's prefill therefore never stalls running streams or short newcomers, and gets
 every token of budget they leave.
 
-When pages run out, the most recently admitted running request that has not been scheduled
-this step is preempted: its pages are freed, ``num_computed_tokens`` drops to 0, and it goes
-back to the front of the waiting queue to be recomputed (prompt and output so far) later.
+When pages run out, cached prefix pages nobody uses are evicted first (see
+``longctx.kv.prefix_cache``); then the most recently admitted running request that has not been
+scheduled this step is preempted: its pages are freed, ``num_computed_tokens`` drops to 0, and
+it goes back to the front of the waiting queue to be recomputed (prompt and output so far)
+later.
+
+With a prefix cache, a request's computed full pages are indexed as they complete (so a
+request arriving later shares them even while the first is still prefilling), and again when
+it finishes or is preempted. At admission its longest cached prefix counts as computed. The
+waiting queue is then served longest cached prefix first among its first ``ORDER_WINDOW``
+requests; a preempted request, or one passed over ``MAX_SKIPS`` times, goes first, so no one
+starves.
 """
 
 from __future__ import annotations
@@ -28,10 +37,15 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import islice
+from typing import Any
 
 from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
 from longctx.sampling_params import SamplingParams
+
+ORDER_WINDOW = 16  # waiting requests compared for cache-aware ordering
+MAX_SKIPS = 4  # admissions that may overtake a waiting request before it goes first
 
 
 class RequestStatus(Enum):
@@ -56,6 +70,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None  # requests with different salts never share KV
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    cache_node: Any = None  # the prefix cache's lock for this request
+    num_indexed_pages: int = 0  # full pages handed to the prefix cache so far
+    num_skips: int = 0  # times a later request was admitted first
 
     @property
     def num_tokens(self) -> int:
@@ -108,9 +127,12 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, prefix_cache: Any = None) -> None:
+        """``prefix_cache``: a ``longctx.kv.prefix_cache.PrefixCache`` over the same ``pool``,
+        or None for no prefix caching."""
         self.config = config
         self.pool = pool
+        self.cache = prefix_cache
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -118,6 +140,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # of every added request
+        self.num_computed_prompt_tokens = 0  # prompt tokens the model computed (cache misses)
 
     # ------------------------------------------------------------------ queue
 
@@ -126,6 +150,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
+        self.num_prompt_tokens += len(request.prompt_token_ids)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -188,25 +213,77 @@ class Scheduler:
         step.take(self._seq(req, num_new))
 
     def _admit(self, step: "_Step", whole_only: bool) -> None:
-        """Admit waiting requests in arrival order; with ``whole_only``, only while the head's
-        whole pending prompt fits the budget left (it then samples in this very step)."""
+        """Admit waiting requests (arrival order, or cache-aware); with ``whole_only``, only
+        while the next one's whole uncached prompt fits the budget left (it then samples in
+        this very step)."""
         while (self.waiting and step.budget > 0 and not step.preempted
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            if whole_only and req.num_pending > step.budget:
+            req = self._next_waiting()
+            if whole_only and req.num_pending - self._cached_tokens(req) > step.budget:
                 return
+            self._attach_prefix(req)
             num_new = min(req.num_pending, step.budget)
             if not self._grow(req, req.num_computed_tokens + num_new):
+                self._free_blocks(req)  # keep waiting without pages
+                req.num_computed_tokens = 0
                 return
-            self.waiting.popleft()
+            self._count_skips(req)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.take(self._seq(req, num_new))
 
+    # ------------------------------------------------------------------ prefix cache
+
+    def _cached_tokens(self, req: Request) -> int:
+        """Tokens of ``req`` the cache could serve now (a look, nothing is taken)."""
+        if self.cache is None or req.num_computed_tokens:
+            return 0
+        usable = (req.num_tokens - 1) // self.block_size * self.block_size
+        return min(usable, self.cache.cached_tokens(req.token_slice(0, usable), req.cache_salt))
+
+    def _next_waiting(self) -> Request:
+        head = self.waiting[0]
+        if (self.cache is None or len(self.waiting) == 1 or head.num_preemptions
+                or head.num_skips >= MAX_SKIPS):
+            return head
+        window = list(islice(self.waiting, ORDER_WINDOW))
+        return max(window, key=self._cached_tokens)  # ties: the earliest
+
+    def _count_skips(self, admitted: Request) -> None:
+        for req in self.waiting:
+            if req is admitted:
+                return
+            req.num_skips += 1
+
+    def _attach_prefix(self, req: Request) -> None:
+        """Take the request's cached prefix: its pages become the request's, counted computed."""
+        if self.cache is None or req.num_computed_tokens:
+            return
+        hit = self.cache.acquire(req.token_slice(0, req.num_tokens), req.cache_salt,
+                                 req.num_tokens - 1)
+        req.cache_node, req.block_ids = hit.node, hit.block_ids
+        req.num_computed_tokens, req.num_indexed_pages = hit.num_tokens, len(hit.block_ids)
+        if not req.num_preemptions and not req.output_token_ids:
+            req.num_cached_tokens = hit.num_tokens
+
+    def _index_pages(self, req: Request) -> None:
+        """Hand the request's newly completed full pages to the prefix cache."""
+        num_full = req.num_computed_tokens // self.block_size
+        if self.cache is None or num_full <= req.num_indexed_pages:
+            return
+        req.cache_node = self.cache.insert(req.token_slice(0, num_full * self.block_size),
+                                           req.cache_salt, req.block_ids, req.cache_node)
+        req.num_indexed_pages = num_full
+
     def advance(self, batch: ScheduledBatch) -> None:
         """The runner computed ``batch``: its tokens are cached now."""
         for seq in batch.seqs:
-            self.requests[seq.request_id].num_computed_tokens += len(seq.token_ids)
+            req = self.requests[seq.request_id]
+            end = seq.start_pos + len(seq.token_ids)
+            self.num_computed_prompt_tokens += max(0, min(end, len(req.prompt_token_ids)) - seq.start_pos)
+            req.num_computed_tokens = end
+            self._index_pages(req)
 
     # ------------------------------------------------------------------ helpers
 
@@ -221,6 +298,8 @@ class Scheduler:
         missing = self.blocks_for(num_tokens) - len(req.block_ids)
         if missing <= 0:
             return True
+        if missing > self.pool.num_free and self.cache is not None:
+            self.cache.make_room(missing - self.pool.num_free)
         if missing > self.pool.num_free:
             return False
         req.block_ids.extend(self.pool.allocate(missing))
@@ -242,6 +321,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _free_blocks(self, req: Request) -> None:
+        """Give back the request's pages; computed full pages stay cached for later requests."""
+        if self.cache is not None:
+            self._index_pages(req)
+            self.cache.release(req.cache_node)
+            req.cache_node, req.num_indexed_pages = None, 0
         if req.block_ids:
             self.pool.release(req.block_ids)
             req.block_ids = []

@@ -273,17 +273,20 @@ class RadixTree:
 
     # ------------------------------------------------------------------ match and insert
 
-    def match_prefix(self, tokens: Sequence[int], extra_key: Hashable) -> PrefixMatch:
+    def match_prefix(self, tokens: Sequence[int], extra_key: Hashable, *,
+                     record: bool = True) -> PrefixMatch:
         """The longest cached prefix of ``tokens`` in whole pages, in any tier. Splits a node
-        only when the match ends inside it; marks the matched path as just used."""
-        self.stats.num_matches += 1
-        self.stats.num_query_tokens += len(tokens)
+        only when the match ends inside it. With ``record`` (a match that will be used) the
+        path is marked as just used and the stats count it; without, it is a mere look."""
         root = self._roots.get(extra_key)
         path = self._descend(root, self._full_pages(tokens)) if root else []
-        self._touch(path)
         pages = tuple(loc for node in path for loc in self._locations(node))
-        for loc in pages:
-            self.stats.hit_tokens[loc.tier] += self.page_size
+        if record:
+            self._touch(path)
+            self.stats.num_matches += 1
+            self.stats.num_query_tokens += len(tokens)
+            for loc in pages:
+                self.stats.hit_tokens[loc.tier] += self.page_size
         return PrefixMatch(extra_key, len(pages) * self.page_size, path[-1] if path else None,
                            tuple(path), pages)
 

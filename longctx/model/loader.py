@@ -209,6 +209,15 @@ def _source_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+def model_fingerprint(path: Path, config: ModelConfig) -> str:
+    """A short name for "these weights": file names and sizes plus the config, not the folder
+    (the same model installed elsewhere keeps its fingerprint, so a KV cache on disk stays
+    valid across environments)."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    ident = "|".join(f"{f.name}:{f.stat().st_size}" for f in files) + "|" + repr(config)
+    return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
 def _config_to_json(config: ModelConfig) -> dict:
     return asdict(config)
 

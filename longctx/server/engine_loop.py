@@ -219,9 +219,9 @@ class EngineLoop:
         return update
 
     def _publish_state(self) -> None:
-        sched, pool = self.engine.scheduler, self.engine.pool
+        sched = self.engine.scheduler
         self.metrics.set_engine_state(len(sched.running), len(sched.waiting),
-                                      pool.num_blocks - pool.num_free, pool.num_free)
+                                      self.engine.kv_usage(), self.engine.cache_stats())
 
     def _deliver(self, items: list[tuple[RequestHandle, StepUpdate | Exception]]) -> None:
         if not items or self._loop is None:

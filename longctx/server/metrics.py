@@ -8,6 +8,8 @@ renders without a lock.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
@@ -37,9 +39,18 @@ class ServerMetrics:
         self.num_waiting = Gauge("longctx_num_requests_waiting",
                                  "Requests accepted and waiting for a running slot (or KV pages).",
                                  registry=r)
-        self.kv_pages_used = Gauge("longctx_kv_pages_used", "KV cache pages holding tokens.",
-                                   ["tier"], registry=r)
-        self.kv_pages_free = Gauge("longctx_kv_pages_free", "KV cache pages free.", ["tier"], registry=r)
+        self.kv_pages_used = Gauge("longctx_kv_pages_used",
+                                   "KV pages in use by running requests.", ["tier"], registry=r)
+        self.kv_pages_cached = Gauge("longctx_kv_pages_cached",
+                                     "KV pages held only by the prefix store (evictable).",
+                                     ["tier"], registry=r)
+        self.kv_pages_free = Gauge("longctx_kv_pages_free", "KV pages free.", ["tier"], registry=r)
+        self.prefix_hit_tokens = Gauge("longctx_prefix_cache_hit_tokens",
+                                       "Prompt tokens served from the prefix store, by tier "
+                                       "(cumulative).", ["tier"], registry=r)
+        self.prompt_tokens_computed = Gauge("longctx_prompt_tokens_computed",
+                                            "Prompt tokens the model prefilled (cumulative).",
+                                            registry=r)
         self.requests_finished = Counter(
             "longctx_requests_finished_total",
             "Requests that left the engine, by finish reason (stop, length, abort).",
@@ -52,11 +63,17 @@ class ServerMetrics:
         self.generation_tokens = Counter("longctx_generation_tokens_total",
                                          "Tokens generated.", registry=r)
 
-    def set_engine_state(self, num_running: int, num_waiting: int, pages_used: int, pages_free: int) -> None:
+    def set_engine_state(self, num_running: int, num_waiting: int,
+                         kv_usage: dict[str, dict[str, int]], cache_stats: Any) -> None:
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
-        self.kv_pages_used.labels(tier="device").set(pages_used)
-        self.kv_pages_free.labels(tier="device").set(pages_free)
+        for tier, pages in kv_usage.items():
+            self.kv_pages_used.labels(tier=tier).set(pages["in_use"])
+            self.kv_pages_cached.labels(tier=tier).set(pages["cached"])
+            self.kv_pages_free.labels(tier=tier).set(pages["free"])
+        for tier, tokens in cache_stats.hit_tokens.items():
+            self.prefix_hit_tokens.labels(tier=tier).set(tokens)
+        self.prompt_tokens_computed.set(cache_stats.computed_prompt_tokens)
 
     def observe_finished(self, finish_reason: str, e2e_seconds: float, inter_token: list[float]) -> None:
         self.requests_finished.labels(finish_reason=finish_reason).inc()

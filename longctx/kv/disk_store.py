@@ -1,0 +1,160 @@
+"""The disk KV tier: one file per page, named by the chained hash of its prefix, checksummed.
+
+Owns: the folder's files, their format, the disk budget (least recently used files go first)
+and reading pages back with every check a file from another run or process needs.
+Never: deciding which pages to write (``longctx.kv.prefix_cache``) or what a key means
+(``longctx.cache.radix_tree.page_hashes``: the key of page ``i`` hashes page ``i - 1``'s key,
+the page's token ids and the cache's extra key, so a name stands for the whole prefix).
+
+File layout (``<folder>/<key[:2]>/<key>.kvpage``)::
+
+    b"LCKVPAGE1\\n" | u32 header length | JSON header | payload
+    header: {"key", "dtype", "shape": [L, 2, BS, Hkv, D], "nbytes", "sha256" (of the payload)}
+
+Files are written to a temporary name and renamed, so a reader never sees half a file. A file
+that is missing, truncated, corrupted or of another layout is a miss: it is logged, counted,
+removed if it is damaged, and never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LCKVPAGE1\n"
+SUFFIX = ".kvpage"
+
+
+class DiskKVStore:
+    def __init__(self, folder: str | os.PathLike, budget_bytes: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.folder = Path(folder).expanduser()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"cannot use disk_cache_dir {str(self.folder)!r}: {err}") from err
+        self.budget_bytes = budget_bytes
+        self.page_shape, self.dtype = tuple(page_shape), dtype
+        self.misses: Counter[str] = Counter()  # reason -> count
+        self.num_written = self.num_read = 0
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recent first
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.folder.glob(f"*/*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            found.append((st.st_mtime, path.stem, st.st_size))
+        for _, key, size in sorted(found):
+            self._sizes[key] = size
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def path(self, key: str) -> Path:
+        return self.folder / key[:2] / f"{key}{SUFFIX}"
+
+    def contains(self, key: str) -> bool:
+        return key in self._sizes or self.path(key).exists()
+
+    # ------------------------------------------------------------------ write
+
+    def write(self, key: str, page: torch.Tensor) -> None:
+        """Store one page ``[L, 2, BS, Hkv, D]`` under ``key`` (nothing if it is there)."""
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+            return
+        if tuple(page.shape) != self.page_shape or page.dtype != self.dtype:
+            raise ValueError(f"page of shape {tuple(page.shape)} {page.dtype} does not match the "
+                             f"store's {self.page_shape} {self.dtype}")
+        payload = page.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        header = json.dumps({"key": key, "dtype": str(self.dtype).removeprefix("torch."),
+                             "shape": list(self.page_shape), "nbytes": len(payload),
+                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+        path = self.path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(header)) + header)
+            f.write(payload)
+        os.replace(tmp, path)
+        self._sizes[key] = path.stat().st_size
+        self.num_written += 1
+        self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        total = self.num_bytes
+        while total > self.budget_bytes and len(self._sizes) > 1:
+            key, size = self._sizes.popitem(last=False)
+            self.path(key).unlink(missing_ok=True)
+            total -= size
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, key: str) -> torch.Tensor | None:
+        """The page stored under ``key``, or None (a miss, logged with its reason)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return self._miss(key, "missing", remove=False)
+        except OSError as err:
+            return self._miss(key, f"unreadable ({err})", remove=False)
+        reason = self._check(key, data)
+        if reason is not None:
+            return self._miss(key, reason, remove=True)
+        start = len(MAGIC) + 4 + struct.unpack_from("<I", data, len(MAGIC))[0]
+        page = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)
+        self._sizes[key] = len(data)
+        self._sizes.move_to_end(key)
+        self.num_read += 1
+        return page.view(self.dtype).reshape(self.page_shape)
+
+    def _check(self, key: str, data: bytes) -> str | None:
+        """Why ``data`` is not a valid page for ``key``; None if it is."""
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+            return "truncated or not a page file"
+        size = struct.unpack_from("<I", data, len(MAGIC))[0]
+        start = len(MAGIC) + 4 + size
+        try:
+            header = json.loads(data[len(MAGIC) + 4:start])
+        except ValueError:
+            return "corrupted header"
+        if not isinstance(header, dict) or header.get("key") != key:
+            return "header names another page"
+        if (header.get("shape") != list(self.page_shape)
+                or header.get("dtype") != str(self.dtype).removeprefix("torch.")):
+            return f"another layout ({header.get('shape')} {header.get('dtype')})"
+        if len(data) - start != header.get("nbytes"):
+            return "truncated"
+        if hashlib.sha256(memoryview(data)[start:]).hexdigest() != header.get("sha256"):
+            return "checksum mismatch"
+        return None
+
+    def _miss(self, key: str, reason: str, remove: bool) -> None:
+        kind = reason.split(" ")[0]
+        self.misses[kind] += 1
+        log.warning("disk KV cache miss for page %s: %s", key[:16], reason)
+        self._sizes.pop(key, None)
+        if remove:
+            self.path(key).unlink(missing_ok=True)
+        return None
