@@ -38,8 +38,7 @@ class StreamDelta:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
-        load, cache, sched = split_engine_kwargs({"model": model, **engine_kwargs})
-        self.engine = LLMEngine(load, cache, sched)
+        self.engine = LLMEngine(*split_engine_kwargs({"model": model, **engine_kwargs}))
         self._closed = False
         # Runs when this LLM is garbage-collected or, at the latest, at interpreter exit.
         self._atexit = weakref.finalize(self, self.engine.persist_prefix_cache)

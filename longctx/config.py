@@ -80,11 +80,39 @@ class SchedulerConfig:
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
 
 
-CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig)
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Lookahead decoding (docs/lookahead.md). ``LLM(lookahead=...)`` takes True, False or one
+    of these."""
+
+    lookahead: bool = field(default=True, metadata={"help": "draft from the text seen so far and "
+                                                             "verify drafts in the decode pass"})
+    lookahead_max_tokens: int = field(default=8, metadata={"help": "draft tokens per step at most"})
+    lookahead_max_branches: int = field(default=4, metadata={"help": "branches per draft tree"})
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lookahead, bool), f"lookahead must be True or False, got {self.lookahead!r}")
+        _check(1 <= self.lookahead_max_tokens <= 62,
+               f"lookahead_max_tokens must be in [1, 62], got {self.lookahead_max_tokens}")
+        _check(self.lookahead_max_branches >= 1,
+               f"lookahead_max_branches must be >= 1, got {self.lookahead_max_branches}")
 
 
-def split_engine_kwargs(kwargs: dict[str, Any]) -> tuple[ModelLoadConfig, CacheConfig, SchedulerConfig]:
-    """Route ``LLM(**kwargs)`` keywords to the dataclass that owns each; unknown keys are an error."""
+CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig)
+
+
+def split_engine_kwargs(kwargs: dict[str, Any]) -> tuple[ModelLoadConfig, CacheConfig, SchedulerConfig,
+                                                          LookaheadConfig]:
+    """Route ``LLM(**kwargs)`` keywords to the dataclass that owns each; unknown keys are an
+    error. ``lookahead`` may also be a whole ``LookaheadConfig``."""
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("lookahead"), LookaheadConfig):
+        given = kwargs.pop("lookahead")
+        clash = sorted(k for k in kwargs if k.startswith("lookahead_"))
+        if clash:
+            raise ConfigError(f"give lookahead options in the LookaheadConfig or as keywords, "
+                              f"not both ({', '.join(clash)})")
+        kwargs.update({f.name: getattr(given, f.name) for f in fields(LookaheadConfig)})
     known = {f.name: cls for cls in CONFIG_CLASSES for f in fields(cls)}
     unknown = sorted(set(kwargs) - set(known))
     if unknown:

@@ -18,17 +18,20 @@ import torch
 from longctx.attention import select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
-from longctx.config import CacheConfig, ModelLoadConfig, SchedulerConfig
+from longctx.config import CacheConfig, LookaheadConfig, ModelLoadConfig, SchedulerConfig
 from longctx.kv.device_pool import DeviceKVPool, bytes_per_block, num_blocks_for
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
+from longctx.lookahead.acceptance import accept_draft
+from longctx.lookahead.controller import LookaheadController
+from longctx.lookahead.tree import DraftTree
 from longctx.model.loader import load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
 from longctx.sampling import make_generator, sample
 from longctx.sampling_params import SamplingParams
-from longctx.scheduler import Request, RequestStatus, Scheduler
+from longctx.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,10 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # one per token (a step's tokens share one)
+    num_verify_steps: int = 0  # lookahead: steps that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -107,7 +113,8 @@ def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class LLMEngine:
-    def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig) -> None:
+    def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
+                 lookahead: LookaheadConfig = LookaheadConfig()) -> None:
         if load.num_threads:
             torch.set_num_threads(load.num_threads)
         self.device = torch.device(load.device)
@@ -130,6 +137,7 @@ class LLMEngine:
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         self.max_model_len = max_len
+        self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self._tracked: dict[str, _Tracked] = {}
@@ -201,12 +209,16 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         self._tracked[request_id] = _Tracked(request, prompt, make_generator(params),
                                              RequestMetrics(time.perf_counter()), stop_ids=stop_ids)
+        if self.lookahead is not None:
+            self.lookahead.add(request_id, request.prompt_token_ids, shared=params.greedy)
         return request_id
 
     def abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None and tracked.request.status != RequestStatus.FINISHED:
             self.scheduler.finish(tracked.request, "abort")
+        if self.lookahead is not None:
+            self.lookahead.finish(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -227,6 +239,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[StepUpdate]:
+        if self.lookahead is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_unfinished():
@@ -239,13 +253,65 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         self.scheduler.advance(batch)
         sampling = [s for s in batch.seqs if s.sample]
-        tracked = [self._tracked[s.request_id] for s in sampling]
-        tokens = sample(logits, [t.request.params for t in tracked], [t.generator for t in tracked])
+        starts = list(itertools.accumulate((1 + s.num_draft for s in sampling), initial=0))
+        plain = [(s, i) for s, i in zip(sampling, starts) if not s.num_draft]
+        tracked = [self._tracked[s.request_id] for s, _ in plain]
+        tokens = sample(logits[[i for _, i in plain]], [t.request.params for t in tracked],
+                        [t.generator for t in tracked]) if plain else []
         now = time.perf_counter()
         updates = {s.request_id: self._progress(self._tracked[s.request_id]) for s in batch.seqs}
-        for t, token in zip(tracked, tokens):
-            updates[t.request.request_id] = self._append(t, token, now)
+        for (seq, _), token in zip(plain, tokens):
+            updates[seq.request_id] = self._commit(seq, [token], now)
+        for seq, start in zip(sampling, starts):
+            if seq.num_draft:
+                updates[seq.request_id] = self._verify(seq, logits[start:start + 1 + seq.num_draft], now)
         return list(updates.values())
+
+    # ------------------------------------------------------------------ lookahead
+
+    def _propose_drafts(self) -> None:
+        for req in self.scheduler.running:
+            req.draft_token_ids, req.draft_parents = [], []
+            if req.num_pending != 1:  # still prefilling
+                continue
+            room = min(req.params.max_tokens - len(req.output_token_ids),
+                       self.max_model_len - req.num_tokens) - 1
+            tree = self.lookahead.propose(req.request_id, room)
+            req.draft_token_ids, req.draft_parents = tree.token_ids, tree.parents
+
+    def _verify(self, seq: ScheduledSeq, logits: torch.Tensor, now: float) -> StepUpdate:
+        """Judge the draft of ``seq``, commit the accepted tokens and the bonus token, and move
+        the accepted branch's KV next to the last token."""
+        t = self._tracked[seq.request_id]
+        tree = DraftTree(seq.token_ids[1:], list(seq.draft_parents))
+        result = accept_draft(logits, tree, t.request.params, t.generator)
+        m = t.metrics
+        m.num_verify_steps += 1
+        m.num_draft_tokens += len(tree)
+        m.num_accepted_tokens += result.num_accepted
+        update = self._commit(seq, result.tokens, now, num_drafted=len(tree),
+                              num_accepted=result.num_accepted)
+        if not update.finished:
+            self.runner.move_draft_kv(seq.block_ids, seq.start_pos, result.accepted_nodes)
+            self.scheduler.accept_draft(seq.request_id, result.num_accepted)
+        return update
+
+    def _commit(self, seq: ScheduledSeq, tokens: list[int], now: float, num_drafted: int = 0,
+                num_accepted: int = 0) -> StepUpdate:
+        """Append ``tokens`` in order until one finishes the request; one update for all."""
+        t = self._tracked[seq.request_id]
+        parts = [self._append(t, token, now) for token in tokens[:1]]
+        while not parts[-1].finished and len(parts) < len(tokens):
+            parts.append(self._append(t, tokens[len(parts)], now))
+        if self.lookahead is not None:
+            committed = [u.new_token_ids[0] for u in parts]
+            self.lookahead.commit(seq.request_id, committed, num_drafted, min(num_accepted, len(committed)))
+            if parts[-1].finished:
+                self.lookahead.finish(seq.request_id)
+        last = parts[-1]
+        return StepUpdate(last.request_id, [u.new_token_ids[0] for u in parts],
+                          "".join(u.new_text for u in parts), last.num_computed_tokens,
+                          last.num_prompt_tokens, last.finished, last.finish_reason)
 
     def _progress(self, t: _Tracked) -> StepUpdate:
         req = t.request

@@ -1,8 +1,13 @@
 """The model runner: a ``ScheduledBatch`` of ints in, next-token logits out.
 
 Owns: turning the scheduler's plain data into tensors (ids, positions, slot mapping, block
-table, lengths), calling the model, and picking the hidden states that need logits.
-Never: requests, sampling, or deciding what runs.
+table, lengths, the tree mask of lookahead drafts), calling the model, and picking the hidden
+states that need logits. Never: requests, sampling, or deciding what runs.
+
+A sequence with a draft tree computes ``[last token, node 0, node 1, ...]``: their KV goes to
+consecutive slots in that order, their positions are the last token's plus each node's depth,
+and each sees the cached context plus its ancestors (the tree mask). It gets one logits row
+per token: row 0 predicts what follows the last token, row ``i + 1`` what follows node ``i``.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ class ModelRunner:
         bs = self.block_size
         for seq in batch.seqs:
             ids.extend(seq.token_ids)
-            pos = range(seq.start_pos, seq.start_pos + len(seq.token_ids))
-            positions.extend(pos)
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in pos)
+            memory = range(seq.start_pos, seq.start_pos + len(seq.token_ids))
+            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in memory)
+            if seq.num_draft:
+                positions.extend(seq.start_pos + d for d in tree_depths(seq.draft_parents))
+            else:
+                positions.extend(memory)
         query_lens = [len(s.token_ids) for s in batch.seqs]
         context_lens = [s.start_pos + len(s.token_ids) for s in batch.seqs]
         width = max(len(s.block_ids) for s in batch.seqs)
@@ -44,21 +52,68 @@ class ModelRunner:
             context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             block_table=torch.tensor(table, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            kv_caches=self.kv.layers)
+            tree_mask=self._tree_mask(batch), kv_caches=self.kv.layers)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
+    def _tree_mask(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        if not any(seq.num_draft for seq in batch.seqs):
+            return None
+        words: list[int] = []
+        for seq in batch.seqs:
+            if seq.num_draft:
+                words.extend(tree_ancestor_words(seq.draft_parents))
+            else:  # causal within the sequence's new tokens
+                words.extend((1 << (i + 1)) - 1 for i in range(len(seq.token_ids)))
+        return torch.tensor(words, dtype=torch.int64, device=self.device)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [num sampling seqs, V] (fp32), in the order of ``batch.seqs`` that sample."""
+        """Logits (fp32) for the seqs of ``batch`` that sample, in order: one row each, or
+        ``1 + num_draft`` rows for a seq with a draft tree."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.backend, meta)  # (T, E)
-        last = []
+        rows: list[int] = []
         end = 0
         for seq in batch.seqs:
             end += len(seq.token_ids)
             if seq.sample:
-                last.append(end - 1)
-        if not last:
+                rows.extend(range(end - 1 - seq.num_draft, end))
+        if not rows:
             return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+
+    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
+        """Compact an accepted draft branch: node ``accepted[j]`` (KV at slot ``start_pos + 1 +
+        accepted[j]``) moves to slot ``start_pos + 1 + j``, in every layer. All sources are
+        read before any destination is written."""
+        pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
+        if not pairs:
+            return
+        bs = self.block_size
+
+        def slots(positions: list[int]) -> torch.Tensor:
+            return torch.tensor([seq_block_ids[p // bs] * bs + p % bs for p in positions], device=self.device)
+
+        src, dst = slots([a for a, _ in pairs]), slots([b for _, b in pairs])
+        for k_cache, v_cache in self.kv.layers:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])  # (NB * BS, Hkv, D)
+                flat[dst] = flat[src]
+
+
+def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """Depth of the root (the last token, 0) then of each draft node (parent -1 is the root)."""
+    depths = [0]
+    for p in parents:
+        depths.append(depths[p + 1] + 1)
+    return depths
+
+
+def tree_ancestor_words(parents: tuple[int, ...] | list[int]) -> list[int]:
+    """The kernels' tree mask for ``[root, node 0, ...]``: bit j of word i says token i sees
+    new token j (itself and its ancestors)."""
+    words = [1]
+    for i, p in enumerate(parents):
+        words.append(words[p + 1] | (1 << (i + 1)))
+    return words

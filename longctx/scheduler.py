@@ -17,6 +17,15 @@ Step order, each part only while budget, pages and ``max_num_seqs`` allow:
 A document's prefill therefore never stalls running streams or short newcomers, and gets
 every token of budget they leave.
 
+Lookahead drafts. A decoding request may carry a draft tree (``draft_token_ids`` with
+``draft_parents``, set by the engine before ``schedule``). Its step then computes the request's
+last token plus the draft nodes (their KV goes to the next slots in node order), and they
+count against the token budget; a draft that does not fit is cut to a prefix of its nodes
+(still a tree). A step that also runs a prefill chunk longer than ``MAX_VERIFY_TOKENS`` drops
+its drafts, since tree masks cover at most that many new tokens per sequence. ``advance``
+counts only the last token as computed; the engine calls ``accept_draft`` with the number of
+draft tokens verified.
+
 When pages run out, cached prefix pages nobody uses are evicted first (see
 ``longctx.kv.prefix_cache``); then the most recently admitted running request that has not been
 scheduled this step is preempted: its pages are freed, ``num_computed_tokens`` drops to 0, and
@@ -44,6 +53,7 @@ from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
 from longctx.sampling_params import SamplingParams
 
+MAX_VERIFY_TOKENS = 63  # new tokens per sequence a tree-masked step may have (kernels' limit)
 ORDER_WINDOW = 16  # waiting requests compared for cache-aware ordering
 MAX_SKIPS = 4  # admissions that may overtake a waiting request before it goes first
 
@@ -75,6 +85,8 @@ class Request:
     cache_node: Any = None  # the prefix cache's lock for this request
     num_indexed_pages: int = 0  # full pages handed to the prefix cache so far
     num_skips: int = 0  # times a later request was admitted first
+    draft_token_ids: list[int] = field(default_factory=list)  # lookahead draft for the next step
+    draft_parents: list[int] = field(default_factory=list)  # -1: the last token; else a draft node
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +112,11 @@ class ScheduledSeq:
     start_pos: int  # their first position (= tokens already cached)
     block_ids: list[int]  # the request's pages, covering start_pos + len(token_ids)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
+    draft_parents: tuple[int, ...] = ()  # token_ids[1:] are draft nodes with these parents
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft_parents)
 
 
 @dataclass(frozen=True)
@@ -198,19 +215,28 @@ class Scheduler:
             if req not in finishing:
                 self._schedule_running(req, step)
         self._admit(step, whole_only=False)
-        return ScheduledBatch(seqs=list(step.scheduled.values()), preempted=step.preempted)
+        seqs = list(step.scheduled.values())
+        if any(len(s.token_ids) > MAX_VERIFY_TOKENS for s in seqs if not s.num_draft):
+            seqs = [self._without_draft(s) for s in seqs]
+        return ScheduledBatch(seqs=seqs, preempted=step.preempted)
 
     def _schedule_running(self, req: Request, step: "_Step") -> None:
         if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
             return
         num_new = min(req.num_pending, step.budget)
-        while not self._grow(req, req.num_computed_tokens + num_new):
+        num_draft = min(len(req.draft_token_ids), step.budget - 1, MAX_VERIFY_TOKENS - 1,
+                        self.max_model_len - req.num_tokens - 1) if req.num_pending == 1 else 0
+        num_draft = max(num_draft, 0)
+        while not self._grow(req, req.num_computed_tokens + num_new + num_draft):
+            if num_draft:  # drafts are the first thing to give up
+                num_draft = 0
+                continue
             victim = self._pick_victim(exclude=step.scheduled)
             self._preempt(victim)
             step.preempted.append(victim.request_id)
             if victim is req:
                 return
-        step.take(self._seq(req, num_new))
+        step.take(self._seq(req, num_new, num_draft))
 
     def _admit(self, step: "_Step", whole_only: bool) -> None:
         """Admit waiting requests (arrival order, or cache-aware); with ``whole_only``, only
@@ -277,21 +303,40 @@ class Scheduler:
         req.num_indexed_pages = num_full
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """The runner computed ``batch``: its tokens are cached now."""
+        """The runner computed ``batch``: its tokens are cached now (draft nodes are not yet:
+        see ``accept_draft``)."""
         for seq in batch.seqs:
             req = self.requests[seq.request_id]
-            end = seq.start_pos + len(seq.token_ids)
+            end = seq.start_pos + len(seq.token_ids) - seq.num_draft
             self.num_computed_prompt_tokens += max(0, min(end, len(req.prompt_token_ids)) - seq.start_pos)
             req.num_computed_tokens = end
             self._index_pages(req)
 
+    def accept_draft(self, request_id: str, num_accepted: int) -> None:
+        """``num_accepted`` draft tokens of the last step were verified and appended to the
+        output (their KV sits in the slots after the last token): count them computed."""
+        req = self.requests[request_id]
+        if not 0 <= num_accepted <= req.num_pending:
+            raise ValueError(f"cannot accept {num_accepted} draft tokens with {req.num_pending} pending")
+        req.num_computed_tokens += num_accepted
+        self._index_pages(req)
+
     # ------------------------------------------------------------------ helpers
 
-    def _seq(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _seq(self, req: Request, num_new: int, num_draft: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
         return ScheduledSeq(request_id=req.request_id,
-                            token_ids=req.token_slice(start, start + num_new), start_pos=start,
-                            block_ids=list(req.block_ids), sample=start + num_new == req.num_tokens)
+                            token_ids=req.token_slice(start, start + num_new) + req.draft_token_ids[:num_draft],
+                            start_pos=start, block_ids=list(req.block_ids),
+                            sample=start + num_new == req.num_tokens,
+                            draft_parents=tuple(req.draft_parents[:num_draft]))
+
+    @staticmethod
+    def _without_draft(seq: ScheduledSeq) -> ScheduledSeq:
+        if not seq.num_draft:
+            return seq
+        return ScheduledSeq(seq.request_id, seq.token_ids[:len(seq.token_ids) - seq.num_draft],
+                            seq.start_pos, seq.block_ids, seq.sample)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens; False if the pool is short."""

