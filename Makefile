@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DOC ?= /usr/share/common-licenses/GPL-3
+DOC ?= examples/data/gpl-3.txt
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-all bench clean
@@ -24,8 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/longctx generate --chat --prompt-file $(DOC) --max-prompt-tokens 6000 \
-		--instruction "Summarize the text above in a few sentences." --max-tokens 160
+	$(VENV)/bin/longctx summarize $(DOC) --max-tokens 200
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+from longctx import tasks
 from longctx.config import split_engine_kwargs
 from longctx.engine import LLMEngine, RequestOutput
 from longctx.sampling_params import SamplingParams
@@ -167,6 +168,22 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort(rid)
+
+    # ------------------------------------------------------------------ document tasks
+
+    def summarize(self, document: Any, *, instructions: str | None = None,
+                  max_tokens: int = tasks.SUMMARY_TOKENS, sampling_params: SamplingParams | None = None,
+                  on_progress: Callable[[str, int, int], None] | None = None) -> tasks.SummaryResult:
+        """Summarize a document (text or path): one pass if it fits the window, else map-reduce
+        over window-sized pieces. See ``longctx.tasks``."""
+        return tasks.summarize(self, document, instructions=instructions, max_tokens=max_tokens,
+                               sampling_params=sampling_params, on_progress=on_progress)
+
+    def ask(self, document: Any, questions: Sequence[str], *, max_tokens: int = tasks.ANSWER_TOKENS,
+            sampling_params: SamplingParams | None = None) -> tasks.AskResult:
+        """Answer questions about one document, batched over one shared prefill (BM25-retrieved
+        pieces when the document is longer than the window). See ``longctx.tasks``."""
+        return tasks.ask(self, document, questions, max_tokens=max_tokens, sampling_params=sampling_params)
 
     def _run(self, pending: set[str], on_progress: ProgressFn | None) -> None:
         while pending:

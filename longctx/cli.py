@@ -3,7 +3,9 @@
 Owns: flags (engine flags are derived from the config dataclasses' fields), reading prompt
 files, streaming text to stdout and progress to stderr, turning user errors into one-line
 messages with exit code 2. ``serve`` builds its ``ServerConfig`` from flags and hands over to
-``longctx.server.launch`` (imported only then: it pulls in FastAPI and uvicorn).
+``longctx.server.launch`` (imported only then: it pulls in FastAPI and uvicorn); ``batch``
+builds a ``BatchJob`` and hands over to ``longctx.batch``; ``summarize`` and ``ask`` call
+``longctx.tasks`` and print the results.
 Never: model or engine logic.
 """
 
@@ -11,14 +13,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
+from longctx.batch import TASK_MAX_TOKENS, BatchConfig, BatchError, BatchJob
 from longctx.config import CONFIG_CLASSES, ConfigError, ModelLoadConfig
 from longctx.sampling_params import SamplingParams
 from longctx.server.config import ServerConfig
+
+TASK_MAX_TOKENS_HELP = "the task's: " + ", ".join(f"{k} {v}" for k, v in TASK_MAX_TOKENS.items())
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_CLASSES,
@@ -40,9 +47,10 @@ def _config_kwargs(args: argparse.Namespace, classes: tuple = CONFIG_CLASSES) ->
     return {f.name: getattr(args, f.name) for cls in classes for f in dataclasses.fields(cls)}
 
 
-def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens_default: int | None = 256) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
+    group.add_argument("--max-tokens", type=int, default=max_tokens_default,
+                       help=f"new tokens at most (default: {max_tokens_default or TASK_MAX_TOKENS_HELP})")
     group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)
@@ -73,7 +81,38 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model (same as --model)")
     _add_config_flags(serve, (ServerConfig,), "server")
     _add_config_flags(serve)
+    _add_task_parsers(sub)
     return parser
+
+
+def _add_task_parsers(sub) -> None:
+    batch = sub.add_parser(
+        "batch", help="run a JSONL file of generate/summarize/ask records (resumable)",
+        description="Run one JSON record per line of INPUT (task: generate | summarize | ask) and "
+                    "append one result line per record to OUTPUT as each finishes. Re-running "
+                    "the same command resumes: ids already in OUTPUT are skipped. Sampling "
+                    "flags are defaults for records that leave the field out. See docs/guide.md.")
+    batch.add_argument("input", type=Path, metavar="INPUT", help="JSONL file of records")
+    batch.add_argument("--output", "-o", type=Path, required=True, help="JSONL file of results")
+    _add_config_flags(batch, (BatchConfig,), "batch")
+    _add_sampling_flags(batch, max_tokens_default=None)
+    _add_config_flags(batch)
+    summ = sub.add_parser("summarize", help="summarize a document of any length",
+                          description="Summarize a document (one pass if it fits the window, "
+                                      "else its pieces and then their summaries).")
+    summ.add_argument("document", type=Path, metavar="DOCUMENT", help="the document (a text file)")
+    summ.add_argument("--instructions", default=None, help="what the summary should be")
+    summ.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    ask = sub.add_parser("ask", help="answer questions about a document",
+                         description="Answer questions about one document, as one batch sharing "
+                                     "the document's prefix (BM25 excerpts when it is longer "
+                                     "than the window).")
+    ask.add_argument("document", type=Path, metavar="DOCUMENT", help="the document (a text file)")
+    ask.add_argument("questions", nargs="+", metavar="QUESTION")
+    ask.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    for parser in (summ, ask):
+        _add_sampling_flags(parser, max_tokens_default=None)
+        _add_config_flags(parser)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -139,6 +178,91 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_defaults(args: argparse.Namespace) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "stop": tuple(args.stop),
+            "ignore_eos": args.ignore_eos}
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from longctx.batch import run_batch, summary_line
+
+    job = BatchJob(args.input, args.output, BatchConfig(**_config_kwargs(args, (BatchConfig,))),
+                   _config_kwargs(args), _sampling_defaults(args))
+    start = time.perf_counter()
+    run_batch(job)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 holds the merged output
+        print(summary_line(args.output, time.perf_counter() - start), file=sys.stderr)
+    return 0
+
+
+def _task_llm(args: argparse.Namespace):
+    from longctx.api import LLM
+
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    return LLM(**_config_kwargs(args))
+
+
+def _task_params(args: argparse.Namespace) -> SamplingParams:
+    defaults = {k: v for k, v in _sampling_defaults(args).items() if v is not None}
+    return SamplingParams(**defaults)
+
+
+class _StageLine:
+    """A task's progress on one stderr line; a finished stage keeps its line."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        self.open = done != total
+        print(f"\r{stage} {done}/{total}", end="" if self.open else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.open:
+            print(file=sys.stderr)
+            self.open = False
+
+
+def cmd_summarize(args: argparse.Namespace) -> int:
+    from longctx import tasks
+
+    text = tasks.read_document(args.document)
+    llm = _task_llm(args)
+    progress = _StageLine()
+    result = tasks.summarize(llm, text, instructions=args.instructions,
+                             max_tokens=args.max_tokens or tasks.SUMMARY_TOKENS,
+                             sampling_params=_task_params(args), on_progress=progress)
+    progress.close()
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=1, ensure_ascii=False))
+        return 0
+    print(result.text)
+    how = (f"{result.num_pieces} pieces, {result.num_levels} levels" if result.map_reduce
+           else "one pass")
+    print(f"[{result.document_tokens} document tokens, {how}, {result.completion_tokens} tokens "
+          f"generated in {result.elapsed_s:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from longctx import tasks
+
+    text = tasks.read_document(args.document)
+    llm = _task_llm(args)
+    result = tasks.ask(llm, text, args.questions, max_tokens=args.max_tokens or tasks.ANSWER_TOKENS,
+                       sampling_params=_task_params(args))
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result), indent=1, ensure_ascii=False))
+        return 0
+    for answer in result.answers:
+        print(f"Q: {answer.question}\nA: {answer.text}\n")
+    how = "BM25 excerpts (the document is longer than the window)" if result.retrieval else (
+        f"{result.shared_prefix_tokens} shared prefix tokens")
+    print(f"[{result.document_tokens} document tokens, {how}, {result.elapsed_s:.1f} s]", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_tag is not None:
         if args.model not in (args.model_tag, ModelLoadConfig.model):
@@ -150,7 +274,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(server_config, _config_kwargs(args))
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "batch": cmd_batch,
+            "summarize": cmd_summarize, "ask": cmd_ask}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, BatchError) as err:
         print(f"longctx: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
