@@ -78,8 +78,11 @@ def worker_longctx(args) -> dict:
     torch.set_num_threads(args.threads)
     dtype = args.worker.split("-")[1]
     t0 = time.perf_counter()
+    # plain engine: the 1K..8K prompts are prefixes of one text (the prefix store would serve
+    # them from cache) and decode is measured without lookahead (bench_lookahead.py has that)
     llm = LLM("smollm2-135m", dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
-              block_size=args.block_size, max_num_batched_tokens=args.chunk)
+              block_size=args.block_size, max_num_batched_tokens=args.chunk,
+              enable_prefix_caching=False, lookahead=False)
     load_s = time.perf_counter() - t0
     tok = llm.get_tokenizer()
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
