@@ -63,15 +63,19 @@ def _attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: to
     return _attend_grouped(q, k, v, visible, scale)
 
 
-def _softmax_stats(scores: torch.Tensor, visible_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [R, S] fp32 -> (probabilities unnormalised by the row sum, lse [R])."""
-    if visible_rows is not None:
-        scores = scores.masked_fill(~visible_rows, float("-inf"))
+def _softmax_stats(scores: torch.Tensor, tail_visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [..., R, S] fp32, owned by the caller and overwritten -> (probabilities, lse
+    [..., R]). ``tail_visible`` [..., R, L] masks the last L columns only: every query sees
+    the whole cached prefix, so masking the full width would touch S / L times more memory."""
+    if tail_visible is not None:
+        tail = scores[..., scores.shape[-1] - tail_visible.shape[-1]:]
+        tail.masked_fill_(~tail_visible, float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # rows seeing nothing
-    probs = torch.exp(scores - peak)
+    probs = scores.sub_(peak).exp_()
     total = probs.sum(dim=-1, keepdim=True)
-    return probs / torch.where(total > 0, total, torch.ones_like(total)), (peak + torch.log(total)).squeeze(-1)
+    probs.div_(torch.where(total > 0, total, torch.ones_like(total)))
+    return probs, (peak + torch.log(total)).squeeze(-1)
 
 
 def _attend_block_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,8 +93,9 @@ def _attend_block_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_b = (q[:, :, None, :] * select[None, :, :, None]).view(q_len * num_heads, num_kv * head_dim)
     scores = torch.mm(q_b, k.reshape(-1, num_kv * head_dim).t()).float() * scale  # (L*H, S)
     rows = None
-    if visible is not None:  # (L, S) -> (L*H, S)
-        rows = visible[:, None, :].expand(q_len, num_heads, -1).reshape(q_len * num_heads, -1)
+    if visible is not None:  # (L, S) -> its last L columns, (L*H, L)
+        tail = visible[:, visible.shape[1] - q_len:]
+        rows = tail[:, None, :].expand(q_len, num_heads, -1).reshape(q_len * num_heads, -1)
     probs, lse = _softmax_stats(scores, rows)
     out = torch.mm(probs.to(v.dtype), v.reshape(-1, num_kv * head_dim))  # (L*H, Hkv*D)
     out = out.view(q_len, num_heads, num_kv, head_dim)[:, torch.arange(num_heads), own]  # (L, H, D)
@@ -107,8 +112,9 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     qg = q.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
     scores = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale  # (Hkv, G * L, S)
     rows = None
-    if visible is not None:  # (L, S) -> (Hkv, G * L, S)
-        rows = visible[None, None].expand(num_kv, group, q_len, -1).reshape(num_kv, group * q_len, -1)
+    if visible is not None:  # (L, S) -> its last L columns, (Hkv, G * L, L)
+        tail = visible[:, visible.shape[1] - q_len:]
+        rows = tail[None, None].expand(num_kv, group, q_len, -1).reshape(num_kv, group * q_len, -1)
     probs, lse = _softmax_stats(scores, rows)
     out = torch.matmul(probs.to(v.dtype), v.permute(1, 0, 2))  # (Hkv, G * L, D)
     out = out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
