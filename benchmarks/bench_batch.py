@@ -2,9 +2,9 @@
 prompt at a time, in one run.
 
 The work: 4 documents (license texts from /usr/share/common-licenses, each cut to
-``--doc-tokens`` tokens) x 5 questions, greedy, ``--max-tokens`` new tokens per answer (EOS
-ignored, so both engines generate the same number of tokens). Both get the same prompt token
-ids: the document, then the question, in the model's chat template (``longctx.tasks``).
+``--doc-tokens`` tokens) x 5 questions, greedy, ``--max-tokens`` new tokens per answer at
+most, both engines stopping at EOS (identical answers mean the same number of tokens). Both
+get the same prompt token ids: the document, then the question, in the model's chat template (``longctx.tasks``).
 
   * longctx: one ``longctx batch`` process over 4 ``ask`` records (each document prefilled once
     through the prefix cache, its 5 questions decoded as one batch);
@@ -96,8 +96,8 @@ def run_hf(args) -> dict:
             document = path.read_text(encoding="utf-8")
             for question in args.questions:
                 ids = torch.tensor([prompt_ids(tok, document, question)])
-                out = model.generate(ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                                     do_sample=False, pad_token_id=tok.eos_token_id)
+                out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False,
+                                     pad_token_id=tok.eos_token_id)
                 new = out[0, ids.shape[1]:].tolist()
                 answers[f"{path.stem}|{question}"] = {
                     "text": tok.decode(new, skip_special_tokens=True).strip(),
@@ -107,7 +107,7 @@ def run_hf(args) -> dict:
 
 def run_longctx(args, docs: list[Path], folder: Path) -> dict:
     records = [{"id": p.stem, "task": "ask", "document_path": str(p), "questions": list(args.questions),
-                "max_tokens": args.max_tokens, "ignore_eos": True} for p in docs]
+                "max_tokens": args.max_tokens} for p in docs]
     jobs, out = folder / "jobs.jsonl", folder / "results.jsonl"
     jobs.write_text("".join(json.dumps(r) + "\n" for r in records))
     cmd = [sys.executable, "-m", "longctx", "batch", str(jobs), "--output", str(out), "--overwrite",
