@@ -164,7 +164,8 @@ def test_health_models_and_metrics(server, folder):
                  "longctx_e2e_request_latency_seconds_bucket", "longctx_num_requests_running",
                  "longctx_num_requests_waiting", 'longctx_kv_pages_used{tier="device"}',
                  'longctx_kv_pages_free{tier="device"}', 'longctx_kv_pages_cached{tier="device"}',
-                 'longctx_prefix_cache_hit_tokens{tier="device"}'):
+                 'longctx_prefix_cache_hit_tokens{tier="device"}', 'longctx_lookahead_tokens{kind="accepted"}',
+                 "longctx_lookahead_verify_steps"):
         assert name in text
 
 

@@ -220,8 +220,10 @@ class EngineLoop:
 
     def _publish_state(self) -> None:
         sched = self.engine.scheduler
+        look = self.engine.lookahead
         self.metrics.set_engine_state(len(sched.running), len(sched.waiting),
-                                      self.engine.kv_usage(), self.engine.cache_stats())
+                                      self.engine.kv_usage(), self.engine.cache_stats(),
+                                      look.stats.overall if look is not None else None)
 
     def _deliver(self, items: list[tuple[RequestHandle, StepUpdate | Exception]]) -> None:
         if not items or self._loop is None:

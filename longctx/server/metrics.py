@@ -48,6 +48,11 @@ class ServerMetrics:
         self.prefix_hit_tokens = Gauge("longctx_prefix_cache_hit_tokens",
                                        "Prompt tokens served from the prefix store, by tier "
                                        "(cumulative).", ["tier"], registry=r)
+        self.lookahead_tokens = Gauge("longctx_lookahead_tokens",
+                                      "Lookahead draft tokens proposed and accepted (cumulative).",
+                                      ["kind"], registry=r)
+        self.lookahead_steps = Gauge("longctx_lookahead_verify_steps",
+                                     "Decode steps that verified a draft (cumulative).", registry=r)
         self.prompt_tokens_computed = Gauge("longctx_prompt_tokens_computed",
                                             "Prompt tokens the model prefilled (cumulative).",
                                             registry=r)
@@ -64,7 +69,9 @@ class ServerMetrics:
                                          "Tokens generated.", registry=r)
 
     def set_engine_state(self, num_running: int, num_waiting: int,
-                         kv_usage: dict[str, dict[str, int]], cache_stats: Any) -> None:
+                         kv_usage: dict[str, dict[str, int]], cache_stats: Any,
+                         lookahead: Any = None) -> None:
+        """``lookahead``: the engine's overall ``LookaheadStats`` (None when it is off)."""
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         for tier, pages in kv_usage.items():
@@ -74,6 +81,10 @@ class ServerMetrics:
         for tier, tokens in cache_stats.hit_tokens.items():
             self.prefix_hit_tokens.labels(tier=tier).set(tokens)
         self.prompt_tokens_computed.set(cache_stats.computed_prompt_tokens)
+        if lookahead is not None:
+            self.lookahead_tokens.labels(kind="drafted").set(lookahead.num_drafted)
+            self.lookahead_tokens.labels(kind="accepted").set(lookahead.num_accepted)
+            self.lookahead_steps.set(lookahead.num_steps)
 
     def observe_finished(self, finish_reason: str, e2e_seconds: float, inter_token: list[float]) -> None:
         self.requests_finished.labels(finish_reason=finish_reason).inc()
