@@ -70,6 +70,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget per step (the prefill chunk size)"})
+    busy_prefill_chunk: int = field(
+        default=256, metadata={"help": "prefill chunk of a long prompt in a step that also gives "
+                                       "other requests tokens (0: no cap)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
 
@@ -77,6 +80,7 @@ class SchedulerConfig:
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.busy_prefill_chunk >= 0, f"busy_prefill_chunk must be >= 0, got {self.busy_prefill_chunk}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
 
 

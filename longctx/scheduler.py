@@ -15,7 +15,10 @@ Step order, each part only while budget, pages and ``max_num_seqs`` allow:
   3. the other running requests (the next chunk of a long prefill);
   4. waiting requests in arrival order, as chunks.
 A document's prefill therefore never stalls running streams or short newcomers, and gets
-every token of budget they leave.
+every token of budget they leave, up to ``busy_prefill_chunk`` tokens while the step also gives
+other requests a token: a step's time is set by its longest chunk, so a big chunk beside a
+decode or a short prompt would delay their token by seconds on a CPU. Alone, a prefill takes
+whole ``max_num_batched_tokens`` chunks.
 
 Lookahead drafts. A decoding request may carry a draft tree (``draft_token_ids`` with
 ``draft_parents``, set by the engine before ``schedule``). Its step then computes the request's
@@ -134,12 +137,23 @@ class _Step:
     """What one ``schedule()`` call has handed out so far."""
 
     budget: int
+    busy_chunk: int = 0  # most tokens a partial prefill chunk may take once ``busy`` (0: no cap)
+    busy: bool = False  # some seq of this step samples a token
     scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
 
     def take(self, seq: ScheduledSeq) -> None:
         self.scheduled[seq.request_id] = seq
         self.budget -= len(seq.token_ids)
+        self.busy = self.busy or seq.sample
+
+    def chunk(self, num_pending: int) -> int:
+        """Tokens a request with ``num_pending`` may compute now: a partial chunk beside other
+        requests' tokens is capped."""
+        num_new = min(num_pending, self.budget)
+        if num_new < num_pending and self.busy and self.busy_chunk:
+            num_new = min(num_new, self.busy_chunk)
+        return num_new
 
 
 class Scheduler:
@@ -205,7 +219,7 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def schedule(self) -> ScheduledBatch:
-        step = _Step(self.config.max_num_batched_tokens)
+        step = _Step(self.config.max_num_batched_tokens, self.config.busy_prefill_chunk)
         ordered = sorted(self.running, key=lambda r: (r.num_pending, r.arrival_order))
         finishing = [r for r in ordered if r.num_pending <= step.budget]
         for req in finishing:  # decodes (and last chunks) first
@@ -223,7 +237,7 @@ class Scheduler:
     def _schedule_running(self, req: Request, step: "_Step") -> None:
         if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
             return
-        num_new = min(req.num_pending, step.budget)
+        num_new = step.chunk(req.num_pending)
         num_draft = min(len(req.draft_token_ids), step.budget - 1, MAX_VERIFY_TOKENS - 1,
                         self.max_model_len - req.num_tokens - 1) if req.num_pending == 1 else 0
         num_draft = max(num_draft, 0)
@@ -248,7 +262,7 @@ class Scheduler:
             if whole_only and req.num_pending - self._cached_tokens(req) > step.budget:
                 return
             self._attach_prefix(req)
-            num_new = min(req.num_pending, step.budget)
+            num_new = step.chunk(req.num_pending)
             if not self._grow(req, req.num_computed_tokens + num_new):
                 self._free_blocks(req)  # keep waiting without pages
                 req.num_computed_tokens = 0

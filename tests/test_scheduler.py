@@ -234,6 +234,23 @@ def test_budget_exhausted_by_running_requests_admits_nobody():
     assert summary(batch) == [("a", 8, 1, [0, 1, 2], True), ("b", 0, 3, [3], False)]
 
 
+def test_a_prefill_beside_other_requests_tokens_takes_small_chunks():
+    config = SchedulerConfig(max_num_batched_tokens=16, busy_prefill_chunk=4)
+    sched = Scheduler(config, BlockPool(64), 4, 128)
+    sched.add(make_request("doc", 40, 1))
+    batch, _ = step(sched)
+    assert summary(batch) == [("doc", 0, 16, [0, 1, 2, 3], False)]  # alone: whole chunks
+    sched.add(make_request("q", 2, 3, base=500))
+    batch, _ = step(sched)  # q's first token: the document's chunk shrinks to 4
+    assert summary(batch) == [("q", 0, 2, [4], True), ("doc", 16, 4, [0, 1, 2, 3, 5], False)]
+    batch, _ = step(sched)  # q decodes: still 4
+    assert summary(batch) == [("q", 2, 1, [4], True), ("doc", 20, 4, [0, 1, 2, 3, 5, 6], False)]
+    batch, _ = step(sched)  # q's last token; 16 pending would fit the budget q leaves 15 of
+    assert summary(batch) == [("q", 3, 1, [4], True), ("doc", 24, 4, [0, 1, 2, 3, 5, 6, 7], False)]
+    batch, _ = step(sched)  # alone again, and q's page is free for reuse
+    assert summary(batch) == [("doc", 28, 12, [0, 1, 2, 3, 5, 6, 7, 4, 8, 9], True)]
+
+
 def test_short_prompt_goes_ahead_of_a_long_prefills_next_chunk():
     """A newcomer whose whole prompt fits the budget is admitted before the running prefill's
     next chunk, which then takes the rest of the budget."""
