@@ -16,9 +16,10 @@ Step order, each part only while budget, pages and ``max_num_seqs`` allow:
   4. waiting requests in arrival order, as chunks.
 A document's prefill therefore never stalls running streams or short newcomers, and gets
 every token of budget they leave, up to ``busy_prefill_chunk`` tokens while the step also gives
-other requests a token: a step's time is set by its longest chunk, so a big chunk beside a
-decode or a short prompt would delay their token by seconds on a CPU. Alone, a prefill takes
-whole ``max_num_batched_tokens`` chunks.
+other requests a token (and a newcomer counts as short only if its prompt fits that): a step's
+time is set by its longest chunk, so a big chunk beside a decode or a short prompt would delay
+their token by seconds on a CPU. Alone, a prefill takes whole ``max_num_batched_tokens``
+chunks.
 
 Lookahead drafts. A decoding request may carry a draft tree (``draft_token_ids`` with
 ``draft_parents``, set by the engine before ``schedule``). Its step then computes the request's
@@ -148,10 +149,10 @@ class _Step:
         self.busy = self.busy or seq.sample
 
     def chunk(self, num_pending: int) -> int:
-        """Tokens a request with ``num_pending`` may compute now: a partial chunk beside other
-        requests' tokens is capped."""
+        """Tokens a request with ``num_pending`` may compute now: beside other requests'
+        tokens, a prefill chunk is capped."""
         num_new = min(num_pending, self.budget)
-        if num_new < num_pending and self.busy and self.busy_chunk:
+        if self.busy and self.busy_chunk:
             num_new = min(num_new, self.busy_chunk)
         return num_new
 
@@ -259,7 +260,8 @@ class Scheduler:
         while (self.waiting and step.budget > 0 and not step.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting()
-            if whole_only and req.num_pending - self._cached_tokens(req) > step.budget:
+            uncached = req.num_pending - self._cached_tokens(req)
+            if whole_only and uncached > step.chunk(uncached):
                 return
             self._attach_prefix(req)
             num_new = step.chunk(req.num_pending)
