@@ -92,23 +92,37 @@ def folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def slow_folder(tmp_path_factory) -> str:
+    """A bigger random model with a 4K window (about 6 ms a token on 2 CPU cores, 100 times the
+    tiny one) for tests that need a request to still be running a few seconds later."""
+    path = tmp_path_factory.mktemp("slow-serve")
+    make_engine_checkpoint(path, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def llm(folder) -> LLM:
     return LLM(folder, block_size=16, num_blocks=256, max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module")
-def servers(request, folder, tmp_path_factory) -> dict[str, ServerProcess]:
+def servers(request, folder, slow_folder, tmp_path_factory) -> dict[str, ServerProcess]:
     """Every server this module needs, launched at once so that their start-ups (mostly
     imports) overlap."""
     flags = {
-        "plain": (),
+        "plain": (folder,),
+        # the slow model, lookahead off (a random model repeats itself, and accepted drafts
+        # would make the long requests of these tests short): 3,000 tokens take ~20 s
+        "slow": (slow_folder, "--no-lookahead"),
         # API key on; one running slot and one queue place, so a third request gets 429
-        "strict": ("--api-key", API_KEY, "--max-num-seqs", "1", "--max-queued-requests", "1"),
-        "sigterm": ("--graceful-shutdown-timeout", "1"),
+        "strict": (slow_folder, "--no-lookahead", "--api-key", API_KEY, "--max-num-seqs", "1",
+                   "--max-queued-requests", "1"),
+        "sigterm": (slow_folder, "--no-lookahead", "--graceful-shutdown-timeout", "3"),
     }
     launched = {}
-    for name, extra in flags.items():
-        launched[name] = ServerProcess(folder, tmp_path_factory.mktemp(name) / "server.log", *extra)
+    for name, (model, *extra) in flags.items():
+        launched[name] = ServerProcess(model, tmp_path_factory.mktemp(name) / "server.log", *extra)
         request.addfinalizer(launched[name].stop)
     for server in launched.values():
         server.wait_ready()
@@ -241,10 +255,10 @@ def test_concurrent_streams_each_equal_their_solo_run(server, llm, folder):
 # ---------------------------------------------------------------------- robustness
 
 
-def test_disconnect_mid_stream_aborts_and_frees_kv(server):
-    url = server.url
+def test_disconnect_mid_stream_aborts_and_frees_kv(servers):
+    url = servers["slow"].url
     aborted = _metric(url, "longctx_requests_finished_total", '{finish_reason="abort"}')
-    body = {"prompt": "A long one", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": "A long one", "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -324,7 +338,7 @@ def test_huge_body_unknown_route_and_openai_errors(server, folder):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_api_key(strict_server, folder):
+def test_api_key(strict_server, slow_folder):
     url = strict_server.url
     assert httpx.get(url + "/health").status_code == 200  # open without a key
     assert httpx.get(url + "/metrics").status_code == 200
@@ -332,14 +346,14 @@ def test_api_key(strict_server, folder):
         response = httpx.get(url + "/v1/models", headers=headers)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
-        strict_server.client("wrong").completions.create(model=folder, prompt="x", max_tokens=2)
-    out = strict_server.client(API_KEY).completions.create(model=folder, prompt="x", max_tokens=2)
+        strict_server.client("wrong").completions.create(model=slow_folder, prompt="x", max_tokens=2)
+    out = strict_server.client(API_KEY).completions.create(model=slow_folder, prompt="x", max_tokens=2)
     assert out.usage.completion_tokens <= 2
 
 
-def test_queue_full_gets_429_and_the_server_recovers(strict_server, folder):
+def test_queue_full_gets_429_and_the_server_recovers(strict_server):
     url, auth = strict_server.url, {"Authorization": f"Bearer {API_KEY}"}
-    long_body = {"prompt": "hold the slot", "max_tokens": 1000, "temperature": 0, "stream": True,
+    long_body = {"prompt": "hold the slot", "max_tokens": 3000, "temperature": 0, "stream": True,
                  "ignore_eos": True}
     short_body = {"prompt": "wait in line", "max_tokens": 5, "temperature": 0, "stream": True,
                   "ignore_eos": True}
@@ -364,14 +378,14 @@ def test_queue_full_gets_429_and_the_server_recovers(strict_server, folder):
 
 
 def test_sigterm_drains_then_cancels_and_exits_0(servers):
-    """After SIGTERM a short request still finishes; one that outlasts the grace period (1 s
-    here; 1000 tokens take the tiny model about 2 s) ends with an error event; the process
+    """After SIGTERM a short request still finishes; one that outlasts the grace period (3 s
+    here; 3,000 tokens take the slow model about 20 s) ends with an error event; the process
     exits with code 0."""
     server = servers["sigterm"]
     url = server.url + "/v1/completions"
     short = {"prompt": "last words", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True,
              "stream_options": {"include_usage": True}}
-    long = {**short, "prompt": "never finishes", "max_tokens": 1000}
+    long = {**short, "prompt": "never finishes", "max_tokens": 3000}
     with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, \
             a.stream("POST", url, json=long) as long_response, \
             b.stream("POST", url, json=short) as short_response:

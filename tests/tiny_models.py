@@ -138,12 +138,13 @@ def write_char_tokenizer(folder: Path, vocab_size: int = BASE["vocab_size"]) -> 
     fast.save_pretrained(folder)
 
 
-def make_engine_checkpoint(folder: Path, seed: int = 0):
-    """A tiny Llama with a 1K window and a tokenizer: enough for engine tests."""
+def make_engine_checkpoint(folder: Path, seed: int = 0, **overrides):
+    """A tiny Llama with a 1K window and a tokenizer: enough for engine tests. ``overrides``
+    change its config (a bigger, slower model for tests that need a request to take a while)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**BASE, "max_position_embeddings": 1024}, rope_theta=10000.0)
+    cfg = LlamaConfig(**{**BASE, "max_position_embeddings": 1024, **overrides}, rope_theta=10000.0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
     write_char_tokenizer(folder)
