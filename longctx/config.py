@@ -75,6 +75,11 @@ class SchedulerConfig:
                                        "other requests tokens (0: no cap)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
+    prefill_step_cost: int = field(
+        default=0, metadata={"help": "latency mode for serving: a step's work, counted in tokens "
+                                     "at zero context (attention to a long context counts extra), "
+                                     "stays under this, and a step that gives a new request its "
+                                     "first token runs no other prefill chunk (0: off)"})
 
     def __post_init__(self) -> None:
         _check(self.max_num_batched_tokens >= 1,
@@ -82,6 +87,7 @@ class SchedulerConfig:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.busy_prefill_chunk >= 0, f"busy_prefill_chunk must be >= 0, got {self.busy_prefill_chunk}")
         _check(self.max_model_len >= 0, f"max_model_len must be >= 0, got {self.max_model_len}")
+        _check(self.prefill_step_cost >= 0, f"prefill_step_cost must be >= 0, got {self.prefill_step_cost}")
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,8 @@ class LLMEngine:
         self.kv = DeviceKVPool(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks)
         self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
-        self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache)
+        self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
+                                   context_cost=self.model_config.context_cost_tokens)
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
         self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         self.max_model_len = max_len

@@ -21,6 +21,15 @@ time is set by its longest chunk, so a big chunk beside a decode or a short prom
 their token by seconds on a CPU. Alone, a prefill takes whole ``max_num_batched_tokens``
 chunks.
 
+Latency mode (``prefill_step_cost`` > 0, for serving on slow devices). A step's time is set
+by its prefill work, so that work is bounded: every prefill chunk, alone or not, is cut so the
+step's prefill tokens cost at most ``prefill_step_cost``, where a token computed after ``c``
+others costs ``1 + c / context_cost`` (its linear layers plus its attention; ``context_cost``
+comes from the model's shape). Deep into a long document the chunks get short, so a request
+arriving meanwhile waits at most one such step. A step that gives a newcomer its first token
+runs no other prefill chunk, and only decodes go before newcomers. Decodes are never capped.
+The price is the long prefill's own speed: more, smaller steps.
+
 Lookahead drafts. A decoding request may carry a draft tree (``draft_token_ids`` with
 ``draft_parents``, set by the engine before ``schedule``). Its step then computes the request's
 last token plus the draft nodes (their KV goes to the next slots in node order), and they
@@ -47,6 +56,7 @@ starves.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -133,6 +143,25 @@ class ScheduledBatch:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
+def chunk_cost(num_new: int, start: int, context_cost: float) -> float:
+    """The work of computing tokens ``start .. start + num_new`` in tokens at zero context:
+    each token's linear layers count 1, and its attention to ``c`` earlier tokens counts
+    ``c / context_cost`` (0: attention not counted)."""
+    if not context_cost:
+        return float(num_new)
+    return num_new * (1.0 + (start + (num_new - 1) / 2.0) / context_cost)
+
+
+def tokens_for_cost(cost: float, start: int, context_cost: float) -> int:
+    """The most tokens from ``start`` whose ``chunk_cost`` is at most ``cost`` (at least 1)."""
+    if not context_cost:
+        return max(1, int(cost))
+    # n (1 + (start - 1/2) / E) + n^2 / (2E) <= cost, solved for n
+    lin = 1.0 + (start - 0.5) / context_cost
+    n = context_cost * (math.sqrt(lin * lin + 2.0 * cost / context_cost) - lin)
+    return max(1, int(n + 1e-9))
+
+
 @dataclass
 class _Step:
     """What one ``schedule()`` call has handed out so far."""
@@ -140,6 +169,9 @@ class _Step:
     budget: int
     busy_chunk: int = 0  # most tokens a partial prefill chunk may take once ``busy`` (0: no cap)
     busy: bool = False  # some seq of this step samples a token
+    cost_left: float | None = None  # latency mode: prefill work (not decodes) this step may still take
+    context_cost: float = 0.0  # see ``chunk_cost``
+    prefilling: bool = False  # latency mode: some prefill chunk is in this step
     scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
 
@@ -147,22 +179,34 @@ class _Step:
         self.scheduled[seq.request_id] = seq
         self.budget -= len(seq.token_ids)
         self.busy = self.busy or seq.sample
+        num_new = len(seq.token_ids) - seq.num_draft
+        if self.cost_left is not None and num_new > 1:  # prefill work (decodes are not capped)
+            self.cost_left -= chunk_cost(num_new, seq.start_pos, self.context_cost)
+            self.prefilling = True
 
-    def chunk(self, num_pending: int) -> int:
-        """Tokens a request with ``num_pending`` may compute now: beside other requests'
-        tokens, a prefill chunk is capped."""
+    def chunk(self, num_pending: int, start: int = 0) -> int:
+        """Tokens a request with ``num_pending`` (computed so far: ``start``) may compute now:
+        beside other requests' tokens, a prefill chunk is capped; in latency mode every
+        prefill chunk is also cut to the step's work left (0 when none is left)."""
         num_new = min(num_pending, self.budget)
         if self.busy and self.busy_chunk:
             num_new = min(num_new, self.busy_chunk)
+        if self.cost_left is not None and num_pending > 1:
+            if self.prefilling and self.cost_left < chunk_cost(1, start, self.context_cost):
+                return 0  # (the first prefill of a step always gets a token, so none starves)
+            num_new = min(num_new, tokens_for_cost(self.cost_left, start, self.context_cost))
         return num_new
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
-                 max_model_len: int, prefix_cache: Any = None) -> None:
+                 max_model_len: int, prefix_cache: Any = None, context_cost: float = 0.0) -> None:
         """``prefix_cache``: a ``longctx.kv.prefix_cache.PrefixCache`` over the same ``pool``,
-        or None for no prefix caching."""
+        or None for no prefix caching. ``context_cost``: the context length at which a token's
+        attention costs as much as its linear layers (``context_cost_tokens`` of the model
+        config; used by ``prefill_step_cost``)."""
         self.config = config
+        self.context_cost = context_cost
         self.pool = pool
         self.cache = prefix_cache
         self.block_size = block_size
@@ -220,16 +264,25 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def schedule(self) -> ScheduledBatch:
-        step = _Step(self.config.max_num_batched_tokens, self.config.busy_prefill_chunk)
+        latency = self.config.prefill_step_cost > 0
+        step = _Step(self.config.max_num_batched_tokens, self.config.busy_prefill_chunk,
+                     cost_left=float(self.config.prefill_step_cost) if latency else None,
+                     context_cost=self.context_cost)
         ordered = sorted(self.running, key=lambda r: (r.num_pending, r.arrival_order))
-        finishing = [r for r in ordered if r.num_pending <= step.budget]
+        # latency mode: only decodes here, so a prefill's last chunk does not go before newcomers
+        finishing = [r for r in ordered if r.num_pending <= (1 if latency else step.budget)]
         for req in finishing:  # decodes (and last chunks) first
             self._schedule_running(req, step)
-        self._admit(step, whole_only=True)  # short prompts before a long prefill's next chunk
+        if self._admit(step, whole_only=True) and latency:
+            # a newcomer gets its first token in this step: nothing else prefills beside it
+            return self._batch(step)
         for req in ordered:
             if req not in finishing:
                 self._schedule_running(req, step)
         self._admit(step, whole_only=False)
+        return self._batch(step)
+
+    def _batch(self, step: "_Step") -> ScheduledBatch:
         seqs = list(step.scheduled.values())
         if any(len(s.token_ids) > MAX_VERIFY_TOKENS for s in seqs if not s.num_draft):
             seqs = [self._without_draft(s) for s in seqs]
@@ -238,7 +291,9 @@ class Scheduler:
     def _schedule_running(self, req: Request, step: "_Step") -> None:
         if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
             return
-        num_new = step.chunk(req.num_pending)
+        num_new = step.chunk(req.num_pending, req.num_computed_tokens)
+        if num_new == 0:  # latency mode: this step's prefill work is spent
+            return
         num_draft = min(len(req.draft_token_ids), step.budget - 1, MAX_VERIFY_TOKENS - 1,
                         self.max_model_len - req.num_tokens - 1) if req.num_pending == 1 else 0
         num_draft = max(num_draft, 0)
@@ -253,27 +308,35 @@ class Scheduler:
                 return
         step.take(self._seq(req, num_new, num_draft))
 
-    def _admit(self, step: "_Step", whole_only: bool) -> None:
+    def _admit(self, step: "_Step", whole_only: bool) -> int:
         """Admit waiting requests (arrival order, or cache-aware); with ``whole_only``, only
         while the next one's whole uncached prompt fits the budget left (it then samples in
-        this very step)."""
+        this very step). Returns how many were admitted."""
+        admitted = 0
         while (self.waiting and step.budget > 0 and not step.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting()
-            uncached = req.num_pending - self._cached_tokens(req)
-            if whole_only and uncached > step.chunk(uncached):
-                return
+            cached = self._cached_tokens(req)
+            uncached = req.num_pending - cached
+            if whole_only and uncached > step.chunk(uncached, cached):
+                break
             self._attach_prefix(req)
-            num_new = step.chunk(req.num_pending)
+            num_new = step.chunk(req.num_pending, req.num_computed_tokens)
+            if num_new == 0:  # latency mode: this step's prefill work is spent
+                self._free_blocks(req)
+                req.num_computed_tokens = 0
+                break
             if not self._grow(req, req.num_computed_tokens + num_new):
                 self._free_blocks(req)  # keep waiting without pages
                 req.num_computed_tokens = 0
-                return
+                break
+            admitted += 1
             self._count_skips(req)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.take(self._seq(req, num_new))
+        return admitted
 
     # ------------------------------------------------------------------ prefix cache
 

@@ -47,6 +47,18 @@ def test_batch_equals_solo_runs(tiny):
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
 
 
+def test_latency_mode_batch_equals_solo_runs_and_transformers(tiny):
+    """prefill_step_cost cuts prefills into context-dependent chunks and reorders steps; the
+    tokens stay the same."""
+    folder, hf = tiny
+    prompts = _prompts([5, 130, 47, 260], seed=4)
+    llm = LLM(folder, max_num_batched_tokens=64, block_size=16, prefill_step_cost=24)
+    assert llm.engine.scheduler.context_cost == pytest.approx(
+        (64 * (128 + 64) + 3 * 64 * 96) / (2 * 64))  # the tiny model's shape
+    batch = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    assert batch == [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+
+
 def test_pool_running_dry_preempts_and_still_matches(tiny):
     folder, _ = tiny
     prompts = [{"prompt_token_ids": p} for p in _prompts([90, 100, 110, 120], seed=5)]

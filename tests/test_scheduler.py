@@ -19,7 +19,7 @@ from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
 from longctx.sampling_params import SamplingParams
 from longctx.scheduler import (Request, RequestStatus, RequestTooLongError, ScheduledBatch,
-                               ScheduledSeq, Scheduler)
+                               ScheduledSeq, Scheduler, chunk_cost, tokens_for_cost)
 
 
 def make_scheduler(budget: int, num_blocks: int, block_size: int, max_model_len: int = 64,
@@ -263,6 +263,92 @@ def test_short_prompt_goes_ahead_of_a_long_prefills_next_chunk():
     assert summary(batch) == [("b", 0, 1, [1], True), ("a", 4, 3, [0, 2], False)]
     batch, _ = step(sched)
     assert summary(batch) == [("a", 7, 2, [0, 2, 1], True)]  # b finished: its page is reused
+
+
+# ---------------------------------------------------------------------------- latency mode
+
+
+@pytest.mark.parametrize("context_cost", [0.0, 7.0, 100.0, 3072.0])
+def test_tokens_for_cost_is_the_most_tokens_within_the_cost(context_cost):
+    for start in (0, 1, 5, 63, 1000, 8000):
+        for cost in (0.5, 1.0, 3.0, 17.5, 256.0):
+            n = tokens_for_cost(cost, start, context_cost)
+            assert n >= 1
+            if n > 1:  # n = 1 is the floor even when one token costs more
+                assert chunk_cost(n, start, context_cost) <= cost + 1e-9
+            assert chunk_cost(n + 1, start, context_cost) > cost
+
+
+def test_chunk_cost_counts_attention_to_the_context():
+    assert chunk_cost(10, 0, 0.0) == 10  # off: tokens only
+    assert chunk_cost(1, 100, 100.0) == 2.0  # one token seeing 100 earlier ones: 1 + 100/100
+    # n tokens from start s see s, s+1, ..., s+n-1 earlier tokens
+    assert chunk_cost(4, 10, 2.0) == pytest.approx(4 + (10 + 11 + 12 + 13) / 2.0)
+
+
+def latency_scheduler(cost: int, context_cost: float, budget: int = 64, busy: int = 0) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, busy_prefill_chunk=busy,
+                             prefill_step_cost=cost)
+    return Scheduler(config, BlockPool(256), 4, 1024, context_cost=context_cost)
+
+
+def test_latency_mode_shrinks_a_long_prefills_chunks_as_its_context_grows():
+    sched = latency_scheduler(cost=32, context_cost=32.0)
+    sched.add(make_request("doc", 300, 1))
+    sizes = []
+    while sched.has_unfinished():
+        batch, _ = step(sched)
+        (seq,) = batch.seqs
+        sizes.append(len(seq.token_ids))
+        assert len(seq.token_ids) == 1 or chunk_cost(len(seq.token_ids), seq.start_pos, 32.0) <= 32
+    assert sum(sizes) == 300
+    assert sizes[0] == tokens_for_cost(32, 0, 32.0) and sizes[0] > 2 * sizes[-2]
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True)
+    # off, the same prompt takes whole budget-sized chunks
+    plain = latency_scheduler(cost=0, context_cost=32.0)
+    plain.add(make_request("doc", 300, 1))
+    assert [len(step(plain)[0].seqs[0].token_ids) for _ in range(5)] == [64, 64, 64, 64, 44]
+
+
+def test_latency_mode_gives_a_newcomer_a_step_without_other_prefill_chunks():
+    sched = latency_scheduler(cost=40, context_cost=1000.0)
+    sched.add(make_request("doc", 400, 1))
+    assert summary(step(sched)[0])[0][:3] == ("doc", 0, 39)
+    sched.add(make_request("q", 5, 3, base=900))
+    batch, _ = step(sched)  # q's first token, alone: the document waits one step
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in batch.seqs] == [("q", 5, True)]
+    batch, _ = step(sched)  # q decodes (not capped), the document prefills again
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in batch.seqs] == [
+        ("q", 5, 1), ("doc", 39, tokens_for_cost(40, 39, 1000.0))]
+
+
+def test_latency_mode_newcomer_goes_before_a_prefills_last_chunk():
+    sched = latency_scheduler(cost=40, context_cost=1000.0, budget=64)
+    sched.add(make_request("doc", 70, 1))
+    step(sched)  # 39 tokens: 31 left, less than the budget
+    sched.add(make_request("q", 5, 3, base=900))
+    batch, _ = step(sched)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("q", 5)]
+    batch, _ = step(sched)
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in batch.seqs] == [
+        ("q", 1, True), ("doc", 31, True)]
+
+
+def test_latency_mode_decodes_never_wait_for_the_cost_budget():
+    """Decodes are not counted: many decoding requests still all decode every step, and a
+    prefill chunk beside them still gets the whole cost budget."""
+    sched = latency_scheduler(cost=8, context_cost=4.0)
+    for i in range(6):
+        sched.add(make_request(f"r{i}", 3, 5, base=100 * i))
+    while sched.waiting or any(r.num_pending > 1 for r in sched.running):
+        step(sched)  # the prompts (3 tokens each) are prefilled, a few per step
+    sched.add(make_request("doc", 200, 1, base=5000))
+    batch, _ = step(sched)
+    decodes = [s for s in batch.seqs if s.request_id.startswith("r")]
+    assert len(decodes) == len([r for r in sched.requests.values() if r.request_id.startswith("r")])
+    assert all(len(s.token_ids) == 1 for s in decodes)
+    doc = [s for s in batch.seqs if s.request_id == "doc"]
+    assert doc and chunk_cost(len(doc[0].token_ids), 0, 4.0) <= 8
 
 
 def test_max_num_seqs_limits_running_requests():
@@ -606,10 +692,13 @@ def check_state(sched: Scheduler, max_num_seqs: int) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
-def test_random_workloads_finish_without_leaks(workload):
+@given(workloads(), st.sampled_from([(0, 0.0), (6, 5.0), (1, 0.0), (20, 2.0)]))
+def test_random_workloads_finish_without_leaks(workload, latency):
+    """Also in latency mode (prefill_step_cost, context_cost)."""
     block_size, budget, max_num_seqs, max_model_len, num_blocks, shapes, arrivals = workload
-    sched = make_scheduler(budget, num_blocks, block_size, max_model_len, max_num_seqs)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                             prefill_step_cost=latency[0])
+    sched = Scheduler(config, BlockPool(num_blocks), block_size, max_model_len, context_cost=latency[1])
     reqs = [make_request(f"r{i}", p, m, base=100 * i) for i, (p, m) in enumerate(shapes)]
     pending = sorted(zip(arrivals, range(len(reqs))))
     total = sum(p + m for p, m in shapes)

@@ -99,6 +99,16 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @property
+    def context_cost_tokens(self) -> float:
+        """The context length at which one token's attention costs as many flops as its linear
+        layers: (q, k, v, o and MLP weights of a layer) / (2 * heads * head_dim)."""
+        q_size = self.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        linear = (self.hidden_size * (2 * q_size + 2 * kv_size)
+                  + 3 * self.hidden_size * self.intermediate_size)
+        return linear / (2.0 * q_size)
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
