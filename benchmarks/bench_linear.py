@@ -1,0 +1,95 @@
+"""The default model's matrix products at few rows: which weight layout streams fastest.
+
+Decode runs one row per sequence through every weight matrix; a lookahead verify step or a
+batch of decodes runs a few rows; a prefill chunk thousands. On the CPU the BLAS picks
+different code for each shape, so the layout that is fastest for one row need not be for
+four. This times SmolLM2-135M's 121 weight matrices (30 layers of fused qkv, o, fused
+gate/up, down, plus the 49,152-row LM head) per step, for T rows, three ways on the same
+numbers:
+
+* ``x @ W_t``          weights held ``[in, out]`` (the model's layout today);
+* ``(W @ x.T).T``      weights held ``[out, in]`` (HF's layout), product taken column-major;
+* ``F.linear(x, W)``   weights held ``[out, in]``, torch's usual call.
+
+Usage:  python benchmarks/bench_linear.py [--threads 2] [--repeats 7]
+Writes benchmarks/results/linear-<host>.json and prints a table (median ms per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from machine import machine_info
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HIDDEN, QKV, INTERMEDIATE, LAYERS, VOCAB = 576, 576 + 2 * 192, 1536, 30, 49152  # SmolLM2-135M
+ROWS = (1, 2, 3, 4, 8, 16, 32, 128, 2048)
+
+
+def weights() -> list[tuple[int, int]]:
+    """(in, out) of every matrix of one forward pass, LM head last."""
+    layer = [(HIDDEN, QKV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
+    return layer * LAYERS + [(HIDDEN, VOCAB)]
+
+
+def time_step(product, mats, rows: int, repeats: int) -> float:
+    """Median ms of one pass of ``product`` over every matrix, ``rows`` rows each."""
+    xs = [torch.randn(rows, w_in.shape[0]) for w_in, _ in mats]
+    product(xs[0], *mats[0])  # warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for x, (w_in_out, w_out_in) in zip(xs, mats):
+            product(x, w_in_out, w_out_in)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+PRODUCTS = {
+    "x @ W_t [in,out]": lambda x, w_t, w: x @ w_t,
+    "(W @ x.T).T [out,in]": lambda x, w_t, w: (w @ x.t()).t(),
+    "F.linear [out,in]": lambda x, w_t, w: F.linear(x, w),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    mats = []
+    for n_in, n_out in weights():
+        w_t = torch.randn(n_in, n_out, generator=gen)
+        mats.append((w_t, w_t.t().contiguous()))  # the same numbers in both layouts
+    result: dict[str, dict[int, float]] = {name: {} for name in PRODUCTS}
+    for rows in ROWS:
+        # few rows: every matrix; thousands: the first 4 layers (the time scales with layers)
+        subset = mats if rows <= 32 else mats[:16]
+        for name, product in PRODUCTS.items():
+            result[name][rows] = time_step(product, subset, rows, args.repeats if rows <= 32 else 3)
+        print(f"rows {rows}: " + "  ".join(f"{n} {result[n][rows]:.1f}" for n in PRODUCTS), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"linear-{platform.node() or 'host'}.json"
+    report = {"machine": machine_info(threads=args.threads),
+              "what": "median ms per forward pass over the weight matrices (rows <= 32: all 121 "
+                      "plus the LM head; more rows: the first 4 layers only)",
+              "ms": result}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'rows':>5} " + " ".join(f"{n:>22}" for n in PRODUCTS))
+    for rows in ROWS:
+        print(f"{rows:>5} " + " ".join(f"{result[n][rows]:>22.1f}" for n in PRODUCTS))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
