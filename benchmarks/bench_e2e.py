@@ -32,7 +32,10 @@ ENGINES = ("hf-fp32", "longctx-fp32", "longctx-bf16")
 
 # ---------------------------------------------------------------- machine facts and ceilings
 
-def ceilings(threads: int) -> dict:
+def ceilings(threads: int, bf16: bool = True) -> dict:
+    """GEMM rates and copy bandwidth. ``bf16=False`` skips the bf16 GEMM: on a CPU without
+    bf16 instructions torch's bf16 matmul crawls (seen: 0.2 GFLOP/s on an AVX2 EPYC, ~10 min
+    for one 4096^3 product), so it is measured only when a bf16 engine runs."""
     import torch
 
     torch.set_num_threads(threads)
@@ -47,7 +50,7 @@ def ceilings(threads: int) -> dict:
         return min(times)
 
     out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))[:2 if bf16 else 1]:
         a = torch.randn(4096, 4096, dtype=dtype)
         t = best(lambda: a @ a)
         out[f"gemm_{name}_gflops"] = 2 * 4096 ** 3 / t / 1e9
@@ -242,8 +245,9 @@ def summarize(results: dict, ceil: dict, lengths: list[int], decode_ctx: int) ->
         rows.append(f"{name:<14} " + " ".join(f"{c:>13}" for c in cells)
                     + f" {f'{dec:.1f}{dec_ratio}':>14} {r['batch']['output_tok_s']:>12.1f}"
                     f" {r['peak_rss_gib']:>13.2f}")
-    rows.append(f"ceilings: fp32 GEMM {ceil['gemm_fp32_gflops']:.0f} GFLOP/s, bf16 GEMM "
-                f"{ceil['gemm_bf16_gflops']:.0f} GFLOP/s, copy {ceil['copy_gbps']:.1f} GB/s")
+    bf16 = f"{ceil['gemm_bf16_gflops']:.0f} GFLOP/s" if "gemm_bf16_gflops" in ceil else "not measured"
+    rows.append(f"ceilings: fp32 GEMM {ceil['gemm_fp32_gflops']:.0f} GFLOP/s, bf16 GEMM {bf16}, "
+                f"copy {ceil['copy_gbps']:.1f} GB/s")
     return rows
 
 
@@ -272,7 +276,7 @@ def main() -> None:
         res = (worker_hf if args.worker == "hf-fp32" else worker_longctx)(args)
         print(json.dumps(res))
         return
-    ceil = ceilings(args.threads)
+    ceil = ceilings(args.threads, bf16="bf16" in args.engines)
     results = {e: run_worker(e, args) for e in args.engines.split(",")}
     info = machine_info()
     report = {"machine": info, "ceilings": ceil, "args": {k: v for k, v in vars(args).items() if k != "out"},
