@@ -12,6 +12,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+CPU_MATMULS = ("auto", "onednn", "blas")
 
 
 class ConfigError(ValueError):
@@ -31,8 +32,13 @@ class ModelLoadConfig:
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: leave as is)"})
     attention_backend: str = field(
         default="auto", metadata={"help": "auto | torch | triton | flash-attn (auto: by device)"})
+    cpu_matmul: str = field(
+        default="auto", metadata={"help": "auto | onednn | blas: the CPU weight products (auto: "
+                                          "oneDNN with pre-packed weights for float32, else BLAS)"})
 
     def __post_init__(self) -> None:
+        _check(self.cpu_matmul in CPU_MATMULS,
+               f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                f"got {self.attention_backend!r}")

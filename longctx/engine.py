@@ -26,6 +26,7 @@ from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pag
 from longctx.lookahead.acceptance import accept_draft
 from longctx.lookahead.controller import LookaheadController
 from longctx.lookahead.tree import DraftTree
+from longctx.model.llama import choose_cpu_matmul
 from longctx.model.loader import load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
@@ -126,6 +127,11 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
         self.model = load_model(load.model, dtype=self.dtype, device=self.device)
+        self.cpu_matmul = "none"
+        if self.device.type == "cpu":
+            self.cpu_matmul = choose_cpu_matmul(load.cpu_matmul, self.dtype)
+            if self.cpu_matmul == "onednn":
+                self.model.pack_linears_onednn()
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or self.model_config.max_position_embeddings

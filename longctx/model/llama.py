@@ -13,7 +13,11 @@ F MLP intermediate size, V vocabulary.
 
 Weights are held transposed (``[in, out]``, contiguous): on the CPU ``x @ W_t`` runs the
 one-token matrix-vector products of decode markedly faster than ``F.linear`` (see
-docs/architecture.md). q/k/v and gate/up are fused into one matrix each.
+docs/architecture.md). q/k/v and gate/up are fused into one matrix each. On the CPU in fp32
+the engine then hands every matrix to oneDNN pre-packed (``pack_linears_onednn``): BLAS
+re-packs the weights on every call with a few rows (lookahead verification, small batches),
+which made a 4-row step cost ~3x a 1-row step; pre-packed, it costs about the same
+(benchmarks/bench_linear.py).
 """
 
 from __future__ import annotations
@@ -27,15 +31,50 @@ from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
 
+PACK_ROWS_HINT = 16  # oneDNN packs for this many rows; measured as good as any from 1 to 2048
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's pre-packed linear ops."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
+    """'onednn' or 'blas' for a CPU model: 'auto' takes oneDNN for float32 when available
+    (bf16/fp16 stay on BLAS: oneDNN's packed path was only measured in fp32)."""
+    if requested == "blas":
+        return "blas"
+    if requested == "onednn":
+        if not onednn_linear_available():
+            raise RuntimeError("cpu_matmul='onednn' but this torch build has no oneDNN linear ops")
+        return "onednn"
+    return "onednn" if dtype == torch.float32 and onednn_linear_available() else "blas"
+
+
 class Linear(nn.Module):
-    """y = x @ weight_t (+ bias), with weight_t [in, out] contiguous."""
+    """y = x @ weight_t (+ bias), with weight_t [in, out] contiguous; or, once ``pack_onednn``
+    has run, through oneDNN with the weight pre-packed in its blocked layout (weight_t is then
+    dropped, so memory stays one copy)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack_onednn(self, rows_hint: int) -> None:
+        if self.weight_t.device.type != "cpu" or self.weight_t.dtype != torch.float32:
+            raise ValueError("oneDNN packing is for float32 weights on the CPU, got "
+                             f"{self.weight_t.dtype} on {self.weight_t.device}")
+        weight = self.weight_t.detach().t().contiguous()  # (out, in)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self.weight_t = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight_t)
         return x @ self.weight_t
@@ -119,6 +158,12 @@ class LlamaForCausalLM(nn.Module):
         # LM head, transposed [E, V]; for tied embeddings the loader fills it from the embedding
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+
+    def pack_linears_onednn(self, rows_hint: int = PACK_ROWS_HINT) -> None:
+        """Hold every matrix pre-packed for oneDNN (see ``Linear``). CPU, fp32 only."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is None:
+                module.pack_onednn(rows_hint)
 
     def rotary_for(self, device: torch.device) -> RotaryEmbedding:
         if self.rotary is None or self.rotary.cos.device != device:
