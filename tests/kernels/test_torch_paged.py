@@ -6,7 +6,10 @@ and at 63 (every tree through the whole-context matmuls)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
 
 from longctx.kernels import torch_paged
@@ -29,3 +32,43 @@ def test_every_form_matches_reference(monkeypatch, name, max_kv_heads, small_q):
     monkeypatch.setattr(torch_paged, "SMALL_Q", small_q)
     case = CASES[name]
     check_against_reference(torch_paged, make_batch(case), case.dtype)
+
+
+def _relayout(batch, tables: list[list[int]], num_blocks: int):
+    """The same sequences with their pages moved to the block ids in ``tables``."""
+    k_cache = torch.full((num_blocks, *batch.k_cache.shape[1:]), float("nan"), dtype=batch.k_cache.dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    for b, ids in enumerate(tables):
+        old = batch.block_table[b, :len(ids)].long()
+        k_cache[ids] = batch.k_cache[old]
+        v_cache[ids] = batch.v_cache[old]
+        block_table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return dataclasses.replace(batch, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
+
+
+# contexts 75 and 161 at block size 16: 5 and 11 pages
+LAYOUTS = {
+    "one-run-each": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]],
+    "prefix-hit-then-fresh": [[20, 21, 22, 0, 1], [2, 3, 4, 5, 6, 7, 8, 30, 31, 32, 40]],
+    "new-tokens-across-runs": [[0, 1, 2, 3, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 25]],
+    "every-page-its-own-run": [[0, 2, 4, 6, 8], [30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10]],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("q_lens,trees", [((1, 1), None), ((3, 2), None), ((7, 5), None),
+                                          ((7, 1), (TWO_BRANCH_TREE, None))])
+@pytest.mark.parametrize("max_runs", [0, 16])
+def test_block_runs_layouts_match_reference(monkeypatch, layout, q_lens, trees, max_runs):
+    """Tables in one run (views), a few runs (attended run by run and merged) and, with
+    ``MAX_RUNS`` 0, the gathered copy; new tokens that straddle two runs included."""
+    monkeypatch.setattr(torch_paged, "MAX_RUNS", max_runs)
+    case = Case(q_lens, (75, 161), num_kv_heads=3, group=3, trees=trees, seed=41)
+    check_against_reference(torch_paged, _relayout(make_batch(case), LAYOUTS[layout], 48), case.dtype)
+
+
+def test_block_runs():
+    assert torch_paged.block_runs([]) == []
+    assert torch_paged.block_runs([4, 5, 6, 0, 1, 9]) == [(4, 3), (0, 2), (9, 1)]
+    assert torch_paged.block_runs([3, 2]) == [(3, 1), (2, 1)]
