@@ -4,12 +4,14 @@ Decode runs one row per sequence through every weight matrix; a lookahead verify
 batch of decodes runs a few rows; a prefill chunk thousands. On the CPU the BLAS picks
 different code for each shape, so the layout that is fastest for one row need not be for
 four. This times SmolLM2-135M's 121 weight matrices (30 layers of fused qkv, o, fused
-gate/up, down, plus the 49,152-row LM head) per step, for T rows, three ways on the same
-numbers:
+gate/up, down, plus the 49,152-row LM head) per step, for T rows, four ways on the same
+numbers, the ways alternating within each repeat so a slow spell of the machine hits all:
 
-* ``x @ W_t``          weights held ``[in, out]`` (the model's layout today);
+* ``x @ W_t``          weights held ``[in, out]`` (BLAS; the model's ``cpu_matmul="blas"``);
 * ``(W @ x.T).T``      weights held ``[out, in]`` (HF's layout), product taken column-major;
-* ``F.linear(x, W)``   weights held ``[out, in]``, torch's usual call.
+* ``F.linear(x, W)``   weights held ``[out, in]``, torch's usual call;
+* ``oneDNN packed``    weights pre-packed once by oneDNN for 16 rows (the model's default in
+                       fp32 on the CPU, ``cpu_matmul="onednn"``).
 
 Usage:  python benchmarks/bench_linear.py [--threads 2] [--repeats 7]
 Writes benchmarks/results/linear-<host>.json and prints a table (median ms per step).
@@ -29,6 +31,8 @@ import torch.nn.functional as F
 
 from machine import machine_info
 
+from longctx.model.llama import PACK_ROWS_HINT
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, QKV, INTERMEDIATE, LAYERS, VOCAB = 576, 576 + 2 * 192, 1536, 30, 49152  # SmolLM2-135M
 ROWS = (1, 2, 3, 4, 8, 16, 32, 128, 2048)
@@ -40,23 +44,27 @@ def weights() -> list[tuple[int, int]]:
     return layer * LAYERS + [(HIDDEN, VOCAB)]
 
 
-def time_step(product, mats, rows: int, repeats: int) -> float:
-    """Median ms of one pass of ``product`` over every matrix, ``rows`` rows each."""
-    xs = [torch.randn(rows, w_in.shape[0]) for w_in, _ in mats]
-    product(xs[0], *mats[0])  # warm up
-    times = []
+def time_steps(mats, rows: int, repeats: int) -> dict[str, float]:
+    """Median ms of one pass of each product over every matrix, ``rows`` rows each."""
+    xs = [torch.randn(rows, m[0].shape[0]) for m in mats]
+    for product in PRODUCTS.values():
+        product(xs[0], *mats[0])  # warm up
+    times: dict[str, list[float]] = {name: [] for name in PRODUCTS}
     for _ in range(repeats):
-        start = time.perf_counter()
-        for x, (w_in_out, w_out_in) in zip(xs, mats):
-            product(x, w_in_out, w_out_in)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        for name, product in PRODUCTS.items():
+            start = time.perf_counter()
+            for x, m in zip(xs, mats):
+                product(x, *m)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
 PRODUCTS = {
-    "x @ W_t [in,out]": lambda x, w_t, w: x @ w_t,
-    "(W @ x.T).T [out,in]": lambda x, w_t, w: (w @ x.t()).t(),
-    "F.linear [out,in]": lambda x, w_t, w: F.linear(x, w),
+    "x @ W_t [in,out]": lambda x, w_t, w, packed: x @ w_t,
+    "(W @ x.T).T [out,in]": lambda x, w_t, w, packed: (w @ x.t()).t(),
+    "F.linear [out,in]": lambda x, w_t, w, packed: F.linear(x, w),
+    "oneDNN packed": lambda x, w_t, w, packed: torch.ops.mkldnn._linear_pointwise(
+        x, packed, None, "none", [], ""),
 }
 
 
@@ -70,13 +78,14 @@ def main() -> None:
     mats = []
     for n_in, n_out in weights():
         w_t = torch.randn(n_in, n_out, generator=gen)
-        mats.append((w_t, w_t.t().contiguous()))  # the same numbers in both layouts
+        w = w_t.t().contiguous()  # the same numbers in each layout
+        mats.append((w_t, w, torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)))
     result: dict[str, dict[int, float]] = {name: {} for name in PRODUCTS}
     for rows in ROWS:
         # few rows: every matrix; thousands: the first 4 layers (the time scales with layers)
         subset = mats if rows <= 32 else mats[:16]
-        for name, product in PRODUCTS.items():
-            result[name][rows] = time_step(product, subset, rows, args.repeats if rows <= 32 else 3)
+        for name, ms in time_steps(subset, rows, args.repeats if rows <= 32 else 3).items():
+            result[name][rows] = ms
         print(f"rows {rows}: " + "  ".join(f"{n} {result[n][rows]:.1f}" for n in PRODUCTS), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"linear-{platform.node() or 'host'}.json"

@@ -164,6 +164,15 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
                 module.pack_onednn(rows_hint)
+        # The loaded weights are views of one storage (the memory-mapped weight cache), which
+        # lives on while any of them does: give the remaining tensors (embedding, norms, biases)
+        # their own memory so the mapping, and the dropped matrices with it, are released.
+        # Measured after loading the default model (KV pool 0.1 GiB): resident 1.51 -> 1.09 GB;
+        # the load's own peak rises 1.56 -> 1.70 GB (the clones exist beside the mapping).
+        for module in self.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
 
     def rotary_for(self, device: torch.device) -> RotaryEmbedding:
         if self.rotary is None or self.rotary.cos.device != device:
