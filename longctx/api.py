@@ -12,6 +12,8 @@ Never: model math or scheduling.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +49,10 @@ class LLM:
         if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
             raise ValueError(f"sequence_parallel_size must be an integer >= 1, got {sequence_parallel_size!r}")
         self.configs = split_engine_kwargs({"model": model, **engine_kwargs})
+        if sequence_parallel_size > 1 and self.configs[0].cpu_matmul == "auto":
+            # the ranks share this model's weights through shared memory, which oneDNN's
+            # packed (opaque) tensors cannot join: keep them as plain BLAS matrices
+            self.configs = (dataclasses.replace(self.configs[0], cpu_matmul="blas"), *self.configs[1:])
         self.engine = LLMEngine(*self.configs)
         self.sequence_parallel_size = sequence_parallel_size
         self._closed = False
@@ -204,7 +210,8 @@ class LLM:
         load, cache, sched, _ = self.configs
         n = self.sequence_parallel_size
         metrics = RequestMetrics(time.perf_counter())
-        out = generate_sp(self.engine.model if self.engine.device.type == "cpu" else load.model,
+        shared = self.engine.device.type == "cpu" and not self.engine.model.has_packed_linears()
+        out = generate_sp(self.engine.model if shared else load.model,
                           ids, params, sequence_parallel_size=n,
                           chunk_size=max(1, sched.max_num_batched_tokens // n),
                           block_size=cache.block_size, dtype=load.dtype,

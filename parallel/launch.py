@@ -236,6 +236,10 @@ def generate_sp(model: str | LlamaForCausalLM, prompt_token_ids: list[int],
     params = sampling_params or SamplingParams()
     prompt = list(prompt_token_ids)
     if isinstance(model, LlamaForCausalLM):
+        if model.has_packed_linears():
+            raise ValueError("a model with oneDNN-packed weights cannot be shared with the ranks "
+                             "(opaque tensors have no shared storage): load it with "
+                             "cpu_matmul='blas', or pass the model's name so each rank loads it")
         check_request(prompt, model.config.vocab_size, max_model_len or model.config.max_position_embeddings)
     threads = num_threads or max(1, (os.cpu_count() or 1) // config.world_size)
     reports = spawn_ranks(generate_on_rank, config.world_size,

@@ -61,3 +61,17 @@ def test_engine_tokens_same_with_either_path(tmp_path):
         llm = LLM(str(tmp_path), cpu_matmul=choice, max_num_batched_tokens=64, block_size=16)
         assert (llm.engine.model.lm_head.packed is not None) is packed
         assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+
+
+@needs_onednn
+def test_sequence_parallel_keeps_shared_weights_unpacked(tmp_path):
+    """SP ranks share the engine's weights through shared memory; packed (opaque) tensors
+    cannot be shared, so SP keeps BLAS weights, and a packed model is refused by name."""
+    from longctx.parallel import generate_sp
+
+    make_engine_checkpoint(tmp_path)
+    assert not LLM(str(tmp_path), sequence_parallel_size=2).engine.model.has_packed_linears()
+    packed = LLM(str(tmp_path)).engine.model
+    assert packed.has_packed_linears()
+    with pytest.raises(ValueError, match="oneDNN-packed weights cannot be shared"):
+        generate_sp(packed, [5, 6, 7], SamplingParams(max_tokens=2), sequence_parallel_size=2)

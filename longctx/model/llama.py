@@ -174,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
                 if param is not None:
                     module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
 
+    def has_packed_linears(self) -> bool:
+        return any(isinstance(m, Linear) and m.packed is not None for m in self.modules())
+
     def rotary_for(self, device: torch.device) -> RotaryEmbedding:
         if self.rotary is None or self.rotary.cos.device != device:
             self.rotary = RotaryEmbedding(self.config, device)

@@ -23,7 +23,9 @@ def tiny(tmp_path_factory):
     hf = make_engine_checkpoint(folder)
     # lookahead off: SP decodes one token per step, and speculative acceptance draws random
     # numbers differently, so seeded sampling matches only the plain decode path
-    return str(folder), hf, LLM(str(folder), max_num_batched_tokens=64, block_size=16, lookahead=False)
+    # cpu_matmul blas: the ranks share the engine's weights, which oneDNN-packed ones cannot be
+    return str(folder), hf, LLM(str(folder), max_num_batched_tokens=64, block_size=16, lookahead=False,
+                                cpu_matmul="blas")
 
 
 def _prompt(length: int, seed: int) -> list[int]:
