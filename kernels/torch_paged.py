@@ -154,19 +154,24 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()  # (L, H, D), (L, H)
 
 
+def _attend_new_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens among themselves (k/v hold exactly their L rows): causal through the
+    flash kernel, or a draft tree's mask through the grouped matmuls over L x L."""
+    if tree_mask is None:
+        return _flash(q, k, v, True, scale)
+    visible = causal_visibility(q.shape[0], q.shape[0], tree_mask, device=q.device)
+    return _attend_grouped(q, k, v, visible, scale)
+
+
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """New tokens (the last L of S): the cached prefix without a mask plus the new tokens
     themselves with a causal (or ``tree_mask``) mask, merged by log-sum-exp. A single masked
     call would run the fully masked upper-right blocks too (measured ~1.5x slower at L=2048,
     S=8192)."""
-    q_len, ctx_len = q.shape[0], k.shape[0]
-    num_cached = ctx_len - q_len
-    if tree_mask is None:
-        out_self, lse_self = _flash(q, k[num_cached:], v[num_cached:], True, scale)
-    else:
-        visible = causal_visibility(q_len, q_len, tree_mask, device=q.device)
-        out_self, lse_self = _attend_grouped(q, k[num_cached:], v[num_cached:], visible, scale)
+    num_cached = k.shape[0] - q.shape[0]
+    out_self, lse_self = _attend_new_tokens(q, k[num_cached:], v[num_cached:], scale, tree_mask)
     if num_cached == 0:
         return out_self, lse_self
     out_prefix, lse_prefix = _flash(q, k[:num_cached], v[:num_cached], False, scale)
@@ -203,13 +208,7 @@ def _attend_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slots = [blocks[t // block_size] * block_size + t % block_size for t in range(num_cached, ctx_len)]
     index = torch.tensor(slots, dtype=torch.long, device=q.device)
     k_new, v_new = flat_k.index_select(0, index), flat_v.index_select(0, index)  # (L, Hkv, D)
-    if tree_mask is not None:
-        visible = causal_visibility(q_len, q_len, tree_mask, device=q.device)
-        parts.append(_attend_grouped(q, k_new, v_new, visible, scale))
-    elif q_len == 1:
-        parts.append(_attend_small(q, k_new, v_new, None, scale))
-    else:
-        parts.append(_flash(q, k_new, v_new, True, scale))
+    parts.append(_attend_new_tokens(q, k_new, v_new, scale, tree_mask))
     out, lse = parts[0]
     for o, l in parts[1:]:
         out, lse = merge_attn_states(out, lse, o, l)

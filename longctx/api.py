@@ -12,12 +12,10 @@ Never: model math or scheduling.
 
 from __future__ import annotations
 
-import dataclasses
-
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from longctx import tasks
@@ -52,7 +50,7 @@ class LLM:
         if sequence_parallel_size > 1 and self.configs[0].cpu_matmul == "auto":
             # the ranks share this model's weights through shared memory, which oneDNN's
             # packed (opaque) tensors cannot join: keep them as plain BLAS matrices
-            self.configs = (dataclasses.replace(self.configs[0], cpu_matmul="blas"), *self.configs[1:])
+            self.configs = (replace(self.configs[0], cpu_matmul="blas"), *self.configs[1:])
         self.engine = LLMEngine(*self.configs)
         self.sequence_parallel_size = sequence_parallel_size
         self._closed = False

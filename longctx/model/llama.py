@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 
 
-PACK_ROWS_HINT = 16  # oneDNN packs for this many rows; measured as good as any from 1 to 2048
+PACK_ROWS_HINT = 16  # oneDNN packs for this many rows: measured as fast as 4, faster than 1 at 2-2048 rows
 
 
 def onednn_linear_available() -> bool:
