@@ -185,11 +185,29 @@ def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
         inputs_c = (*inputs[:3], consecutive, *inputs[4:])
         ms = time_call(lambda: torch_paged.paged_attention(*inputs_c), device, 1, args.reps)
         results.append(make_result("torch-consec", shape, ms))
+        # a prefix-cache hit then fresh pages: each sequence's table in two runs of consecutive
+        # ids, attended run by run (default) or gathered (MAX_RUNS 0, the path before runs)
+        per_seq = inputs[3].shape[1]
+        half = per_seq // 2
+        two_runs = torch.tensor([[b * per_seq + i if i < half else consecutive.numel() + b * per_seq + i
+                                  for i in range(per_seq)] for b in range(shape.batch)], dtype=torch.int32)
+        spare = torch.zeros((consecutive.numel(), *inputs[1].shape[1:]), dtype=inputs[1].dtype)
+        k2, v2 = torch.cat([inputs[1], spare]), torch.cat([inputs[2], spare])
+        k2[two_runs.long()], v2[two_runs.long()] = inputs[1][inputs[3].long()], inputs[2][inputs[3].long()]
+        inputs_r = (inputs[0], k2, v2, two_runs, *inputs[4:])
+        for name, max_runs in (("torch-2runs", torch_paged.MAX_RUNS), ("torch-2runs-gather", 0)):
+            saved, torch_paged.MAX_RUNS = torch_paged.MAX_RUNS, max_runs
+            try:
+                ms = time_call(lambda: torch_paged.paged_attention(*inputs_r), device, 1, args.reps)
+            finally:
+                torch_paged.MAX_RUNS = saved
+            results.append(make_result(name, shape, ms))
         ms = time_call(gather_sdpa_call(shape, inputs), device, 1, args.reps)
         results.append(make_result("gather+sdpa", shape, ms))
     notes = ["No CUDA device: Triton numbers need a GPU and none were measured. Rows: the torch CPU "
-             "path (longctx.kernels.torch_paged) with a shuffled and a consecutive block table, and "
-             "gather + SDPA as the baseline."]
+             "path (longctx.kernels.torch_paged) with a shuffled and a consecutive block table, with "
+             "each table in two runs of consecutive ids (a prefix-cache hit then fresh pages) "
+             "attended run by run and, as before runs, gathered; and gather + SDPA as the baseline."]
     return results, notes
 
 

@@ -10,9 +10,10 @@ How it is fast:
 * Blocks are views when they can be. The block pool hands out the lowest free ids, so a
   sequence's blocks are usually consecutive; for such a run the sequence's K/V is a plain view
   of the cache (no gather). A table made of a few runs (a prefix-cache hit followed by fresh
-  pages is two) is attended run by run over views and merged by log-sum-exp: gathering 3K
-  tokens' K and V cost ~0.3 ms per layer per decode step, ~17% of the step. Only a table
-  broken into more than ``MAX_RUNS`` runs pays an ``index_select`` copy.
+  pages is two) is attended run by run over views and merged by log-sum-exp when its runs are
+  long (``MIN_RUN_TOKENS``) and the step is a decode (``RUNS_MAX_Q``); otherwise, or with
+  more than ``MAX_RUNS`` runs, the table pays an ``index_select`` copy, which is then cheaper
+  than the extra calls or small next to the step.
 * Decode (and up to ``SMALL_Q`` new tokens): two matmuls over views of the pages, no mask
   kernel. With few KV heads, K/V are read as [S, Hkv * D] matrices against a block-diagonal
   query operand; otherwise the query heads of a GQA group are stacked per KV head (measured at
@@ -58,6 +59,13 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
 
 SMALL_Q = 3  # up to this many new tokens per sequence: matmuls over the whole context
 MAX_RUNS = 16  # a block table in more runs of consecutive ids than this is gathered instead
+# ... and so is one whose runs average fewer tokens than this: per-run calls and merges then
+# cost more than the copy (bench_kernels.py: one sequence at 8K in two runs 2.8-3.7 ms vs 3.6-10.5 ms
+# gathered; 8 sequences at 2K, runs of 1K, 9.9-14.2 ms vs 7.8-9.4 ms gathered)
+MIN_RUN_TOKENS = 2048
+# ... and for steps of at most this many new tokens per sequence: a prefill chunk's compute
+# dwarfs the copy (2048 tokens at 8K in two runs: 288-476 ms run by run vs 297-325 gathered)
+RUNS_MAX_Q = SMALL_Q
 
 
 def block_runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -235,7 +243,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {q_len}")
         blocks = tables[b][:(ctx_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
         runs = block_runs(blocks)
-        if 1 < len(runs) <= MAX_RUNS:
+        if (1 < len(runs) <= MAX_RUNS and ctx_len >= MIN_RUN_TOKENS * len(runs)
+                and q_len <= RUNS_MAX_Q):
             o, l = _attend_runs(q[start:end], k_cache, v_cache, blocks, runs, ctx_len, scale, seq_tree)
             out[start:end] = o
             lse[start:end] = l

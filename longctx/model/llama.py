@@ -167,8 +167,7 @@ class LlamaForCausalLM(nn.Module):
         # The loaded weights are views of one storage (the memory-mapped weight cache), which
         # lives on while any of them does: give the remaining tensors (embedding, norms, biases)
         # their own memory so the mapping, and the dropped matrices with it, are released.
-        # Measured after loading the default model (KV pool 0.1 GiB): resident 1.51 -> 1.09 GB;
-        # the load's own peak rises 1.56 -> 1.70 GB (the clones exist beside the mapping).
+        # (benchmarks/bench_load.py reports the memory after a load, packed and not).
         for module in self.modules():
             for name, param in module._parameters.items():
                 if param is not None:

@@ -64,6 +64,8 @@ def test_block_runs_layouts_match_reference(monkeypatch, layout, q_lens, trees, 
     """Tables in one run (views), a few runs (attended run by run and merged) and, with
     ``MAX_RUNS`` 0, the gathered copy; new tokens that straddle two runs included."""
     monkeypatch.setattr(torch_paged, "MAX_RUNS", max_runs)
+    monkeypatch.setattr(torch_paged, "MIN_RUN_TOKENS", 1)  # these contexts are short
+    monkeypatch.setattr(torch_paged, "RUNS_MAX_Q", 63)  # and chunks and trees take runs too
     case = Case(q_lens, (75, 161), num_kv_heads=3, group=3, trees=trees, seed=41)
     check_against_reference(torch_paged, _relayout(make_batch(case), LAYOUTS[layout], 48), case.dtype)
 
