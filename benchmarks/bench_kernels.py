@@ -9,9 +9,9 @@ installed, ``flash_attn_with_kvcache`` on the same shapes:
   TFLOP/s, 4 * D * H * (visible query-key pairs) divided by the time.
 
 On a machine without CUDA there are no Triton numbers (the Triton interpreter is a test tool,
-not a kernel): the script says so and times the torch CPU path (``torch_paged``) against the
-baseline a user would write (gather the pages, then SDPA), on SmolLM2's geometry at 8K context
-and Llama-3-8B's at 2K.
+not a kernel): the script says so and times the CPU path (``torch_paged`` with its compiled
+decode kernel, and with the kernel off) against the baseline a user would write (gather the
+pages, then SDPA), on SmolLM2's geometry at 8K context and Llama-3-8B's at 2K.
 
 Results go to ``benchmarks/results/kernels-<device>.json`` with the machine's description; the
 table is printed last. Usage: ``python benchmarks/bench_kernels.py [--context 32768] [--reps 20]``
@@ -172,19 +172,27 @@ def gather_sdpa_call(shape: Shape, inputs):
 
 
 def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
-    """The torch CPU path (shuffled and consecutive block tables) against gather + SDPA."""
-    from longctx.kernels import torch_paged
+    """The CPU path as the engine runs it (the compiled decode kernel for short steps), the
+    torch forms alone (the kernel switched off), and gather + SDPA as the baseline."""
+    from longctx.kernels import cpu_decode, torch_paged
 
     device = torch.device("cpu")
     results = []
+
+    def timed(impl: str, shape: Shape, inputs, kernel: bool, max_runs: int | None = None) -> None:
+        saved = torch_paged.USE_CPU_KERNEL, torch_paged.MAX_RUNS
+        torch_paged.USE_CPU_KERNEL = kernel
+        torch_paged.MAX_RUNS = saved[1] if max_runs is None else max_runs
+        try:
+            ms = time_call(lambda: torch_paged.paged_attention(*inputs), device, 1, args.reps)
+        finally:
+            torch_paged.USE_CPU_KERNEL, torch_paged.MAX_RUNS = saved
+        results.append(make_result(impl, shape, ms))
+
     for shape in shapes:
         inputs = build_inputs(shape, device)
-        ms = time_call(lambda: torch_paged.paged_attention(*inputs), device, 1, args.reps)
-        results.append(make_result("torch-shuf", shape, ms))
         consecutive = torch.arange(inputs[3].numel(), dtype=torch.int32).view_as(inputs[3])
         inputs_c = (*inputs[:3], consecutive, *inputs[4:])
-        ms = time_call(lambda: torch_paged.paged_attention(*inputs_c), device, 1, args.reps)
-        results.append(make_result("torch-consec", shape, ms))
         # a prefix-cache hit then fresh pages: each sequence's table in two runs of consecutive
         # ids, attended run by run (default) or gathered (MAX_RUNS 0, the path before runs)
         per_seq = inputs[3].shape[1]
@@ -195,19 +203,24 @@ def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
         k2, v2 = torch.cat([inputs[1], spare]), torch.cat([inputs[2], spare])
         k2[two_runs.long()], v2[two_runs.long()] = inputs[1][inputs[3].long()], inputs[2][inputs[3].long()]
         inputs_r = (inputs[0], k2, v2, two_runs, *inputs[4:])
-        for name, max_runs in (("torch-2runs", torch_paged.MAX_RUNS), ("torch-2runs-gather", 0)):
-            saved, torch_paged.MAX_RUNS = torch_paged.MAX_RUNS, max_runs
-            try:
-                ms = time_call(lambda: torch_paged.paged_attention(*inputs_r), device, 1, args.reps)
-            finally:
-                torch_paged.MAX_RUNS = saved
-            results.append(make_result(name, shape, ms))
+        if cpu_decode.available():
+            timed("engine-shuf", shape, inputs, True)
+            timed("engine-consec", shape, inputs_c, True)
+        timed("torch-shuf", shape, inputs, False)
+        timed("torch-consec", shape, inputs_c, False)
+        timed("torch-2runs", shape, inputs_r, False)
+        timed("torch-2runs-gather", shape, inputs_r, False, max_runs=0)
         ms = time_call(gather_sdpa_call(shape, inputs), device, 1, args.reps)
         results.append(make_result("gather+sdpa", shape, ms))
-    notes = ["No CUDA device: Triton numbers need a GPU and none were measured. Rows: the torch CPU "
-             "path (longctx.kernels.torch_paged) with a shuffled and a consecutive block table, with "
-             "each table in two runs of consecutive ids (a prefix-cache hit then fresh pages) "
-             "attended run by run and, as before runs, gathered; and gather + SDPA as the baseline."]
+    notes = ["No CUDA device: Triton numbers need a GPU and none were measured. Rows: engine-*, "
+             "longctx.kernels.torch_paged as the engine runs it (steps of at most "
+             f"{torch_paged.CPU_KERNEL_MAX_ROWS} query rows per KV head go to the compiled decode "
+             f"kernel, {cpu_decode.status()}), with a shuffled and a consecutive block table; "
+             "torch-*, the same with the compiled kernel switched off: shuffled, consecutive, each "
+             "table in two runs of consecutive ids (a prefix-cache hit then fresh pages) attended "
+             "run by run and, as before runs, gathered; and gather + SDPA as the baseline. Every "
+             "row reruns one layer's inputs, so K/V may sit partly in cache: the end-to-end decode "
+             "figures are in bench_e2e.py."]
     return results, notes
 
 
@@ -251,14 +264,14 @@ def device_slug() -> str:
 
 
 def print_table(results: list[Result]) -> None:
-    header = (f"{'impl':<12} {'case':<30} {'BS':>4} {'dtype':<9} {'ms':>10} {'GB/s':>8} "
+    header = (f"{'impl':<18} {'case':<32} {'BS':>4} {'dtype':<9} {'ms':>10} {'GB/s':>8} "
               f"{'TFLOP/s':>8}")
     print(header)
     print("-" * len(header))
     for r in results:
         gbs = f"{r.gb_per_s:.1f}" if r.gb_per_s is not None else "-"
         tfl = f"{r.tflop_per_s:.2f}" if r.tflop_per_s is not None else "-"
-        print(f"{r.impl:<12} {r.case:<30} {r.block_size:>4} {r.dtype:<9} {r.ms:>10.3f} "
+        print(f"{r.impl:<18} {r.case:<32} {r.block_size:>4} {r.dtype:<9} {r.ms:>10.3f} "
               f"{gbs:>8} {tfl:>8}")
 
 

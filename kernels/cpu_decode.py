@@ -1,0 +1,172 @@
+"""The CPU decode-attention kernel (``csrc/paged_decode.c``): built on first use, called
+through ctypes.
+
+Owns: compiling the C source with the machine's C compiler into a per-user cache, loading it,
+and ``attend``: a few new tokens of one sequence against its pages, ``(out, lse)`` with the
+conventions of ``reference.py``. Never: choosing when to use it (``torch_paged`` does), or
+failing a run: with no compiler, a failed build or ``LONGCTX_CPU_KERNEL=0`` it reports itself
+unavailable (``status()`` says why) and the torch path runs instead.
+
+Why a compiled kernel: decode attention streams the whole KV of a sequence against a handful of
+query rows. BLAS reads it at 4-8 GB/s in that shape here (``benchmarks/bench_kernels.py``)
+against ~27 GB/s for a plain reduction over the same bytes; this kernel reads each row once
+per KV head with the queries in L1 (see the C file's header).
+
+The library is built with ``-march=native`` into ``$LONGCTX_CACHE_DIR`` (default
+``~/.cache/longctx``), under a name that hashes the source, the compiler command and the CPU's
+flags, so a home directory shared by different machines never loads a foreign build. Builds
+are written to a temporary name and renamed, so concurrent processes (test workers, sequence-
+parallel ranks) never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "status", "attend", "MAX_ROWS", "SPLIT_TOKENS"]
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+MAX_ROWS = 128  # query rows per KV head (q_len * group); the C file's MAX_ROWS
+MAX_HEAD_DIM = 256
+MAX_Q = 63  # tree-mask words hold 63 new tokens
+SPLIT_TOKENS = 512  # tokens per work item: enough items for the threads, few merges
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LONGCTX_CACHE_DIR") or os.path.join(Path.home(), ".cache", "longctx")
+    return Path(root) / "cpu_kernels"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_flags().encode(),
+                 platform.machine().encode()):
+        key.update(part)
+    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.longctx_paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _status
+    if _status is not None:
+        return _lib
+    with _lock:
+        if _status is None:
+            if os.environ.get("LONGCTX_CPU_KERNEL", "1") == "0":
+                _status = "disabled by LONGCTX_CPU_KERNEL=0"
+            else:
+                try:
+                    _lib = _build()
+                    _status = "ok"
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    _status = f"unavailable: {exc}"
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def status() -> str:
+    """'ok', or why the kernel is not used."""
+    _load()
+    return _status or ""
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``attend`` takes these shapes and dtypes (the caller then uses it)."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    return (q.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.is_contiguous()
+            and 1 <= q_len <= MAX_Q and head_dim <= MAX_HEAD_DIM and num_heads % num_kv == 0
+            and q_len * (num_heads // num_kv) <= MAX_ROWS and available())
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int],
+           ctx_len: int, scale: float, tail_words: torch.Tensor | None = None,
+           split_tokens: int = SPLIT_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [L, H, D] (the last L tokens of a ``ctx_len``-token sequence whose pages are
+    ``blocks``) -> (out [L, H, D] in q's dtype, lse [L, H] fp32). ``tail_words`` [L] int64:
+    bit j of word i lets query i see new token j (None: all of them). Check ``supports``
+    first."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode kernel is {status()}")
+    q_len, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+        raise ValueError("k_cache and v_cache must be contiguous with one shape and dtype")
+    block_size = k_cache.shape[1]
+    needed = (ctx_len + block_size - 1) // block_size
+    if len(blocks) < needed:
+        raise ValueError(f"{ctx_len} tokens need {needed} blocks, got {len(blocks)}")
+    used = blocks[:needed]
+    if used and not (0 <= min(used) and max(used) < k_cache.shape[0]):
+        raise ValueError(f"block ids must lie in [0, {k_cache.shape[0]}), got {min(used)}..{max(used)}")
+    table = torch.tensor(used, dtype=torch.int32)
+    qf = q.float().contiguous()
+    words = None if tail_words is None else tail_words.to(torch.int64).contiguous()
+    rows = q_len * (num_heads // num_kv)
+    num_splits = (ctx_len + split_tokens - 1) // split_tokens
+    all_rows = num_kv * rows
+    work = torch.empty(all_rows * head_dim + num_splits * all_rows * (head_dim + 2), dtype=torch.float32)
+    out = torch.empty(q_len, num_heads, head_dim, dtype=torch.float32)
+    lse = torch.empty(q_len, num_heads, dtype=torch.float32)
+    rc = lib.longctx_paged_decode(
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype],
+        table.data_ptr(), block_size, ctx_len, q_len, num_heads, num_kv, head_dim, scale,
+        None if words is None else words.data_ptr(), split_tokens, work.data_ptr(),
+        out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"paged_decode rejected its arguments (code {rc}): q {tuple(q.shape)}, "
+                         f"cache {tuple(k_cache.shape)} {k_cache.dtype}, ctx_len {ctx_len}")
+    return out.to(q.dtype), lse

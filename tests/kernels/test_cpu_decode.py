@@ -1,0 +1,140 @@
+"""The compiled CPU decode kernel (kernels/csrc/paged_decode.c) against the reference: GQA
+ratios 1, 3 and 8, head dims that take the vector path (64, 128), its 8-lane tail (72) and the
+scalar path (40), odd block sizes with shuffled tables and NaN in every slot no sequence owns,
+causal and tree masks, float32 and bfloat16 caches, and splits small enough that every context
+is merged from many partial states. Then how torch_paged routes to it, and the fallback when it
+cannot be built or is switched off."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
+
+from longctx.kernels import cpu_decode, torch_paged
+
+HAVE_COMPILER = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+
+
+def test_kernel_builds_where_there_is_a_compiler():
+    if not HAVE_COMPILER:
+        pytest.skip("no C compiler here; the torch path runs instead")
+    assert cpu_decode.available(), cpu_decode.status()
+    assert cpu_decode.status() == "ok"
+
+
+needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason=f"kernel {cpu_decode.status()}")
+
+
+def kernel_impl(split_tokens: int):
+    """cpu_decode.attend sequence by sequence, shaped like a kernels module."""
+
+    def paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, *,
+                        scale=None, tree_mask=None):
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+        cu = cu_seqlens_q.tolist()
+        for b, ctx_len in enumerate(context_lens.tolist()):
+            s, e = cu[b], cu[b + 1]
+            words = tree_mask[s:e] if tree_mask is not None else None
+            if words is None and e - s > 1:
+                words = torch.tensor([(1 << (i + 1)) - 1 for i in range(e - s)])
+            out[s:e], lse[s:e] = cpu_decode.attend(q[s:e], k_cache, v_cache, block_table[b].tolist(),
+                                                   ctx_len, scale, words, split_tokens=split_tokens)
+        return out, lse
+
+    return SimpleNamespace(paged_attention=paged_attention)
+
+
+CASES = {
+    "decode-gqa3": Case((1, 1), (75, 161), num_kv_heads=3, group=3, seed=1),
+    "decode-mha": Case((1, 1, 1), (1, 33, 200), num_kv_heads=4, group=1, seed=2),
+    "decode-gqa8": Case((1,), (130,), num_kv_heads=2, group=8, seed=3),
+    "verify-causal-5": Case((5, 2), (90, 41), num_kv_heads=2, group=3, seed=4),
+    "tree-7": Case((7, 1), (70, 20), num_kv_heads=2, group=3, trees=(TWO_BRANCH_TREE, None), seed=5),
+    "tree-3-chain-4": Case((3, 4), (40, 9), num_kv_heads=1, group=4, trees=([-1, 0, 0], None), seed=6),
+    "block-size-5": Case((1, 3), (23, 64), num_kv_heads=3, group=3, block_size=5, seed=7),
+    "head-dim-128": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=128, seed=8),
+    "head-dim-72": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=72, seed=9),
+    "head-dim-40-scalar": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=40, seed=10),
+    "only-new-tokens": Case((4,), (4,), num_kv_heads=1, group=3, seed=11),
+    "32-rows-per-head": Case((32,), (45,), num_kv_heads=1, group=3, seed=12),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("split_tokens", [7, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(name, split_tokens, dtype):
+    case = dataclasses.replace(CASES[name], dtype=dtype)
+    check_against_reference(kernel_impl(split_tokens), make_batch(case), dtype)
+
+
+@needs_kernel
+def test_torch_paged_sends_short_steps_to_the_kernel(monkeypatch):
+    """Decode and short verification go to the kernel, long chunks to the flash path; both
+    answers match the reference (check_against_reference)."""
+    calls = []
+    real = cpu_decode.attend
+    monkeypatch.setattr(cpu_decode, "attend", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    check_against_reference(torch_paged, make_batch(Case((1, 5, 40), (80, 60, 90), num_kv_heads=2,
+                                                         group=3, seed=21)), torch.float32)
+    assert calls == [1, 5]  # 40 new tokens x group 3 = 120 rows > CPU_KERNEL_MAX_ROWS: flash
+    calls.clear()
+    monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", False)
+    check_against_reference(torch_paged, make_batch(Case((1,), (80,), seed=22)), torch.float32)
+    assert calls == []
+
+
+@needs_kernel
+def test_half_precision_caches_stay_on_the_torch_path():
+    batch = make_batch(Case((1,), (40,), dtype=torch.float16, seed=23))
+    assert not cpu_decode.supports(batch.q, batch.k_cache)
+    check_against_reference(torch_paged, batch, torch.float16)
+
+
+@needs_kernel
+def test_bad_arguments_are_refused():
+    batch = make_batch(Case((1,), (40,), seed=24))
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache, [0, 1, 999], 40, 0.125)
+    with pytest.raises(ValueError, match="need 3 blocks, got 2"):
+        cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache, [0, 1], 40, 0.125)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache.double(), [0, 1, 2], 40, 0.125)
+
+
+FALLBACK = textwrap.dedent("""
+    import torch
+    from longctx.kernels import cpu_decode, torch_paged
+    import sys; sys.path.insert(0, {tests!r})
+    from paged_cases import Case, check_against_reference, make_batch
+    print(cpu_decode.status())
+    assert not cpu_decode.available()
+    check_against_reference(torch_paged, make_batch(Case((1, 3), (70, 33), num_kv_heads=2, group=3)),
+                            torch.float32)
+    print("matched")
+""")
+
+
+@pytest.mark.parametrize("env,expect", [({"LONGCTX_CPU_KERNEL": "0"}, "disabled by LONGCTX_CPU_KERNEL=0"),
+                                        ({"CC": "false"}, "unavailable: false failed")])
+def test_without_the_kernel_the_torch_path_answers(tmp_path, env, expect):
+    """Switched off, or a compiler that fails (``CC=false``, an empty cache dir): the status
+    says why and paged attention still matches the reference."""
+    script = FALLBACK.format(tests=os.path.dirname(__file__))
+    full_env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0].startswith(expect)
+    assert proc.stdout.splitlines()[-1] == "matched"
