@@ -30,10 +30,11 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["available", "status", "attend", "MAX_ROWS", "SPLIT_TOKENS"]
+__all__ = ["available", "status", "attend", "prepare", "Blocks", "MAX_ROWS", "SPLIT_TOKENS"]
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -131,13 +132,39 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q_len * (num_heads // num_kv) <= MAX_ROWS and available())
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int],
-           ctx_len: int, scale: float, tail_words: torch.Tensor | None = None,
-           split_tokens: int = SPLIT_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+class Blocks(NamedTuple):
+    """A sequence's block table checked against one cache geometry (``prepare``), so a step's
+    layers can share it: ``attend`` then skips the per-call checks and conversion."""
+
+    table: torch.Tensor  # [needed] int32
+    ctx_len: int
+    num_blocks: int
+    block_size: int
+
+
+def prepare(blocks: list[int], ctx_len: int, k_cache: torch.Tensor) -> Blocks:
+    """Check ``blocks`` for a ``ctx_len``-token sequence in ``k_cache``'s pages; keep what
+    ``attend`` needs."""
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    needed = (ctx_len + block_size - 1) // block_size
+    if len(blocks) < needed:
+        raise ValueError(f"{ctx_len} tokens need {needed} blocks, got {len(blocks)}")
+    used = blocks[:needed]
+    if used and not (0 <= min(used) and max(used) < num_blocks):
+        raise ValueError(f"block ids must lie in [0, {num_blocks}), got {min(used)}..{max(used)}")
+    return Blocks(torch.tensor(used, dtype=torch.int32), ctx_len, num_blocks, block_size)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           blocks: list[int] | Blocks, ctx_len: int, scale: float,
+           tail_words: torch.Tensor | None = None, split_tokens: int = SPLIT_TOKENS, *,
+           out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [L, H, D] (the last L tokens of a ``ctx_len``-token sequence whose pages are
-    ``blocks``) -> (out [L, H, D] in q's dtype, lse [L, H] fp32). ``tail_words`` [L] int64:
-    bit j of word i lets query i see new token j (None: all of them). Check ``supports``
-    first."""
+    ``blocks``, a list of ids or ``prepare``'s result) -> (out [L, H, D] in q's dtype, lse
+    [L, H] fp32). ``tail_words`` [L] int64: bit j of word i lets query i see new token j
+    (None: all of them). ``out``/``lse``: contiguous float32 tensors of those shapes to write
+    into. Check ``supports`` first."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
@@ -145,26 +172,28 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     num_kv = k_cache.shape[2]
     if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
         raise ValueError("k_cache and v_cache must be contiguous with one shape and dtype")
-    block_size = k_cache.shape[1]
-    needed = (ctx_len + block_size - 1) // block_size
-    if len(blocks) < needed:
-        raise ValueError(f"{ctx_len} tokens need {needed} blocks, got {len(blocks)}")
-    used = blocks[:needed]
-    if used and not (0 <= min(used) and max(used) < k_cache.shape[0]):
-        raise ValueError(f"block ids must lie in [0, {k_cache.shape[0]}), got {min(used)}..{max(used)}")
-    table = torch.tensor(used, dtype=torch.int32)
+    if not isinstance(blocks, Blocks):
+        blocks = prepare(blocks, ctx_len, k_cache)
+    elif (blocks.ctx_len, blocks.num_blocks, blocks.block_size) != (ctx_len, *k_cache.shape[:2]):
+        raise ValueError(f"blocks were prepared for {blocks.ctx_len} tokens in a cache of "
+                         f"{blocks.num_blocks} x {blocks.block_size}, not {ctx_len} in "
+                         f"{k_cache.shape[0]} x {k_cache.shape[1]}")
     qf = q.float().contiguous()
     words = None if tail_words is None else tail_words.to(torch.int64).contiguous()
     rows = q_len * (num_heads // num_kv)
     num_splits = (ctx_len + split_tokens - 1) // split_tokens
     all_rows = num_kv * rows
     work = torch.empty(all_rows * head_dim + num_splits * all_rows * (head_dim + 2), dtype=torch.float32)
-    out = torch.empty(q_len, num_heads, head_dim, dtype=torch.float32)
-    lse = torch.empty(q_len, num_heads, dtype=torch.float32)
+    for name, t, shape in (("out", out, (q_len, num_heads, head_dim)), ("lse", lse, (q_len, num_heads))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    out = torch.empty(q_len, num_heads, head_dim, dtype=torch.float32) if out is None else out
+    lse = torch.empty(q_len, num_heads, dtype=torch.float32) if lse is None else lse
     rc = lib.longctx_paged_decode(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype],
-        table.data_ptr(), block_size, ctx_len, q_len, num_heads, num_kv, head_dim, scale,
-        None if words is None else words.data_ptr(), split_tokens, work.data_ptr(),
+        blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,
+        scale, None if words is None else words.data_ptr(), split_tokens, work.data_ptr(),
         out.data_ptr(), lse.data_ptr())
     if rc != 0:
         raise ValueError(f"paged_decode rejected its arguments (code {rc}): q {tuple(q.shape)}, "

@@ -113,6 +113,55 @@ def test_bad_arguments_are_refused():
         cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache.double(), [0, 1, 2], 40, 0.125)
 
 
+@needs_kernel
+def test_prepared_blocks_and_output_buffers():
+    """``prepare`` once, ``attend`` per layer writing into given buffers: the same numbers as
+    the plain call; a table prepared for another length or cache is refused."""
+    batch = make_batch(Case((1,), (75,), num_kv_heads=3, group=3, block_size=16, seed=25))
+    blocks = batch.block_table[0].tolist()
+    want_out, want_lse = cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache, blocks, 75, 0.125)
+    prepared = cpu_decode.prepare(blocks, 75, batch.k_cache)
+    out, lse = torch.full_like(batch.q, float("nan")), torch.full(batch.q.shape[:2], float("nan"))
+    got_out, got_lse = cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 75, 0.125,
+                                         out=out, lse=lse)
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="prepared for 75 tokens"):
+        cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 70, 0.125)
+    with pytest.raises(ValueError, match="out must be a contiguous float32"):
+        cpu_decode.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 75, 0.125,
+                          out=torch.empty(1, 9, 64, dtype=torch.float64))
+
+
+@needs_kernel
+def test_step_plan_follows_in_place_changes():
+    """torch_paged derives its per-sequence plan once per step and reuses it while the
+    metadata tensors hold what they held: refilling the same block table in place (a new step
+    reusing its buffers) must not reuse the old plan."""
+    batch = make_batch(Case((1, 1), (75, 40), num_kv_heads=3, group=3, block_size=16, seed=26))
+    check_against_reference(torch_paged, batch, torch.float32)
+    # the same buffers, refilled: sequence 0 now reads sequence 1's pages and length
+    batch.block_table[0].copy_(batch.block_table[1])
+    batch.context_lens[0] = batch.context_lens[1]
+    check_against_reference(torch_paged, batch, torch.float32)
+
+
+def test_write_kv_follows_in_place_changes_of_the_slots():
+    """write_kv reuses a step's slot handling across layers while the slot mapping holds the
+    same slots; one refilled in place, or negative slots, must still land where they say."""
+    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    slots = torch.tensor([1, 6, -1], dtype=torch.int64)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    torch_paged.write_kv(k_cache, v_cache, k, v, slots)
+    flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
+    assert torch.equal(flat_k[1], k[0]) and torch.equal(flat_v[6], v[1])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 2  # the -1 slot wrote nothing
+    slots[2] = 9  # refilled in place: now the third row is kept
+    torch_paged.write_kv(k_cache, v_cache, 2 * k, 2 * v, slots)
+    assert torch.equal(flat_k[9], 2 * k[2]) and torch.equal(flat_v[1], 2 * v[0])
+
+
 FALLBACK = textwrap.dedent("""
     import torch
     from longctx.kernels import cpu_decode, torch_paged
