@@ -69,6 +69,7 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
 # 2.2-2.5 ms with the torch forms below, 8 tokens 2.6-3.0 vs 5.7 ms, 32 tokens 8.2-9.4 vs
 # 11.0 ms; its cost grows with the rows, so longer chunks stay with the flash kernel.
 USE_CPU_KERNEL = True
+TAKES_STEP_CACHE = True  # paged_attention / write_kv accept step_cache (attention.py)
 CPU_KERNEL_MAX_ROWS = 96
 SMALL_Q = 3  # up to this many new tokens per sequence: matmuls over the whole context
 MAX_RUNS = 16  # a block table in more runs of consecutive ids than this is gathered instead
@@ -238,10 +239,9 @@ def _attend_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 class _StepPlan:
     """What ``paged_attention`` derives from a step's metadata that is the same in every layer:
-    the host lists, and per sequence the kernel's checked block table and causal words. The
-    model calls ``paged_attention`` once per layer with the same metadata; deriving this once
-    per step instead of once per layer saved ~2-3 ms per decode step of the 30-layer
-    default model (cProfile of a decode step at 8K)."""
+    the host lists, and per sequence the kernel's checked block table and causal words. Kept in
+    the step's ``step_cache`` (``AttentionMetadata.step_cache``), so the model's layers derive
+    it once per step instead of once each."""
 
     def __init__(self, block_table: torch.Tensor, context_lens: torch.Tensor,
                  cu_seqlens_q: torch.Tensor) -> None:
@@ -266,39 +266,22 @@ class _StepPlan:
         return words
 
 
-def _same(saved: tuple[torch.Tensor, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``tensors`` hold what ``saved`` (copies taken earlier) held: a few small
-    comparisons, far cheaper than re-deriving a plan, and right however the caller built or
-    refilled its tensors (inference tensors carry no version counter to check instead)."""
-    return all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-               for a, b in zip(saved, tensors))
-
-
-_last_plan: tuple[tuple[torch.Tensor, ...], _StepPlan] | None = None  # (copies of the metadata, plan)
-
-
-def _plan_for(block_table: torch.Tensor, context_lens: torch.Tensor,
-              cu_seqlens_q: torch.Tensor) -> _StepPlan:
-    global _last_plan
-    tensors = (block_table, context_lens, cu_seqlens_q)
-    last = _last_plan
-    if last is not None and _same(last[0], tensors):
-        return last[1]
-    plan = _StepPlan(block_table, context_lens, cu_seqlens_q)
-    _last_plan = (tuple(t.clone() for t in tensors), plan)
-    return plan
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
-                    tree_mask: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``reference.paged_attention`` (``out`` may be given to fill)."""
+                    tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.paged_attention`` (``out`` may be given to fill).
+    ``step_cache``: a dict that lives for one step (the same metadata in every call), where
+    the per-step plan is kept between layers."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    plan = _plan_for(block_table, context_lens, cu_seqlens_q)
+    plan = step_cache.get("torch_paged.plan") if step_cache is not None else None
+    if plan is None:
+        plan = _StepPlan(block_table, context_lens, cu_seqlens_q)
+        if step_cache is not None:
+            step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu
     direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernel can write into it
     for b, ctx_len in enumerate(ctx_lens):
@@ -345,23 +328,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out, lse
 
 
-_last_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
-
-
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, Hkv, D] at ``slot_mapping`` [T] (``block * BS + offset``; < 0 skipped)."""
-    global _last_slots
-    last = _last_slots
-    if last is not None and _same((last[0],), (slot_mapping,)):  # the step's earlier layers
-        slots, keep = last[1], last[2]
-    else:
+             slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
+    """Store k/v [T, Hkv, D] at ``slot_mapping`` [T] (``block * BS + offset``; < 0 skipped).
+    ``step_cache``: as for ``paged_attention``; the checked slots are kept there."""
+    found = step_cache.get("torch_paged.slots") if step_cache is not None else None
+    if found is None:
         slots = slot_mapping.long()
         keep = slots >= 0
         keep = None if bool(keep.all()) else keep
-        if keep is not None:
-            slots = slots[keep]
-        _last_slots = (slot_mapping.clone(), slots, keep)
+        found = (slots if keep is None else slots[keep], keep)
+        if step_cache is not None:
+            step_cache["torch_paged.slots"] = found
+    slots, keep = found
     if keep is not None:
         k, v = k[keep], v[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T] int64
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits, or None (causal)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (K, V)
+    # what a kernels module derives from this metadata once and reuses in every layer
+    step_cache: dict = field(default_factory=dict)
 
     @classmethod
     def dense(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
@@ -61,10 +63,11 @@ class PagedAttentionBackend:
         if meta.kv_caches is None:
             return dense_causal(q, k, v, meta.query_lens, self.scale)
         k_cache, v_cache = meta.kv_caches[layer_idx]
-        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        extra = {"step_cache": meta.step_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
+        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **extra)
         out, _ = self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
-            scale=self.scale, tree_mask=meta.tree_mask)
+            scale=self.scale, tree_mask=meta.tree_mask, **extra)
         return out
 
 

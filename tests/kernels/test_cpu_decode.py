@@ -136,9 +136,9 @@ def test_prepared_blocks_and_output_buffers():
 
 @needs_kernel
 def test_step_plan_follows_in_place_changes():
-    """torch_paged derives its per-sequence plan once per step and reuses it while the
-    metadata tensors hold what they held: refilling the same block table in place (a new step
-    reusing its buffers) must not reuse the old plan."""
+    """torch_paged keeps its per-sequence plan only in the step_cache it is handed (one per
+    step): calls without one, on the same block table refilled in place (a new step reusing its
+    buffers), must not see the old plan."""
     batch = make_batch(Case((1, 1), (75, 40), num_kv_heads=3, group=3, block_size=16, seed=26))
     check_against_reference(torch_paged, batch, torch.float32)
     # the same buffers, refilled: sequence 0 now reads sequence 1's pages and length
@@ -148,8 +148,8 @@ def test_step_plan_follows_in_place_changes():
 
 
 def test_write_kv_follows_in_place_changes_of_the_slots():
-    """write_kv reuses a step's slot handling across layers while the slot mapping holds the
-    same slots; one refilled in place, or negative slots, must still land where they say."""
+    """write_kv keeps its slot handling only in a step_cache it is handed: a slot mapping
+    refilled in place, or negative slots, must still land where they say."""
     k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
     slots = torch.tensor([1, 6, -1], dtype=torch.int64)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
