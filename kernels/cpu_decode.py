@@ -1,8 +1,7 @@
 """The CPU decode-attention kernel (``csrc/paged_decode.c``): built on first use, called
 through ctypes.
 
-Owns: compiling the C source with the machine's C compiler into a per-user cache, loading it,
-and ``attend``: a few new tokens of one sequence against its pages, ``(out, lse)`` with the
+Owns: loading the C source's library (``cpu_build.py`` compiles and caches it) and ``attend``: a few new tokens of one sequence against its pages, ``(out, lse)`` with the
 conventions of ``reference.py``. Never: choosing when to use it (``torch_paged`` does), or
 failing a run: with no compiler, a failed build or ``LONGCTX_CPU_KERNEL=0`` it reports itself
 unavailable (``status()`` says why) and the torch path runs instead.
@@ -12,32 +11,22 @@ query rows. BLAS reads it at 4-8 GB/s in that shape here (``benchmarks/bench_ker
 against ~27 GB/s for a plain reduction over the same bytes; this kernel reads each row once
 per KV head with the queries in L1 (see the C file's header).
 
-The library is built with ``-march=native`` into ``$LONGCTX_CACHE_DIR`` (default
-``~/.cache/longctx``), under a name that hashes the source, the compiler command and the CPU's
-flags, so a home directory shared by different machines never loads a foreign build. Builds
-are written to a temporary name and renamed, so concurrent processes (test workers, sequence-
-parallel ranks) never load a half-written file.
+The library is built and cached by ``cpu_build.py`` (see there).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from . import cpu_build
+
 __all__ = ["available", "status", "attend", "prepare", "Blocks", "MAX_ROWS", "SPLIT_TOKENS"]
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+SOURCE = cpu_build.CSRC / "paged_decode.c"
 MAX_ROWS = 128  # query rows per KV head (q_len * group); the C file's MAX_ROWS
 MAX_HEAD_DIM = 256
 MAX_Q = 63  # tree-mask words hold 63 new tokens
@@ -49,44 +38,8 @@ _lib: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LONGCTX_CACHE_DIR") or os.path.join(Path.home(), ".cache", "longctx")
-    return Path(root) / "cpu_kernels"
-
-
 def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_flags().encode(),
-                 platform.machine().encode()):
-        key.update(part)
-    target = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    lib = cpu_build.build(SOURCE)
     fn = lib.longctx_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -102,13 +55,13 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     with _lock:
         if _status is None:
-            if os.environ.get("LONGCTX_CPU_KERNEL", "1") == "0":
+            if not cpu_build.enabled():
                 _status = "disabled by LONGCTX_CPU_KERNEL=0"
             else:
                 try:
                     _lib = _build()
                     _status = "ok"
-                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                except cpu_build.BUILD_ERRORS as exc:
                     _status = f"unavailable: {exc}"
     return _lib
 

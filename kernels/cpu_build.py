@@ -1,0 +1,75 @@
+"""Building the C kernels of ``csrc/`` on first use, for ``cpu_decode.py`` and ``cpu_linear.py``.
+
+Owns: compiling one C source with the machine's C compiler into a per-user cache and loading it
+with ctypes. Never: deciding whether a kernel is used (each kernel module does, and reports why
+not).
+
+A library is built with ``-march=native`` into ``$LONGCTX_CACHE_DIR`` (default
+``~/.cache/longctx``), under a name that hashes the source, the compiler command and the CPU's
+flags, so a home directory shared by different machines never loads a foreign build. Builds are
+written to a temporary name and renamed, so concurrent processes (test workers, sequence-
+parallel ranks) never load a half-written file. ``LONGCTX_CPU_KERNEL=0`` switches every C
+kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# what a failed or refused build raises; kernel modules catch these and fall back
+BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
+
+
+def enabled() -> bool:
+    return os.environ.get("LONGCTX_CPU_KERNEL", "1") != "0"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LONGCTX_CACHE_DIR") or os.path.join(Path.home(), ".cache", "longctx")
+    return Path(root) / "cpu_kernels"
+
+
+def build(source: Path) -> ctypes.CDLL:
+    """Compile ``source`` (or reuse its cached build) and load it. Raises one of
+    ``BUILD_ERRORS`` when there is no compiler or the build fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_flags().encode(),
+                 platform.machine().encode()):
+        key.update(part)
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))
