@@ -10,8 +10,13 @@ numbers, the ways alternating within each repeat so a slow spell of the machine 
 * ``x @ W_t``          weights held ``[in, out]`` (BLAS; the model's ``cpu_matmul="blas"``);
 * ``(W @ x.T).T``      weights held ``[out, in]`` (HF's layout), product taken column-major;
 * ``F.linear(x, W)``   weights held ``[out, in]``, torch's usual call;
-* ``oneDNN packed``    weights pre-packed once by oneDNN for 16 rows (the model's default in
-                       fp32 on the CPU, ``cpu_matmul="onednn"``).
+* ``oneDNN packed``    weights pre-packed once by oneDNN for 16 rows (``cpu_matmul="onednn"``);
+* ``row kernel``       weights held ``[out, in]``, the C kernel of ``longctx.kernels.cpu_linear``
+                       (the model's fp32 default, ``cpu_matmul="kernel"``, which takes it up to
+                       ``cpu_linear.MAX_ROWS`` rows and ``F.linear`` on the same matrix above).
+
+It also times one plain read of all the weights (``torch.sum`` over each matrix), the floor
+for a one-row step.
 
 Usage:  python benchmarks/bench_linear.py [--threads 2] [--repeats 7]
 Writes benchmarks/results/linear-<host>.json and prints a table (median ms per step).
@@ -31,11 +36,12 @@ import torch.nn.functional as F
 
 from machine import machine_info
 
+from longctx.kernels import cpu_linear
 from longctx.model.llama import PACK_ROWS_HINT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, QKV, INTERMEDIATE, LAYERS, VOCAB = 576, 576 + 2 * 192, 1536, 30, 49152  # SmolLM2-135M
-ROWS = (1, 2, 3, 4, 8, 16, 32, 128, 2048)
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 96, 128, 2048)
 
 
 def weights() -> list[tuple[int, int]]:
@@ -66,6 +72,8 @@ PRODUCTS = {
     "oneDNN packed": lambda x, w_t, w, packed: torch.ops.mkldnn._linear_pointwise(
         x, packed, None, "none", [], ""),
 }
+if cpu_linear.available():
+    PRODUCTS["row kernel [out,in]"] = lambda x, w_t, w, packed: cpu_linear.linear(x, w)
 
 
 def main() -> None:
@@ -81,17 +89,28 @@ def main() -> None:
         w = w_t.t().contiguous()  # the same numbers in each layout
         mats.append((w_t, w, torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)))
     result: dict[str, dict[int, float]] = {name: {} for name in PRODUCTS}
+    reads = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for w_t, _, _ in mats:
+            w_t.sum()
+        reads.append(1000 * (time.perf_counter() - start))
+    read_ms = statistics.median(reads)
+    weight_gb = sum(w_t.numel() for w_t, _, _ in mats) * 4 / 1e9
+    print(f"one read of the weights ({weight_gb:.2f} GB): {read_ms:.1f} ms "
+          f"({weight_gb / read_ms * 1000:.1f} GB/s)", flush=True)
     for rows in ROWS:
-        # few rows: every matrix; thousands: the first 4 layers (the time scales with layers)
-        subset = mats if rows <= 32 else mats[:16]
-        for name, ms in time_steps(subset, rows, args.repeats if rows <= 32 else 3).items():
+        # up to 64 rows: every matrix; more: the first 4 layers (the time scales with layers)
+        subset = mats if rows <= 64 else mats[:16]
+        for name, ms in time_steps(subset, rows, args.repeats if rows <= 64 else 3).items():
             result[name][rows] = ms
         print(f"rows {rows}: " + "  ".join(f"{n} {result[n][rows]:.1f}" for n in PRODUCTS), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"linear-{platform.node() or 'host'}.json"
     report = {"machine": machine_info(threads=args.threads),
-              "what": "median ms per forward pass over the weight matrices (rows <= 32: all 121 "
+              "what": "median ms per forward pass over the weight matrices (rows <= 64: all 121 "
                       "plus the LM head; more rows: the first 4 layers only)",
+              "weights_gb": weight_gb, "read_weights_ms": read_ms,
               "ms": result}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'rows':>5} " + " ".join(f"{n:>22}" for n in PRODUCTS))

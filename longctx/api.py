@@ -20,7 +20,8 @@ from typing import Any, Union
 
 from longctx import tasks
 from longctx.config import split_engine_kwargs
-from longctx.engine import CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from longctx.engine import TORCH_DTYPES, CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from longctx.model.llama import choose_cpu_matmul
 from longctx.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
@@ -47,7 +48,8 @@ class LLM:
         if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
             raise ValueError(f"sequence_parallel_size must be an integer >= 1, got {sequence_parallel_size!r}")
         self.configs = split_engine_kwargs({"model": model, **engine_kwargs})
-        if sequence_parallel_size > 1 and self.configs[0].cpu_matmul == "auto":
+        if (sequence_parallel_size > 1 and self.configs[0].cpu_matmul == "auto"
+                and choose_cpu_matmul("auto", TORCH_DTYPES[self.configs[0].dtype]) == "onednn"):
             # the ranks share this model's weights through shared memory, which oneDNN's
             # packed (opaque) tensors cannot join: keep them as plain BLAS matrices
             self.configs = (replace(self.configs[0], cpu_matmul="blas"), *self.configs[1:])

@@ -12,7 +12,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
-CPU_MATMULS = ("auto", "onednn", "blas")
+CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
 
 
 class ConfigError(ValueError):
@@ -33,8 +33,9 @@ class ModelLoadConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": "auto | torch | triton | flash-attn (auto: by device)"})
     cpu_matmul: str = field(
-        default="auto", metadata={"help": "auto | onednn | blas: the CPU weight products (auto: "
-                                          "oneDNN with pre-packed weights for float32, else BLAS)"})
+        default="auto", metadata={"help": "auto | kernel | onednn | blas: the CPU weight products "
+                                          "(auto: for float32 the C row kernel where it builds, "
+                                          "else oneDNN pre-packed, else BLAS; BLAS for bf16/fp16)"})
 
     def __post_init__(self) -> None:
         _check(self.cpu_matmul in CPU_MATMULS,

@@ -127,8 +127,14 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
         self.model = load_model(load.model, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu" and choose_cpu_matmul(load.cpu_matmul, self.dtype) == "onednn":
-            self.model.pack_linears_onednn()
+        if self.device.type == "cpu":
+            self.cpu_matmul = choose_cpu_matmul(load.cpu_matmul, self.dtype)
+            if self.cpu_matmul == "kernel":
+                self.model.use_row_kernel()
+            elif self.cpu_matmul == "onednn":
+                self.model.pack_linears_onednn()
+        else:
+            self.cpu_matmul = None
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or self.model_config.max_position_embeddings

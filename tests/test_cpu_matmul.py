@@ -1,4 +1,6 @@
-"""oneDNN pre-packed weight products (the CPU fp32 default) against the BLAS path."""
+"""The CPU weight products: the C row kernel (the fp32 default where it builds) and oneDNN's
+pre-packed path against BLAS, in a layer and through the engine, and what sequence-parallel
+ranks can share."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import torch
 
 from longctx import LLM, SamplingParams
 from longctx.config import ConfigError
+from longctx.kernels import cpu_linear
 from longctx.model.llama import Linear, choose_cpu_matmul, onednn_linear_available
 from tiny_models import hf_greedy, make_engine_checkpoint
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"row kernel {cpu_linear.status()}")
 
 
 def _linear(in_features, out_features, bias, seed=0):
@@ -36,6 +40,31 @@ def test_packed_linear_matches_blas(rows, bias):
     torch.testing.assert_close(layer(x[::2]), expected[::2], rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 300])
+def test_row_kernel_linear_matches_blas(rows, bias, monkeypatch):
+    """Up to MAX_ROWS rows through the kernel, more through BLAS on the same [out, in] copy."""
+    layer = _linear(72, 200, bias)
+    x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(rows))
+    expected = layer(x)
+    layer.use_row_kernel()
+    assert layer.weight_t is None and tuple(layer.weight.shape) == (200, 72)
+    calls = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (rows <= cpu_linear.MAX_ROWS)
+    torch.testing.assert_close(layer(x[::2]), expected[::2], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_row_kernel_refuses_half_precision():
+    layer = _linear(16, 8, False).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        layer.use_row_kernel()
+
+
 @needs_onednn
 def test_packing_refuses_half_precision():
     layer = _linear(16, 8, False).to(torch.bfloat16)
@@ -46,32 +75,58 @@ def test_packing_refuses_half_precision():
 def test_choice_rules():
     assert choose_cpu_matmul("blas", torch.float32) == "blas"
     assert choose_cpu_matmul("auto", torch.bfloat16) == "blas"
-    assert choose_cpu_matmul("auto", torch.float32) == ("onednn" if onednn_linear_available() else "blas")
+    fallback = "onednn" if onednn_linear_available() else "blas"
+    assert choose_cpu_matmul("auto", torch.float32) == ("kernel" if cpu_linear.available() else fallback)
+    with pytest.raises(RuntimeError, match="float32 models"):
+        choose_cpu_matmul("kernel", torch.bfloat16)
     with pytest.raises(ConfigError, match="cpu_matmul must be one of"):
         LLM("unused", cpu_matmul="mkl")
 
 
 @needs_onednn
-def test_engine_tokens_same_with_either_path(tmp_path):
-    hf = make_engine_checkpoint(tmp_path)
+@needs_kernel
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_tokens_same_with_every_path(tmp_path, tied):
+    hf = make_engine_checkpoint(tmp_path, tie_word_embeddings=tied)
     prompt = torch.randint(3, 160, (150,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     expected = hf_greedy(hf, prompt, params.max_tokens)
-    for choice, packed in (("onednn", True), ("blas", False), ("auto", True)):
+    for choice, held in (("kernel", "weight"), ("onednn", "packed"), ("blas", "weight_t"), ("auto", "weight")):
         llm = LLM(str(tmp_path), cpu_matmul=choice, max_num_batched_tokens=64, block_size=16)
-        assert (llm.engine.model.lm_head.packed is not None) is packed
+        model = llm.engine.model
+        assert llm.engine.cpu_matmul == ("kernel" if choice == "auto" else choice)
+        assert all(getattr(layer, held) is not None for layer in (model.lm_head, model.layers[0].mlp.down_proj))
+        if choice == "kernel":  # a tied head is the embedding itself, not a copy
+            shares = model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+            assert shares is tied
         assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
 
 
 @needs_onednn
 def test_sequence_parallel_keeps_shared_weights_unpacked(tmp_path):
     """SP ranks share the engine's weights through shared memory; packed (opaque) tensors
-    cannot be shared, so SP keeps BLAS weights, and a packed model is refused by name."""
+    cannot be shared, so SP never packs (the row kernel's plain matrices are shared as they
+    are), and a packed model is refused by name."""
     from longctx.parallel import generate_sp
 
     make_engine_checkpoint(tmp_path)
     assert not LLM(str(tmp_path), sequence_parallel_size=2).engine.model.has_packed_linears()
-    packed = LLM(str(tmp_path)).engine.model
+    packed = LLM(str(tmp_path), cpu_matmul="onednn").engine.model
     assert packed.has_packed_linears()
     with pytest.raises(ValueError, match="oneDNN-packed weights cannot be shared"):
         generate_sp(packed, [5, 6, 7], SamplingParams(max_tokens=2), sequence_parallel_size=2)
+
+
+@needs_kernel
+def test_sequence_parallel_shares_row_kernel_weights(tmp_path):
+    """A model holding [out, in] matrices for the row kernel goes to the ranks as it is, and
+    they produce the single-process tokens."""
+    from longctx.parallel import generate_sp
+
+    hf = make_engine_checkpoint(tmp_path, tie_word_embeddings=True)
+    model = LLM(str(tmp_path), cpu_matmul="kernel").engine.model
+    assert model.uses_row_kernel() and not model.has_packed_linears()
+    prompt = torch.randint(3, 160, (90,), generator=torch.Generator().manual_seed(8)).tolist()
+    out = generate_sp(model, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                      sequence_parallel_size=2, chunk_size=32, block_size=16)
+    assert out.token_ids == hf_greedy(hf, prompt, 6)

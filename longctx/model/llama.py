@@ -11,13 +11,14 @@ metadata says which tokens belong to which sequence.
 Shape legend: T tokens in this step, E hidden size, H query heads, Hkv kv heads, D head dim,
 F MLP intermediate size, V vocabulary.
 
-Weights are held transposed (``[in, out]``, contiguous): on the CPU ``x @ W_t`` runs the
-one-token matrix-vector products of decode markedly faster than ``F.linear`` (see
-docs/architecture.md). q/k/v and gate/up are fused into one matrix each. On the CPU in fp32
-the engine then hands every matrix to oneDNN pre-packed (``pack_linears_onednn``): BLAS
-re-packs the weights on every call with a few rows (lookahead verification, small batches),
-which made a 4-row step cost ~3x a 1-row step; pre-packed, it costs about the same
-(benchmarks/bench_linear.py).
+Weights: q/k/v and gate/up are fused into one matrix each. How a CPU model in fp32 holds them
+is ``cpu_matmul`` (``choose_cpu_matmul``): by default ("kernel") in the checkpoint's ``[out, in]``
+layout, multiplied by the C kernel of ``longctx.kernels.cpu_linear`` for steps of up to
+``cpu_linear.MAX_ROWS`` rows (decode, batched decode, lookahead verification: a stream over the
+weights near the read bandwidth) and by BLAS for longer prefill chunks, one copy serving both,
+with a tied LM head sharing the embedding's memory. "onednn" holds them pre-packed for oneDNN,
+"blas" transposed (``[in, out]``; ``x @ W_t`` is BLAS's fastest one-row form here); every
+other model uses "blas". See benchmarks/bench_linear.py and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
@@ -42,27 +45,50 @@ def onednn_linear_available() -> bool:
 
 
 def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
-    """'onednn' or 'blas' for a CPU model: 'auto' takes oneDNN for float32 when available
-    (bf16/fp16 stay on BLAS: oneDNN's packed path was only measured in fp32)."""
+    """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32
+    when it builds here, else oneDNN when this torch has it, else BLAS (bf16/fp16 always BLAS:
+    the other two are float32 only)."""
     if requested == "blas":
         return "blas"
     if requested == "onednn":
         if not onednn_linear_available():
             raise RuntimeError("cpu_matmul='onednn' but this torch build has no oneDNN linear ops")
         return "onednn"
-    return "onednn" if dtype == torch.float32 and onednn_linear_available() else "blas"
+    if requested == "kernel":
+        if dtype != torch.float32:
+            raise RuntimeError(f"cpu_matmul='kernel' is for float32 models, not {dtype}")
+        if not cpu_linear.available():
+            raise RuntimeError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()}")
+        return "kernel"
+    if dtype != torch.float32:
+        return "blas"
+    if cpu_linear.available():
+        return "kernel"
+    return "onednn" if onednn_linear_available() else "blas"
 
 
 class Linear(nn.Module):
-    """y = x @ weight_t (+ bias), with weight_t [in, out] contiguous; or, once ``pack_onednn``
-    has run, through oneDNN with the weight pre-packed in its blocked layout (weight_t is then
-    dropped, so memory stays one copy)."""
+    """y = x @ W^T (+ bias), with the weight held one of three ways (one copy each):
+    ``weight_t`` [in, out] contiguous (BLAS, ``x @ weight_t``); after ``use_row_kernel``,
+    ``weight`` [out, in] contiguous (the C row kernel up to ``cpu_linear.MAX_ROWS`` rows, BLAS
+    above); after ``pack_onednn``, ``packed`` in oneDNN's blocked layout."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+
+    def use_row_kernel(self) -> None:
+        """Hold the weight as [out, in] for the row kernel (``weight_t`` transposed once)."""
+        if self.weight_t is None:
+            raise ValueError("use_row_kernel needs the [in, out] weight (already converted or packed?)")
+        if self.weight_t.device.type != "cpu" or self.weight_t.dtype != torch.float32:
+            raise ValueError("the row kernel is for float32 weights on the CPU, got "
+                             f"{self.weight_t.dtype} on {self.weight_t.device}")
+        self.weight = self.weight_t.detach().t().contiguous()
+        self.weight_t = None
 
     def pack_onednn(self, rows_hint: int) -> None:
         if self.weight_t.device.type != "cpu" or self.weight_t.dtype != torch.float32:
@@ -73,6 +99,10 @@ class Linear(nn.Module):
         self.weight_t = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            if x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32:
+                return cpu_linear.linear(x, self.weight, self.bias)
+            return nn.functional.linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.bias is not None:
@@ -110,8 +140,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: Any, attn_meta: Any) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        out = self.attend(self.qkv_proj(x), cos, sin, backend, attn_meta)
+        return self.o_proj(out)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
+               attn_meta: Any) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]."""
+        num_tokens = qkv.shape[0]
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
@@ -119,7 +154,7 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(self.layer_idx, q, k, v, attn_meta)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class MLP(nn.Module):
@@ -145,8 +180,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 attn_meta: Any) -> torch.Tensor:
+        if (x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32
+                and self.mlp.down_proj.weight is not None):
+            return self._forward_row_kernel(x, cos, sin, backend, attn_meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, attn_meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_row_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            backend: Any, attn_meta: Any) -> torch.Tensor:
+        """The same layer for a step of few rows with the row kernel: each norm runs inside
+        the product that follows it, SwiGLU inside the down projection and each residual add
+        inside the product before it, so the layer is four kernel calls around attention."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = cpu_linear.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                norm_weight=norm1.weight, eps=norm1.eps)
+        out = attn.attend(qkv, cos, sin, backend, attn_meta)  # (T, H D)
+        x = cpu_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        gate_up = cpu_linear.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                    norm_weight=norm2.weight, eps=norm2.eps)  # (T, 2F)
+        return cpu_linear.linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, swiglu=True, residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,14 +221,35 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.packed is None:
                 module.pack_onednn(rows_hint)
+        self._own_remaining_parameters()
+
+    def use_row_kernel(self) -> None:
+        """Hold every matrix [out, in] for the C row kernel (see ``Linear``); a tied LM head
+        shares the embedding's memory instead of holding a copy. CPU, fp32 only."""
+        embed = self.embed_tokens.weight
+        tied = (self.config.tie_word_embeddings and embed.dtype == torch.float32
+                and tuple(embed.shape) == (self.config.vocab_size, self.config.hidden_size))
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is None and not (tied and module is self.lm_head):
+                module.use_row_kernel()
+        if tied:
+            self.lm_head.weight_t = None
+        self._own_remaining_parameters()
+        if tied:  # the embedding's own (just cloned) memory
+            self.lm_head.weight = self.embed_tokens.weight.detach()
+
+    def _own_remaining_parameters(self) -> None:
         # The loaded weights are views of one storage (the memory-mapped weight cache), which
-        # lives on while any of them does: give the remaining tensors (embedding, norms, biases)
-        # their own memory so the mapping, and the dropped matrices with it, are released.
-        # (benchmarks/bench_load.py reports the memory after a load, packed and not).
+        # lives on while any of them does: give the parameters left (embedding, norms, biases)
+        # their own memory so the mapping, and the converted matrices' old copies with it, are
+        # released (benchmarks/bench_load.py reports the memory after a load).
         for module in self.modules():
             for name, param in module._parameters.items():
                 if param is not None:
                     module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
+
+    def uses_row_kernel(self) -> bool:
+        return any(isinstance(m, Linear) and m.weight is not None for m in self.modules())
 
     def has_packed_linears(self) -> bool:
         return any(isinstance(m, Linear) and m.packed is not None for m in self.modules())

@@ -1,0 +1,148 @@
+"""The CPU weight-product kernel for a few rows (``csrc/linear_rows.c``): built on first use,
+called through ctypes.
+
+Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` of at most
+``MAX_ROWS`` rows and a float32 ``[out, in]`` weight (the checkpoint's layout), optionally with
+the decoder layer's RMSNorm or SwiGLU applied to ``x`` first and a residual added after (one
+call per product in a decode step instead of several small torch ops), and saying whether it
+can run (``available``/``status``/``supports``). Never: choosing when to use it (the
+model's ``Linear`` does), or failing a run: with no compiler, a failed build or
+``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable and the model keeps another path.
+
+Why: decode, batched decode and lookahead verification multiply one to a few dozen rows by
+every weight matrix, which is a stream over the weights. BLAS re-packs the weights on each such
+call, and oneDNN's pre-packed copy is read at ~15 GB/s here; this kernel reads the plain matrix
+once per block of rows near the machine's read bandwidth (``benchmarks/bench_linear.py``), so a
+model holds one plain copy of its weights that BLAS also uses for long prefill chunks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from . import cpu_build
+
+__all__ = ["available", "status", "supports", "linear", "MAX_ROWS"]
+
+SOURCE = cpu_build.CSRC / "linear_rows.c"
+# Rows up to which the model's Linear takes this kernel; above it BLAS on the same weights
+# (bench_linear.py: the kernel's time grows with the rows from ~4 on; BLAS's flat cost of
+# re-packing the weights wins again from about this many).
+MAX_ROWS = 64
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+
+
+def _build() -> ctypes.CDLL:
+    lib = cpu_build.build(SOURCE)
+    fn = lib.longctx_linear_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _status
+    if _status is not None:
+        return _lib
+    with _lock:
+        if _status is None:
+            if not cpu_build.enabled():
+                _status = "disabled by LONGCTX_CPU_KERNEL=0"
+            else:
+                try:
+                    _lib = _build()
+                    _status = "ok"
+                except cpu_build.BUILD_ERRORS as exc:
+                    _status = f"unavailable: {exc}"
+    return _lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def status() -> str:
+    """'ok', or why the kernel is not used."""
+    _load()
+    return _status or ""
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes this input for this weight (the caller then uses it)."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+            and x.device.type == "cpu" and weight.dtype == torch.float32 and available())
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:
+    if (t.dtype != torch.float32 or t.dim() != 2 or tuple(t.shape) != (rows, width)
+            or t.stride(1) != 1 or (rows > 1 and t.stride(0) < width)):
+        raise ValueError(f"{name} must be a float32 [{rows}, {width}] tensor with contiguous rows, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
+           residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided), weight [N, K] float32 contiguous, bias [N] ->
+    x @ weight.T + bias, [M, N] float32.
+
+    ``norm_weight`` [K]: x is RMS-normalised first (``norm_weight * x / sqrt(mean(x^2) + eps)``
+    per row, as the model's RMSNorm). ``swiglu``: x is [M, 2K] and the product takes
+    ``silu(x[:, :K]) * x[:, K:]``. ``residual`` [M, N]: added to the result. ``out``: a
+    contiguous [M, N] float32 tensor to write into."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU linear kernel is {status()}")
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x and weight must be matrices, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    in_width = 2 * weight.shape[1] if swiglu else weight.shape[1]
+    if x.shape[1] != in_width:
+        what = "2K (SwiGLU halves)" if swiglu else "K"
+        raise ValueError(f"x [M, {what}] and weight [N, K] must agree on K, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise ValueError(f"x and weight must be float32, got {x.dtype} and {weight.dtype}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError("x and weight must be on the CPU")
+    rows, (num_out, k) = x.shape[0], weight.shape
+    if rows < 1 or k < 1 or num_out < 1:
+        raise ValueError(f"empty product: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if norm_weight is not None and swiglu:
+        raise ValueError("norm_weight and swiglu are two different prologues; give one")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous (the [out, in] matrix)")
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < x.shape[1]):  # e.g. an expanded row
+        x = x.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (num_out,)
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 [{num_out}], got {bias.dtype} {tuple(bias.shape)}")
+    if norm_weight is not None and (norm_weight.dtype != torch.float32 or tuple(norm_weight.shape) != (k,)
+                                    or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be a contiguous float32 [{k}], got {norm_weight.dtype} "
+                         f"{tuple(norm_weight.shape)}")
+    if residual is not None:
+        _check_rows("residual", residual, rows, num_out)
+    if out is None:
+        out = torch.empty(rows, num_out, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, num_out) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {(rows, num_out)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    prologue = 1 if norm_weight is not None else 2 if swiglu else 0
+    rc = lib.longctx_linear_rows(
+        x.data_ptr(), max(x.stride(0), x.shape[1]), rows, weight.data_ptr(), num_out, k,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), num_out, prologue,
+        None if norm_weight is None else norm_weight.data_ptr(), eps,
+        None if residual is None else residual.data_ptr(),
+        max(residual.stride(0), num_out) if residual is not None else 0)
+    if rc != 0:
+        raise ValueError(f"linear_rows rejected its arguments (code {rc}): x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    return out

@@ -1,0 +1,156 @@
+"""The compiled CPU weight-product kernel (kernels/csrc/linear_rows.c) against a float64
+reference: every row-block path (1, 2, 3, 4 rows and their mixes up to 64), weight row counts
+that leave every tile remainder, K that is and is not a multiple of the 8-lane vector, bias,
+the RMSNorm and SwiGLU prologues and the residual epilogue (against the model's own torch
+modules), strided and expanded inputs, output buffers, refused arguments, and the status when
+it cannot be built or is switched off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from longctx.kernels import cpu_linear
+
+HAVE_COMPILER = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"kernel {cpu_linear.status()}")
+
+
+def test_kernel_builds_where_there_is_a_compiler():
+    if not HAVE_COMPILER:
+        pytest.skip("no C compiler here; the model keeps oneDNN or BLAS")
+    assert cpu_linear.available(), cpu_linear.status()
+
+
+def _reference(x, w, b=None):
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).float()
+
+
+def _operands(rows, n, k, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    return x, w, b
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 64])
+@pytest.mark.parametrize("n,k", [(1, 1), (37, 77), (96, 64), (203, 576), (9, 1543)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(rows, n, k, bias):
+    x, w, b = _operands(rows, n, k, bias, seed=rows * 1000 + n + k)
+    torch.testing.assert_close(cpu_linear.linear(x, w, b), _reference(x, w, b), rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+@pytest.mark.parametrize("k", [40, 77])
+def test_prologues_and_residual_match_the_model_modules(rows, k):
+    from longctx.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen) * 3
+    w = torch.randn(29, k, generator=gen) / k ** 0.5
+    b = torch.randn(29, generator=gen)
+    residual = torch.randn(rows, 29, generator=gen)
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data.copy_(torch.rand(k, generator=gen) + 0.5)
+    expected = _reference(norm(x), w, b) + residual
+    got = cpu_linear.linear(x, w, b, norm_weight=norm.weight, eps=1e-5, residual=residual)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=3e-5)
+    gate_up = torch.randn(rows, 2 * k, generator=gen) * 4
+    act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    torch.testing.assert_close(cpu_linear.linear(gate_up, w, swiglu=True), _reference(act, w),
+                               rtol=1e-5, atol=3e-5)
+    # a residual that is a strided view (every other row of a wider tensor)
+    wide = torch.randn(2 * rows, 40, generator=gen)
+    res = wide[::2, 3:32]
+    torch.testing.assert_close(cpu_linear.linear(x, w, residual=res), _reference(x, w) + res,
+                               rtol=1e-5, atol=3e-5)
+
+
+@needs_kernel
+def test_strided_and_expanded_inputs():
+    x, w, b = _operands(9, 40, 72, True, seed=3)
+    wide = torch.randn(9, 100)
+    wide[:, 10:82] = x
+    torch.testing.assert_close(cpu_linear.linear(wide[:, 10:82], w, b), _reference(x, w, b), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(cpu_linear.linear(x[::2], w, b), _reference(x[::2], w, b), rtol=1e-5, atol=2e-5)
+    expanded = x[:1].expand(5, -1)  # row stride 0: every row is the first
+    torch.testing.assert_close(cpu_linear.linear(expanded, w), _reference(x[:1], w).expand(5, -1),
+                               rtol=1e-5, atol=2e-5)
+    columns = x.t().contiguous().t()  # column-major: taken as a copy
+    torch.testing.assert_close(cpu_linear.linear(columns, w), _reference(x, w), rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_output_buffer_is_written():
+    x, w, b = _operands(3, 20, 16, True, seed=4)
+    out = torch.full((3, 20), float("nan"))
+    assert cpu_linear.linear(x, w, b, out=out) is out
+    torch.testing.assert_close(out, _reference(x, w, b), rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_bad_arguments_are_refused():
+    x, w, b = _operands(2, 8, 16, True, seed=5)
+    with pytest.raises(ValueError, match="agree on K"):
+        cpu_linear.linear(x[:, :15], w)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_linear.linear(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_linear.linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_linear.linear(x, w, b[:7])
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_linear.linear(x, w, out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="empty product"):
+        cpu_linear.linear(x[:0], w)
+    with pytest.raises(ValueError, match="SwiGLU halves"):
+        cpu_linear.linear(x, w, swiglu=True)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        cpu_linear.linear(x, w, norm_weight=torch.ones(15))
+    with pytest.raises(ValueError, match="two different prologues"):
+        cpu_linear.linear(torch.randn(2, 32), w, norm_weight=torch.ones(16), swiglu=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        cpu_linear.linear(x, w, residual=torch.randn(2, 9))
+    assert not cpu_linear.supports(torch.randn(cpu_linear.MAX_ROWS + 1, 16), w)
+    assert cpu_linear.supports(x, w)
+
+
+FALLBACK = textwrap.dedent("""
+    import torch
+    from longctx.kernels import cpu_linear
+    from longctx.model.llama import choose_cpu_matmul, onednn_linear_available
+    print(cpu_linear.status())
+    assert not cpu_linear.available()
+    assert not cpu_linear.supports(torch.randn(1, 4), torch.randn(3, 4))
+    choice = choose_cpu_matmul("auto", torch.float32)
+    assert choice == ("onednn" if onednn_linear_available() else "blas"), choice
+    try:
+        choose_cpu_matmul("kernel", torch.float32)
+    except RuntimeError as err:
+        assert "linear kernel is" in str(err)
+    else:
+        raise AssertionError("cpu_matmul='kernel' accepted without the kernel")
+    print("fell back")
+""")
+
+
+@pytest.mark.parametrize("env,expect", [({"LONGCTX_CPU_KERNEL": "0"}, "disabled by LONGCTX_CPU_KERNEL=0"),
+                                        ({"CC": "false"}, "unavailable: false failed")])
+def test_without_the_kernel_the_model_keeps_another_path(tmp_path, env, expect):
+    full_env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", FALLBACK], env=full_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0].startswith(expect)
+    assert proc.stdout.splitlines()[-1] == "fell back"
