@@ -61,7 +61,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         cold = load_once(cache)
         warm = [load_once(cache) for _ in range(args.repeats)]
-    memory = {path: memory_after_load(path) for path in ("blas", "onednn")}
+    memory = {path: memory_after_load(path) for path in ("blas", "onednn", "kernel")}
     report = {"machine": machine_info(), "cold_s": cold, "warm_s": warm, "memory_after_llm_load": memory}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"load-{platform.node() or 'host'}.json"

@@ -25,7 +25,7 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "linear", "MAX_ROWS"]
+__all__ = ["available", "status", "supports", "linear", "rope_", "MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
 # Rows up to which the model's Linear takes this kernel; above it BLAS on the same weights
@@ -45,6 +45,10 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
+    rope = lib.longctx_rope_inplace
+    rope.restype = ctypes.c_int
+    rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -146,3 +150,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear_rows rejected its arguments (code {rc}): x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in place: x [T, heads, D] float32 (heads and D contiguous, rows may be
+    strided, e.g. the q and k heads of a fused qkv row), cos/sin [T, D/2] float32. The same
+    arithmetic as ``longctx.model.rope.apply_rotary``, bit for bit. Returns x."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU linear kernel is {status()}")
+    if x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 [T, heads, D] CPU tensor, got {x.dtype} {tuple(x.shape)}")
+    rows, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or (rows > 1 and x.stride(0) < heads * d):
+        raise ValueError(f"x needs contiguous heads within each row, got strides {x.stride()}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (rows, d // 2) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 [{rows}, {d // 2}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if rows == 0:
+        return x
+    rc = lib.longctx_rope_inplace(x.data_ptr(), rows, max(x.stride(0), heads * d), heads, d,
+                                  cos.data_ptr(), sin.data_ptr())
+    if rc != 0:
+        raise ValueError(f"rope rejected its arguments (code {rc}): x {tuple(x.shape)}")
+    return x

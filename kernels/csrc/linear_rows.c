@@ -183,3 +183,26 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const float *w, int 
     free(tmp);
     return 0;
 }
+
+/* Rotate-half RoPE in place on the first `heads` heads of each of T rows (q and k of a fused
+ * qkv row): for each head, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin [T, D/2]
+ * contiguous. The same products and sums as the torch form (no contraction into FMAs: the
+ * library is built as ISO C, where GCC does not contract), so the results are bit-identical. */
+int longctx_rope_inplace(float *x, int T, int64_t ldx, int heads, int d, const float *cos_t,
+                         const float *sin_t) {
+    if (T < 1 || heads < 1 || d < 2 || d % 2 != 0 || ldx < (int64_t)heads * d) return -1;
+    const int half = d / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (int64_t)t * half, *s = sin_t + (int64_t)t * half;
+        for (int h = 0; h < heads; h++) {
+            float *x1 = x + t * ldx + (int64_t)h * d, *x2 = x1 + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+    return 0;
+}

@@ -145,12 +145,17 @@ class Attention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                attn_meta: Any) -> torch.Tensor:
-        """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]."""
+        """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]. With the row
+        kernel (fp32 on the CPU) q and k are rotated in place in ``qkv``, which is the fresh
+        output of ``qkv_proj``."""
         num_tokens = qkv.shape[0]
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
-        qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
+        if self.qkv_proj.weight is not None and qkv.dtype == torch.float32 and qkv.shape[0] > 0:
+            qk = cpu_linear.rope_(qk, cos, sin)  # the row kernel's fresh output: rotated in place
+        else:
+            qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(self.layer_idx, q, k, v, attn_meta)  # (T, H, D)

@@ -78,6 +78,27 @@ def test_prologues_and_residual_match_the_model_modules(rows, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (5, 3, 40), (70, 7, 2)])
+def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d):
+    from longctx.model.rope import apply_rotary
+
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2) * d, generator=gen) * 5
+    angles = torch.rand(rows, d // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    x = qkv[:, :heads * d].view(rows, heads, d)  # rows strided by the fused row width
+    expected = apply_rotary(x.clone(), cos, sin)
+    untouched = qkv[:, heads * d:].clone()
+    assert cpu_linear.rope_(x, cos, sin) is x
+    assert torch.equal(x, expected)
+    assert torch.equal(qkv[:, heads * d:], untouched)
+    with pytest.raises(ValueError, match="cos must be"):
+        cpu_linear.rope_(x, cos[:, :-1], sin)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        cpu_linear.rope_(x.transpose(1, 2), cos, sin)
+
+
+@needs_kernel
 def test_strided_and_expanded_inputs():
     x, w, b = _operands(9, 40, 72, True, seed=3)
     wide = torch.randn(9, 100)
