@@ -28,10 +28,12 @@ from . import cpu_build
 __all__ = ["available", "status", "supports", "linear", "rope_", "MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
-# Rows up to which the model's Linear takes this kernel; above it BLAS on the same weights
-# (bench_linear.py: the kernel's time grows with the rows from ~4 on; BLAS's flat cost of
-# re-packing the weights wins again from about this many).
-MAX_ROWS = 64
+# Rows up to which the model's Linear takes this kernel; above it BLAS on the same weights.
+# bench_linear.py (linear-vm.json, AMD EPYC, 2 threads, all 121 matrices, ms): 1 row 29.7 vs
+# 46.7 for F.linear and 33.8 oneDNN-packed; 8 rows 46.4 vs 80.3 / 44.4; 32 rows 121.8 vs 137.0
+# / 95.8; 64 rows 222.4 vs 199.7 / 157.2: past ~32 rows the kernel is compute-bound and BLAS's
+# blocked GEMM wins.
+MAX_ROWS = 32
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
