@@ -59,6 +59,13 @@ def test_row_kernel_linear_matches_blas(rows, bias, monkeypatch):
 
 
 @needs_kernel
+def test_row_kernel_linear_takes_no_rows():
+    layer = _linear(16, 8, True)
+    layer.use_row_kernel()
+    assert layer(torch.empty(0, 16)).shape == (0, 8)
+
+
+@needs_kernel
 def test_row_kernel_refuses_half_precision():
     layer = _linear(16, 8, False).to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):

@@ -100,7 +100,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
-            if x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32:
+            if 0 < x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32:
                 return cpu_linear.linear(x, self.weight, self.bias)
             return nn.functional.linear(x, self.weight, self.bias)
         if self.packed is not None:
@@ -185,7 +185,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 attn_meta: Any) -> torch.Tensor:
-        if (x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32
+        if (0 < x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32
                 and self.mlp.down_proj.weight is not None):
             return self._forward_row_kernel(x, cos, sin, backend, attn_meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, attn_meta)
