@@ -21,6 +21,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -73,3 +75,39 @@ def build(source: Path) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(target))
+
+
+class KernelLibrary:
+    """One C source's library, built and loaded on first use, never failing the caller:
+    ``load()`` gives the library or None, and ``status()`` says 'ok' or why not (switched off,
+    no compiler, a failed build). ``declare`` sets the ctypes signatures after loading."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.declare = source, declare
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._status: str | None = None  # None: not tried yet
+
+    def load(self) -> ctypes.CDLL | None:
+        if self._status is not None:
+            return self._lib
+        with self._lock:
+            if self._status is None:
+                if not enabled():
+                    self._status = "disabled by LONGCTX_CPU_KERNEL=0"
+                else:
+                    try:
+                        lib = build(self.source)
+                        self.declare(lib)
+                        self._lib, self._status = lib, "ok"
+                    except BUILD_ERRORS as exc:
+                        self._status = f"unavailable: {exc}"
+        return self._lib
+
+    def available(self) -> bool:
+        return self.load() is not None
+
+    def status(self) -> str:
+        """'ok', or why the kernel is not used."""
+        self.load()
+        return self._status or ""

@@ -17,7 +17,6 @@ The library is built and cached by ``cpu_build.py`` (see there).
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import NamedTuple
 
 import torch
@@ -33,47 +32,20 @@ MAX_Q = 63  # tree-mask words hold 63 new tokens
 SPLIT_TOKENS = 512  # tokens per work item: enough items for the threads, few merges
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
 
-
-def _build() -> ctypes.CDLL:
-    lib = cpu_build.build(SOURCE)
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p]
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _status
-    if _status is not None:
-        return _lib
-    with _lock:
-        if _status is None:
-            if not cpu_build.enabled():
-                _status = "disabled by LONGCTX_CPU_KERNEL=0"
-            else:
-                try:
-                    _lib = _build()
-                    _status = "ok"
-                except cpu_build.BUILD_ERRORS as exc:
-                    _status = f"unavailable: {exc}"
-    return _lib
-
-
-def available() -> bool:
-    return _load() is not None
-
-
-def status() -> str:
-    """'ok', or why the kernel is not used."""
-    _load()
-    return _status or ""
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
+_load = _LIBRARY.load
+available = _LIBRARY.available  # whether the kernel runs here
+status = _LIBRARY.status  # 'ok', or why the kernel is not used
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

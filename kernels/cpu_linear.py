@@ -19,7 +19,6 @@ model holds one plain copy of its weights that BLAS also uses for long prefill c
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
@@ -35,13 +34,8 @@ SOURCE = cpu_build.CSRC / "linear_rows.c"
 # blocked GEMM wins.
 MAX_ROWS = 32
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
 
-
-def _build() -> ctypes.CDLL:
-    lib = cpu_build.build(SOURCE)
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_linear_rows
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
@@ -51,34 +45,12 @@ def _build() -> ctypes.CDLL:
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                      ctypes.c_void_p, ctypes.c_void_p]
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _status
-    if _status is not None:
-        return _lib
-    with _lock:
-        if _status is None:
-            if not cpu_build.enabled():
-                _status = "disabled by LONGCTX_CPU_KERNEL=0"
-            else:
-                try:
-                    _lib = _build()
-                    _status = "ok"
-                except cpu_build.BUILD_ERRORS as exc:
-                    _status = f"unavailable: {exc}"
-    return _lib
-
-
-def available() -> bool:
-    return _load() is not None
-
-
-def status() -> str:
-    """'ok', or why the kernel is not used."""
-    _load()
-    return _status or ""
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
+_load = _LIBRARY.load
+available = _LIBRARY.available  # whether the kernel runs here
+status = _LIBRARY.status  # 'ok', or why the kernel is not used
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
