@@ -21,11 +21,13 @@
  *   residual [M, N] (row stride ldr) or NULL: added to y.
  *
  * Work: output rows of W are cut into slices of SLICE rows over torch's OpenMP threads. Within a
- * slice, rows of x are taken four at a time (fewer for the remainder) against three weight rows
- * (eight for a single x row, four for two, three for three): the weights of a slice are read
- * from memory once and then from cache for the next x block. Each (x row, weight row) pair has
- * its own vector accumulator, summed across lanes at the end of the row. AVX2 + FMA with intrinsics where the compiler
- * targets them (-march=native), plain C otherwise.
+ * slice, rows of x are taken eight at a time against one weight row, so a step of up to eight
+ * rows reads each weight once, while it streams in; the remaining rows go against several
+ * weight rows at once (eight for a single x row, four for two, three for three) or one (four
+ * to seven). The weights of a slice come from memory for the first block of x rows and
+ * from cache for the next. Each (x row, weight row) pair has its own vector accumulator, summed
+ * across lanes at the end of the row (bench_linear.py has the figures per row count). AVX2 +
+ * FMA with intrinsics where the compiler targets them (-march=native), plain C otherwise.
  *
  * Built at first use by kernels/cpu_linear.py with the machine's compiler.
  */
@@ -54,12 +56,12 @@ static inline float hsum(__m256 v) {
  * NB are constants at every call site, so the loops unroll and acc stays in registers. */
 static inline __attribute__((always_inline)) void tile(int NB, int MB, const float *w, int K,
                                                        const float *x, int64_t ldx, float *out) {
-    __m256 acc[8][4];
+    __m256 acc[8][8];
     for (int n = 0; n < NB; n++)
         for (int m = 0; m < MB; m++) acc[n][m] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
-        __m256 xv[4];
+        __m256 xv[8];
         for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
         for (int n = 0; n < NB; n++) {
             const __m256 wv = _mm256_loadu_ps(w + (int64_t)n * K + k);
@@ -86,7 +88,7 @@ static inline void tile(int NB, int MB, const float *w, int K, const float *x, i
 }
 #endif
 
-/* One tile: MB (1..4) x rows against NB weight rows, stored into y with the bias. */
+/* One tile: MB (1..8) x rows against NB (1..8) weight rows, stored into y with the bias. */
 typedef struct {
     const float *bias, *res; /* either may be NULL */
     int64_t ldr;
@@ -96,7 +98,7 @@ static inline __attribute__((always_inline)) void run_tile(int NB, int MB, const
                                                            const float *x, int64_t ldx,
                                                            Epilogue ep, int n0, float *y,
                                                            int64_t ldy) {
-    float out[32];
+    float out[64];
     tile(NB, MB, w + (int64_t)n0 * K, K, x, ldx, out);
     for (int m = 0; m < MB; m++)
         for (int n = 0; n < NB; n++) {
@@ -116,28 +118,38 @@ static inline Epilogue tile_ep(Epilogue ep, int m) {
 static void slice(const float *x, int64_t ldx, int M, const float *w, int K, Epilogue ep,
                   int n_begin, int n_end, float *y, int64_t ldy) {
     int m = 0;
-    for (; m + 4 <= M; m += 4) {
-        int n = n_begin;
-        for (; n + 3 <= n_end; n += 3) run_tile(3, 4, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
-        for (; n < n_end; n++) run_tile(1, 4, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
-    }
+    for (; m + 8 <= M; m += 8) /* eight rows against one weight row: each weight read once */
+        for (int n = n_begin; n < n_end; n++) run_tile(1, 8, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
     const int rest = M - m;
     if (rest == 0) return;
     const float *xr = x + m * ldx;
     float *yr = y + m * ldy;
+    const Epilogue er = tile_ep(ep, m);
     int n = n_begin;
     switch (rest) {
     case 1:
-        for (; n + 8 <= n_end; n += 8) run_tile(8, 1, w, K, xr, ldx, tile_ep(ep, m), n, yr, ldy);
-        for (; n < n_end; n++) run_tile(1, 1, w, K, xr, ldx, tile_ep(ep, m), n, yr, ldy);
+        for (; n + 8 <= n_end; n += 8) run_tile(8, 1, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(1, 1, w, K, xr, ldx, er, n, yr, ldy);
         break;
     case 2:
-        for (; n + 4 <= n_end; n += 4) run_tile(4, 2, w, K, xr, ldx, tile_ep(ep, m), n, yr, ldy);
-        for (; n < n_end; n++) run_tile(1, 2, w, K, xr, ldx, tile_ep(ep, m), n, yr, ldy);
+        for (; n + 4 <= n_end; n += 4) run_tile(4, 2, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(1, 2, w, K, xr, ldx, er, n, yr, ldy);
+        break;
+    case 3:
+        for (; n + 3 <= n_end; n += 3) run_tile(3, 3, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(1, 3, w, K, xr, ldx, er, n, yr, ldy);
+        break;
+    case 4:
+        for (; n < n_end; n++) run_tile(1, 4, w, K, xr, ldx, er, n, yr, ldy);
+        break;
+    case 5:
+        for (; n < n_end; n++) run_tile(1, 5, w, K, xr, ldx, er, n, yr, ldy);
+        break;
+    case 6:
+        for (; n < n_end; n++) run_tile(1, 6, w, K, xr, ldx, er, n, yr, ldy);
         break;
     default:
-        for (; n + 3 <= n_end; n += 3) run_tile(3, 3, w, K, xr, ldx, tile_ep(ep, m), n, yr, ldy);
-        for (; n < n_end; n++) run_tile(1, 3, w, K, xr, ldx, tile_ep(ep, m), n, yr, ldy);
+        for (; n < n_end; n++) run_tile(1, 7, w, K, xr, ldx, er, n, yr, ldy);
         break;
     }
 }

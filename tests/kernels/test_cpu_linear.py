@@ -42,7 +42,7 @@ def _operands(rows, n, k, bias, seed):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 64])
 @pytest.mark.parametrize("n,k", [(1, 1), (37, 77), (96, 64), (203, 576), (9, 1543)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(rows, n, k, bias):
