@@ -28,11 +28,11 @@ __all__ = ["available", "status", "supports", "linear", "rope_", "MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
 # Rows up to which the model's Linear takes this kernel; above it BLAS on the same weights.
-# bench_linear.py (linear-vm.json, AMD EPYC, 2 threads, all 121 matrices, ms): 1 row 29.7 vs
-# 46.7 for F.linear and 33.8 oneDNN-packed; 8 rows 46.4 vs 80.3 / 44.4; 32 rows 121.8 vs 137.0
-# / 95.8; 64 rows 222.4 vs 199.7 / 157.2: past ~32 rows the kernel is compute-bound and BLAS's
-# blocked GEMM wins.
-MAX_ROWS = 32
+# bench_linear.py (linear-vm.json, AMD EPYC, 2 threads, all 121 matrices, ms): 1 row 30.2 vs
+# 48.3 for F.linear and 35.5 oneDNN-packed; 8 rows 43.9 vs 90.4 / 48.2; 32 rows 97.9 vs 128.2
+# / 88.1; 64 rows 179.6 vs 215.5 / 160.5; at 128 rows (4 layers) 44.8 vs 38.5 / 38.8: from
+# there BLAS's blocked GEMM wins.
+MAX_ROWS = 64
 
 
 def _declare(lib: ctypes.CDLL) -> None:
