@@ -44,6 +44,9 @@ class ModelLoadConfig:
                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                f"got {self.attention_backend!r}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.cpu_matmul not in ("kernel", "onednn") or self.dtype == "float32",
+               f"cpu_matmul={self.cpu_matmul!r} is for float32 models, got dtype={self.dtype!r} "
+               "(use cpu_matmul='auto' or 'blas')")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
 
 

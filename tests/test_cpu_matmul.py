@@ -84,8 +84,11 @@ def test_choice_rules():
     assert choose_cpu_matmul("auto", torch.bfloat16) == "blas"
     fallback = "onednn" if onednn_linear_available() else "blas"
     assert choose_cpu_matmul("auto", torch.float32) == ("kernel" if cpu_linear.available() else fallback)
-    with pytest.raises(RuntimeError, match="float32 models"):
+    with pytest.raises(ConfigError, match="float32 models"):
         choose_cpu_matmul("kernel", torch.bfloat16)
+    for choice in ("kernel", "onednn"):  # refused before any loading
+        with pytest.raises(ConfigError, match=f"cpu_matmul='{choice}' is for float32 models"):
+            LLM("unused", cpu_matmul=choice, dtype="bfloat16")
     with pytest.raises(ConfigError, match="cpu_matmul must be one of"):
         LLM("unused", cpu_matmul="mkl")
 

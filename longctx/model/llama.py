@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from longctx.config import ConfigError
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
@@ -47,18 +48,19 @@ def onednn_linear_available() -> bool:
 def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
     """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32
     when it builds here, else oneDNN when this torch has it, else BLAS (bf16/fp16 always BLAS:
-    the other two are float32 only)."""
+    the other two are float32 only). A choice that cannot run here raises ``ConfigError``."""
     if requested == "blas":
         return "blas"
     if requested == "onednn":
         if not onednn_linear_available():
-            raise RuntimeError("cpu_matmul='onednn' but this torch build has no oneDNN linear ops")
+            raise ConfigError("cpu_matmul='onednn' but this torch build has no oneDNN linear ops")
         return "onednn"
     if requested == "kernel":
         if dtype != torch.float32:
-            raise RuntimeError(f"cpu_matmul='kernel' is for float32 models, not {dtype}")
+            raise ConfigError(f"cpu_matmul='kernel' is for float32 models, not {dtype}")
         if not cpu_linear.available():
-            raise RuntimeError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()}")
+            raise ConfigError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()} "
+                              "(use cpu_matmul='auto' to fall back)")
         return "kernel"
     if dtype != torch.float32:
         return "blas"
