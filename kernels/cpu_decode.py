@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (``csrc/paged_decode.c``): built on first use, called
 through ctypes.
 
-Owns: loading the C source's library (``cpu_build.py`` compiles and caches it) and ``attend``: a few new tokens of one sequence against its pages, ``(out, lse)`` with the
+Owns: loading the C source's library (``cpu_build.py`` compiles and caches it) and
+``attend``: a few new tokens of one sequence against its pages, ``(out, lse)`` with the
 conventions of ``reference.py``. Never: choosing when to use it (``torch_paged`` does), or
 failing a run: with no compiler, a failed build or ``LONGCTX_CPU_KERNEL=0`` it reports itself
 unavailable (``status()`` says why) and the torch path runs instead.

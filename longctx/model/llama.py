@@ -100,10 +100,14 @@ class Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
         self.weight_t = None
 
+    def takes_row_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes to the row kernel: held for it, and 1..MAX_ROWS rows."""
+        return self.weight is not None and 0 < x.shape[0] <= cpu_linear.MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_row_kernel(x):
+            return cpu_linear.linear(x, self.weight, self.bias)
         if self.weight is not None:
-            if 0 < x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32:
-                return cpu_linear.linear(x, self.weight, self.bias)
             return nn.functional.linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -154,8 +158,8 @@ class Attention(nn.Module):
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
-        if self.qkv_proj.weight is not None and qkv.dtype == torch.float32 and qkv.shape[0] > 0:
-            qk = cpu_linear.rope_(qk, cos, sin)  # the row kernel's fresh output: rotated in place
+        if self.qkv_proj.weight is not None:  # qkv_proj's fresh fp32 output: rotated in place
+            qk = cpu_linear.rope_(qk, cos, sin)
         else:
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
@@ -187,8 +191,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 attn_meta: Any) -> torch.Tensor:
-        if (0 < x.shape[0] <= cpu_linear.MAX_ROWS and x.dtype == torch.float32
-                and self.mlp.down_proj.weight is not None):
+        if self.mlp.down_proj.takes_row_kernel(x):
             return self._forward_row_kernel(x, cos, sin, backend, attn_meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, attn_meta)
         return x + self.mlp(self.post_attention_layernorm(x))
