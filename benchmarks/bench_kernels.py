@@ -172,9 +172,10 @@ def gather_sdpa_call(shape: Shape, inputs):
 
 
 def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
-    """The CPU path as the engine runs it (the compiled decode kernel for short steps), the
-    torch forms alone (the kernel switched off), and gather + SDPA as the baseline."""
-    from longctx.kernels import cpu_decode, torch_paged
+    """The CPU path as the engine runs it (the compiled decode kernel for short steps, the
+    compiled flash kernel for longer ones), the torch forms alone (the kernels switched off),
+    and gather + SDPA as the baseline."""
+    from longctx.kernels import cpu_decode, cpu_flash, torch_paged
 
     device = torch.device("cpu")
     results = []
@@ -215,8 +216,9 @@ def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
     notes = ["No CUDA device: Triton numbers need a GPU and none were measured. Rows: engine-*, "
              "longctx.kernels.torch_paged as the engine runs it (steps of at most "
              f"{torch_paged.CPU_KERNEL_MAX_ROWS} query rows per KV head go to the compiled decode "
-             f"kernel, {cpu_decode.status()}), with a shuffled and a consecutive block table; "
-             "torch-*, the same with the compiled kernel switched off: shuffled, consecutive, each "
+             f"kernel, {cpu_decode.status()}; longer ones to the compiled flash kernel, "
+             f"{cpu_flash.status()}), with a shuffled and a consecutive block table; "
+             "torch-*, the same with the compiled kernels switched off: shuffled, consecutive, each "
              "table in two runs of consecutive ids (a prefix-cache hit then fresh pages) attended "
              "run by run and, as before runs, gathered; and gather + SDPA as the baseline. Every "
              "row reruns one layer's inputs, so K/V may sit partly in cache: the end-to-end decode "
@@ -230,6 +232,7 @@ def smollm_shapes(context: int, chunk: int, block_size: int) -> list[Shape]:
     return [Shape(f"smollm-decode-b1-{context}", 1, context, 1, **common),
             Shape(f"smollm-decode-b8-{context // 4}", 8, context // 4, 1, **common),
             Shape(f"smollm-verify8-b1-{context}", 1, context, 8, **common),
+            Shape(f"smollm-verify16-b1-{context}", 1, context, 16, **common),
             Shape(f"smollm-prefill-chunk{chunk}-at-{context}", 1, context, chunk, **common)]
 
 

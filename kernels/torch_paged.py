@@ -9,8 +9,10 @@ How it is fast:
 
 * Decode and short verification steps (``CPU_KERNEL_MAX_ROWS``) go to the compiled kernel of
   ``cpu_decode.py``, which walks the block table itself (no gather, no view runs) and reads
-  each K/V row once; the torch forms below serve everything else, and every step when the
-  kernel cannot be built (no C compiler) or is switched off (``LONGCTX_CPU_KERNEL=0``).
+  each K/V row once; longer steps (prefill chunks, long verification) to the compiled flash
+  kernel of ``cpu_flash.py``, which walks the table too. The torch forms below serve every
+  step when the kernels cannot be built (no C compiler) or are switched off
+  (``LONGCTX_CPU_KERNEL=0``), and float16 caches, which the kernels do not take.
 * Blocks are views when they can be. The block pool hands out the lowest free ids, so a
   sequence's blocks are usually consecutive; for such a run the sequence's K/V is a plain view
   of the cache (no gather). A table made of a few runs (a prefix-cache hit followed by fresh
@@ -41,7 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode
+from . import cpu_decode, cpu_flash
 from .reference import causal_visibility
 from .reference import merge_attn_states as merge_attn_states  # same math; exported here
 
@@ -62,15 +64,20 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
     return cache.index_select(0, index).view(-1, *cache.shape[2:])[:length]
 
 
-# Decode and short verification steps go to the compiled kernel (cpu_decode.py) when it is
-# available, for a sequence whose new tokens times its GQA group (the query rows per KV head)
-# are at most this many: it reads K/V straight from the pages at near memory bandwidth.
+# Decode and short verification steps go to the compiled decode kernel (cpu_decode.py) when it
+# is available, for a sequence whose new tokens times its GQA group (the query rows per KV
+# head) are at most this many: it reads K/V straight from the pages at near memory bandwidth.
 # bench_kernels.py, one SmolLM2 layer at 8K (3 KV heads, group 3): 1 new token 0.8-0.9 ms vs
-# 2.2-2.5 ms with the torch forms below, 8 tokens 2.6-3.0 vs 5.7 ms, 32 tokens 8.2-9.4 vs
-# 11.0 ms; its cost grows with the rows, so longer chunks stay with the flash kernel.
+# 2.2-2.5 ms with the torch forms below. Its cost grows with the rows (one dot product per row
+# and key), so more rows go to the compiled flash kernel (cpu_flash.py), which scores a block
+# of rows as a small GEMM: at 8K, 6 / 8 / 16 new tokens (18 / 24 / 48 rows) 2.1-2.3 / 2.7-2.9 /
+# 5.0 ms with the decode kernel vs 2.3-2.6 / 2.6-2.7 / 3.7-4.0 ms with the flash kernel; a
+# 2,048-token prefill chunk over 0-6K cached tokens 0.60-0.67 s per layer vs 0.69-0.77 s with
+# PyTorch's flash kernel (the torch forms below, which remain for no compiler, a 16-bit cache
+# without a kernel, or LONGCTX_CPU_KERNEL=0).
 USE_CPU_KERNEL = True
 TAKES_STEP_CACHE = True  # paged_attention / write_kv accept step_cache (attention.py)
-CPU_KERNEL_MAX_ROWS = 96
+CPU_KERNEL_MAX_ROWS = 20
 SMALL_Q = 3  # up to this many new tokens per sequence: matmuls over the whole context
 MAX_RUNS = 16  # a block table in more runs of consecutive ids than this is gathered instead
 # ... and so is one whose runs average fewer tokens than this: per-run calls and merges then
@@ -293,7 +300,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if seq_tree is not None and q_len > 63:
             raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {q_len}")
         blocks = tables[b][:(ctx_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
-        if (USE_CPU_KERNEL and q_len * (q.shape[1] // k_cache.shape[2]) <= CPU_KERNEL_MAX_ROWS
+        rows = q_len * (q.shape[1] // k_cache.shape[2])
+        if (USE_CPU_KERNEL and rows > CPU_KERNEL_MAX_ROWS
+                and cpu_flash.supports(q[start:end], k_cache, tree=seq_tree is not None)):
+            prepared = plan.blocks_for_kernel(b, blocks, k_cache)
+            if direct:
+                cpu_flash.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, seq_tree,
+                                 out=out[start:end], lse=lse[start:end])
+            else:
+                out[start:end], lse[start:end] = cpu_flash.attend(
+                    q[start:end], k_cache, v_cache, prepared, ctx_len, scale, seq_tree)
+            continue
+        if (USE_CPU_KERNEL and rows <= CPU_KERNEL_MAX_ROWS
                 and cpu_decode.supports(q[start:end], k_cache)):
             words = seq_tree
             if words is None and q_len > 1:  # causal among the new tokens

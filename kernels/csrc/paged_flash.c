@@ -1,0 +1,496 @@
+/* Paged flash attention on the CPU for many query rows per KV head: prefill chunks and
+ * lookahead verification, reading K/V straight from the pages.
+ *
+ * Why another kernel: paged_decode.c scores one query row at a time (dot products along the
+ * head dim), which is right when a step has a few rows and the cost is the KV stream, and
+ * compute-bound past that. Here the rows are the wide side. Per KV head, a block of query rows
+ * (the new tokens times the GQA group) is held transposed, Q^T [D][rows], and a tile of keys is
+ * scored against it as a small GEMM whose vectors run along the rows:
+ *     S^T[key][rows] += K[key][x] * Q^T[x][rows]     (K[key][x] broadcast from the page)
+ *     O^T[x][rows]   += V[key][x] * P^T[key][rows]   (V[key][x] broadcast from the page)
+ * so K and V are used in place (no packing, no transposes), and the online softmax over the
+ * keys of a tile is a column pass over S^T: max, exp and sum are plain vector ops with no
+ * horizontal reductions. Scores are kept in log2 units (Q is pre-scaled by scale * log2 e) so
+ * the exponentials are exp2. Fully masked key tiles (beyond the causal diagonal of a row block)
+ * are never computed.
+ *
+ * Work items are (KV head, row block, KV split); a step with few row blocks (verification)
+ * splits the keys too and merges the splits by log-sum-exp at the end, as flash-decoding does.
+ *
+ * Layout and conventions are those of kernels/reference.py:
+ *   q      [L, H, D] float32, contiguous (the caller converts)
+ *   caches [num_blocks, block_size, Hkv, D], float32 or bfloat16, contiguous
+ *   blocks the sequence's block ids (int32); token t lives in block blocks[t / block_size]
+ *   the new tokens are the last L of ctx_len; query i sees every earlier token, and among the
+ *   new tokens: tokens 0..i (tail_words NULL: causal), or token j iff bit j of tail_words[i]
+ *   out    [L, H, D] float32, lse [L, H] float32 (natural log, of the scaled scores)
+ * Query head hq reads KV head hq / (H / Hkv).
+ *
+ * Built at first use by kernels/cpu_flash.py (through cpu_build.py) with -O3 -march=native
+ * -fopenmp; without AVX2/FMA the same loops run in plain C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RB 96      /* query rows per work item (a multiple of 16) */
+#define KT 96      /* keys per tile (a multiple of 6) */
+#define MAX_D 256
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* 2^x for one float: 0 below -126 (and for -inf). Used off the hot loops. */
+static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x); }
+
+#ifdef HAVE_AVX2
+/* 2^x, x <= 0 (or -inf): x = n + f, |f| <= 1/2, 2^f = e^(f ln2) by a degree-7 Taylor polynomial
+ * (relative error < 1e-8 on that range, below float rounding), 2^n in the exponent bits;
+ * 0 below -126. */
+INLINE __m256 exp2_vec(__m256 x) {
+    const __m256 dead = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
+    const __m256 y = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* S^T rows k0..k0+5 (6 keys), columns i0..i0+15: sum over x of K[key][x] * Q^T[x][i]. */
+INLINE void qk_6x16(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3], *k4 = krow[4], *k5 = krow[5];
+    const float *qp = qt + i0;
+    for (int x = 0; x < d; x++, qp += rbp) {
+        const __m256 q0 = _mm256_load_ps(qp), q1 = _mm256_load_ps(qp + 8);
+        __m256 k = _mm256_broadcast_ss(k0 + x);
+        a0 = _mm256_fmadd_ps(k, q0, a0); b0 = _mm256_fmadd_ps(k, q1, b0);
+        k = _mm256_broadcast_ss(k1 + x);
+        a1 = _mm256_fmadd_ps(k, q0, a1); b1 = _mm256_fmadd_ps(k, q1, b1);
+        k = _mm256_broadcast_ss(k2 + x);
+        a2 = _mm256_fmadd_ps(k, q0, a2); b2 = _mm256_fmadd_ps(k, q1, b2);
+        k = _mm256_broadcast_ss(k3 + x);
+        a3 = _mm256_fmadd_ps(k, q0, a3); b3 = _mm256_fmadd_ps(k, q1, b3);
+        k = _mm256_broadcast_ss(k4 + x);
+        a4 = _mm256_fmadd_ps(k, q0, a4); b4 = _mm256_fmadd_ps(k, q1, b4);
+        k = _mm256_broadcast_ss(k5 + x);
+        a5 = _mm256_fmadd_ps(k, q0, a5); b5 = _mm256_fmadd_ps(k, q1, b5);
+    }
+    float *s = st + i0;
+    _mm256_store_ps(s, a0); _mm256_store_ps(s + 8, b0); s += rbp;
+    _mm256_store_ps(s, a1); _mm256_store_ps(s + 8, b1); s += rbp;
+    _mm256_store_ps(s, a2); _mm256_store_ps(s + 8, b2); s += rbp;
+    _mm256_store_ps(s, a3); _mm256_store_ps(s + 8, b3); s += rbp;
+    _mm256_store_ps(s, a4); _mm256_store_ps(s + 8, b4); s += rbp;
+    _mm256_store_ps(s, a5); _mm256_store_ps(s + 8, b5);
+}
+
+/* O^T rows x0..x0+nd-1 (nd <= 6, a constant after inlining), columns i0..i0+15:
+ * += sum over the tile's n keys of V[key][x] * P^T[key][i]. */
+INLINE void pv_tile(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd,
+                    float *ot, int i0) {
+    __m256 a[6], b[6];
+    for (int u = 0; u < nd; u++) {
+        a[u] = _mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0);
+        b[u] = _mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 8);
+    }
+    const float *pp = pt + i0;
+    for (int j = 0; j < n; j++, pp += rbp) {
+        const __m256 p0 = _mm256_load_ps(pp), p1 = _mm256_load_ps(pp + 8);
+        const float *v = vrow[j] + x0;
+        for (int u = 0; u < nd; u++) {
+            const __m256 w = _mm256_broadcast_ss(v + u);
+            a[u] = _mm256_fmadd_ps(w, p0, a[u]);
+            b[u] = _mm256_fmadd_ps(w, p1, b[u]);
+        }
+    }
+    for (int u = 0; u < nd; u++) {
+        _mm256_store_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);
+        _mm256_store_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 8, b[u]);
+    }
+}
+
+/* The same two products for a last strip of 8 rows (a block whose rows are 8 mod 16). */
+INLINE void qk_6x8(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    const float *qp = qt + i0;
+    for (int x = 0; x < d; x++, qp += rbp) {
+        const __m256 q0 = _mm256_load_ps(qp);
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(krow[0] + x), q0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(krow[1] + x), q0, a1);
+        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(krow[2] + x), q0, a2);
+        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(krow[3] + x), q0, a3);
+        a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(krow[4] + x), q0, a4);
+        a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(krow[5] + x), q0, a5);
+    }
+    float *s = st + i0;
+    _mm256_store_ps(s, a0); s += rbp;
+    _mm256_store_ps(s, a1); s += rbp;
+    _mm256_store_ps(s, a2); s += rbp;
+    _mm256_store_ps(s, a3); s += rbp;
+    _mm256_store_ps(s, a4); s += rbp;
+    _mm256_store_ps(s, a5);
+}
+
+INLINE void pv_strip8(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot, int i0) {
+    int x0 = 0;
+    for (; x0 + 6 <= d; x0 += 6) {
+        __m256 a[6];
+        for (int u = 0; u < 6; u++) a[u] = _mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0);
+        const float *pp = pt + i0;
+        for (int j = 0; j < n; j++, pp += rbp) {
+            const __m256 p0 = _mm256_load_ps(pp);
+            const float *v = vrow[j] + x0;
+            for (int u = 0; u < 6; u++) a[u] = _mm256_fmadd_ps(_mm256_broadcast_ss(v + u), p0, a[u]);
+        }
+        for (int u = 0; u < 6; u++) _mm256_store_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);
+    }
+    for (; x0 < d; x0++) {
+        __m256 a = _mm256_load_ps(ot + (int64_t)x0 * rbp + i0);
+        const float *pp = pt + i0;
+        for (int j = 0; j < n; j++, pp += rbp) a = _mm256_fmadd_ps(_mm256_broadcast_ss(vrow[j] + x0), _mm256_load_ps(pp), a);
+        _mm256_store_ps(ot + (int64_t)x0 * rbp + i0, a);
+    }
+}
+#endif
+
+/* S^T[k][i] for the tile's keys (krow, n of them, rounded up to 6 with zero rows) and the
+ * block's rbp rows. */
+static void tile_scores(const float *qt, int rbp, const float *const *krow, int n, int d, float *st) {
+    for (int k0 = 0; k0 < n; k0 += 6) {
+#ifdef HAVE_AVX2
+        int i0 = 0;
+        for (; i0 + 16 <= rbp; i0 += 16) qk_6x16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
+        if (i0 < rbp) qk_6x8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
+#else
+        for (int k = k0; k < k0 + 6; k++) {
+            float *s = st + (int64_t)k * rbp;
+            for (int i = 0; i < rbp; i++) s[i] = 0.0f;
+            for (int x = 0; x < d; x++) {
+                const float kx = krow[k][x];
+                const float *qx = qt + (int64_t)x * rbp;
+                for (int i = 0; i < rbp; i++) s[i] += kx * qx[i];
+            }
+        }
+#endif
+    }
+}
+
+/* O^T += V^T P^T over the tile's n keys. */
+static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot) {
+#ifdef HAVE_AVX2
+    const int full = rbp / 16 * 16; /* rows in 16-row strips; an 8-row strip may follow */
+    if (full < rbp) pv_strip8(pt, rbp, vrow, n, d, ot, full);
+    int x0 = 0;
+    for (; x0 + 6 <= d; x0 += 6)
+        for (int i0 = 0; i0 < full; i0 += 16) pv_tile(pt, rbp, vrow, n, x0, 6, ot, i0);
+    const int rest = d - x0;
+    for (int i0 = 0; i0 < full && rest > 0; i0 += 16) {
+        switch (rest) { /* constant widths, so each inlined copy keeps its sums in registers */
+        case 1: pv_tile(pt, rbp, vrow, n, x0, 1, ot, i0); break;
+        case 2: pv_tile(pt, rbp, vrow, n, x0, 2, ot, i0); break;
+        case 3: pv_tile(pt, rbp, vrow, n, x0, 3, ot, i0); break;
+        case 4: pv_tile(pt, rbp, vrow, n, x0, 4, ot, i0); break;
+        default: pv_tile(pt, rbp, vrow, n, x0, 5, ot, i0); break;
+        }
+    }
+#else
+    for (int j = 0; j < n; j++) {
+        const float *p = pt + (int64_t)j * rbp;
+        for (int x = 0; x < d; x++) {
+            const float vx = vrow[j][x];
+            float *o = ot + (int64_t)x * rbp;
+            for (int i = 0; i < rbp; i++) o[i] += vx * p[i];
+        }
+    }
+#endif
+}
+
+/* The online-softmax step for one tile: S^T (n keys) becomes P^T = 2^(S - m_new) in place,
+ * l and m are updated and O^T rescaled. Columns whose row has seen nothing yet keep m = -inf
+ * and get P = 0. */
+static void tile_softmax(float *st, int rbp, int n, int d, float *m, float *l, float *ot) {
+    float alpha[RB];
+#ifdef HAVE_AVX2
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < rbp; i += 8) {
+        __m256 peak = _mm256_loadu_ps(m + i);
+        for (int j = 0; j < n; j++) peak = _mm256_max_ps(peak, _mm256_load_ps(st + (int64_t)j * rbp + i));
+        /* a row that has seen nothing keeps m = -inf; use 0 as its reference (P is 0 anyway) */
+        const __m256 ref = _mm256_blendv_ps(peak, _mm256_setzero_ps(), _mm256_cmp_ps(peak, ninf, _CMP_EQ_OQ));
+        const __m256 a = exp2_vec(_mm256_sub_ps(_mm256_loadu_ps(m + i), ref));
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            float *s = st + (int64_t)j * rbp + i;
+            const __m256 p = exp2_vec(_mm256_sub_ps(_mm256_load_ps(s), ref));
+            _mm256_store_ps(s, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), a, sum));
+        _mm256_storeu_ps(m + i, peak);
+        _mm256_storeu_ps(alpha + i, a);
+    }
+    int rescale = 0;
+    for (int i = 0; i < rbp; i++) rescale |= alpha[i] != 1.0f;
+    if (rescale)
+        for (int x = 0; x < d; x++) {
+            float *o = ot + (int64_t)x * rbp;
+            for (int i = 0; i < rbp; i += 8)
+                _mm256_store_ps(o + i, _mm256_mul_ps(_mm256_load_ps(o + i), _mm256_loadu_ps(alpha + i)));
+        }
+#else
+    for (int i = 0; i < rbp; i++) {
+        float peak = m[i];
+        for (int j = 0; j < n; j++) peak = st[(int64_t)j * rbp + i] > peak ? st[(int64_t)j * rbp + i] : peak;
+        const float ref = peak == -INFINITY ? 0.0f : peak;
+        alpha[i] = exp2_scalar(m[i] - ref);
+        float sum = 0.0f;
+        for (int j = 0; j < n; j++) {
+            float *s = st + (int64_t)j * rbp + i;
+            *s = exp2_scalar(*s - ref);
+            sum += *s;
+        }
+        l[i] = l[i] * alpha[i] + sum;
+        m[i] = peak;
+    }
+    for (int x = 0; x < d; x++)
+        for (int i = 0; i < rbp; i++) ot[(int64_t)x * rbp + i] *= alpha[i];
+#endif
+}
+
+/* Pointers to the K or V rows (head kvh) of keys [base, base + n): into the pages for float32,
+ * else converted into buf (n * d floats). */
+static void tile_rows(const void *cache, int dtype, const int32_t *blocks, int block_size, int base,
+                      int n, int num_kv, int kvh, int d, float *buf, const float **rows) {
+    int block = base / block_size, offset = base % block_size;
+    for (int j = 0; j < n; j++) {
+        const int64_t slot = (int64_t)blocks[block] * block_size + offset;
+        const int64_t at = (slot * num_kv + kvh) * (int64_t)d;
+        if (dtype == 0) {
+            rows[j] = (const float *)cache + at;
+        } else { /* bfloat16: the high half of a float32 */
+            const uint16_t *src = (const uint16_t *)cache + at;
+            uint32_t *dst = (uint32_t *)(buf + (int64_t)j * d);
+            for (int x = 0; x < d; x++) dst[x] = (uint32_t)src[x] << 16;
+            rows[j] = buf + (int64_t)j * d;
+        }
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+}
+
+/* Ask for head kvh's K or V rows of keys [base, base + n) ahead of their use (into L2: a
+ * tile's rows are read over the whole tile's compute). */
+static void prefetch_tile(const void *cache, int elem, const int32_t *blocks, int block_size, int base,
+                          int n, int num_kv, int kvh, int d) {
+#ifdef HAVE_AVX2
+    int block = base / block_size, offset = base % block_size;
+    const int row_bytes = d * elem;
+    for (int j = 0; j < n; j++) {
+        const int64_t slot = (int64_t)blocks[block] * block_size + offset;
+        const char *row = (const char *)cache + (slot * num_kv + kvh) * (int64_t)row_bytes;
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+#else
+    (void)cache; (void)elem; (void)blocks; (void)block_size; (void)base; (void)n; (void)num_kv;
+    (void)kvh; (void)d;
+#endif
+}
+
+typedef struct {
+    const float *q;
+    const void *k_cache, *v_cache;
+    int dtype;
+    const int32_t *blocks;
+    int block_size, ctx_len, q_len, num_heads, num_kv, d;
+    float scale;
+    const uint64_t *tail_words;
+} Args;
+
+/* Per-thread buffers, 32-byte aligned. */
+typedef struct {
+    float *qt, *st, *ot, *kbuf, *vbuf, *zero;
+    float m[RB], l[RB];
+    const float *krow[KT + 6], *vrow[KT];
+} Scratch;
+
+/* One work item: rows [r0, r1) of KV head kvh against keys [k0, k1). Leaves the block's
+ * running max (log2 units), sum and unnormalised O^T in s. */
+static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, Scratch *s) {
+    const int group = a->num_heads / a->num_kv;
+    const int rows = r1 - r0, rbp = (rows + 7) / 8 * 8;
+    const int d = a->d, first_new = a->ctx_len - a->q_len;
+    const float qscale = a->scale * 1.44269504088896341f;
+    for (int x = 0; x < d; x++) {
+        float *dst = s->qt + (int64_t)x * rbp;
+        for (int r = 0; r < rbp; r++) {
+            const int row = r0 + r;
+            dst[r] = r < rows ? a->q[((int64_t)(row / group) * a->num_heads + kvh * group + row % group) * d + x] * qscale
+                              : 0.0f;
+        }
+    }
+    memset(s->ot, 0, sizeof(float) * (size_t)d * rbp);
+    for (int r = 0; r < rbp; r++) {
+        s->m[r] = -INFINITY;
+        s->l[r] = 0.0f;
+    }
+    /* causal: the block's last row sees up to key first_new + its token */
+    const int t_first = r0 / group, t_last = (r1 - 1) / group;
+    int end = k1;
+    if (!a->tail_words && first_new + t_last + 1 < end) end = first_new + t_last + 1;
+    for (int base = k0; base < end; base += KT) {
+        const int n = end - base < KT ? end - base : KT;
+        if (base + n < end) {
+            const int next = end - base - n < KT ? end - base - n : KT;
+            const int elem = a->dtype == 0 ? 4 : 2;
+            prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
+            prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
+        }
+        tile_rows(a->k_cache, a->dtype, a->blocks, a->block_size, base, n, a->num_kv, kvh, d, s->kbuf, s->krow);
+        for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
+        tile_scores(s->qt, rbp, s->krow, n, d, s->st);
+        if (base + n > first_new + (a->tail_words ? 0 : t_first + 1)) { /* the tile meets the mask */
+            for (int j = 0; j < n; j++) {
+                const int key = base + j;
+                if (key < first_new) continue;
+                float *col = s->st + (int64_t)j * rbp;
+                for (int r = 0; r < rows; r++) {
+                    const int t = (r0 + r) / group;
+                    const int visible = a->tail_words ? (int)((a->tail_words[t] >> (key - first_new)) & 1u)
+                                                      : key - first_new <= t;
+                    if (!visible) col[r] = -INFINITY;
+                }
+            }
+        }
+        tile_softmax(s->st, rbp, n, d, s->m, s->l, s->ot);
+        tile_rows(a->v_cache, a->dtype, a->blocks, a->block_size, base, n, a->num_kv, kvh, d, s->vbuf, s->vrow);
+        tile_accumulate(s->st, rbp, s->vrow, n, d, s->ot);
+    }
+}
+
+static int scratch_init(Scratch *s, int d) {
+    const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d + 64;
+    float *base = aligned_alloc(32, (floats * sizeof(float) + 31) / 32 * 32);
+    if (!base) return -1;
+    s->qt = base;
+    s->ot = s->qt + (size_t)d * RB;
+    s->st = s->ot + (size_t)d * RB;
+    s->kbuf = s->st + (size_t)KT * RB;
+    s->vbuf = s->kbuf + (size_t)KT * d;
+    s->zero = s->vbuf + (size_t)KT * d;
+    memset(s->zero, 0, sizeof(float) * (size_t)d);
+    return 0;
+}
+
+/* Returns 0, or a negative code for arguments this kernel does not take (the caller checks
+ * them first; this is a second line). With num_splits > 1, work holds
+ * num_splits * num_kv * L * group * (d + 2) floats (the splits' partial states). */
+int longctx_paged_flash(const float *q, const void *k_cache, const void *v_cache, int dtype,
+                        const int32_t *blocks, int block_size, int ctx_len, int q_len,
+                        int num_heads, int num_kv, int d, float scale,
+                        const uint64_t *tail_words, int num_splits, float *work,
+                        float *out, float *lse) {
+    if (dtype != 0 && dtype != 1) return -1;
+    if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D || q_len < 1) return -2;
+    if (ctx_len < q_len || block_size < 1 || num_splits < 1 || (tail_words && q_len > 63)) return -3;
+    const Args a = {q, k_cache, v_cache, dtype, blocks, block_size, ctx_len, q_len, num_heads,
+                    num_kv, d, scale, tail_words};
+    const int group = num_heads / num_kv, rows = q_len * group;
+    const int num_rb = (rows + RB - 1) / RB;
+    const int split_len = (ctx_len + num_splits - 1) / num_splits;
+    const int items = num_kv * num_rb * num_splits;
+    const int all_rows = num_kv * rows;
+    const int64_t split_floats = (int64_t)all_rows * (d + 2);
+    const float ln2 = 0.693147180559945309f;
+    int failed = 0;
+
+#pragma omp parallel reduction(| : failed)
+    {
+        Scratch s;
+        if (scratch_init(&s, d) != 0) {
+            failed = 1;
+        } else {
+            /* row blocks last to first: under the causal mask the last ones have the most keys */
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < items; item++) {
+                const int split = item % num_splits;
+                const int rb = num_rb - 1 - (item / num_splits) % num_rb;
+                const int kvh = item / (num_splits * num_rb);
+                const int r0 = rb * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+                const int k0 = split * split_len, k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
+                attend_item(&a, kvh, r0, r1, k0, k1, &s);
+                const int rbp = (r1 - r0 + 7) / 8 * 8;
+                for (int r = 0; r < r1 - r0; r++) {
+                    const int row = r0 + r, t = row / group, hq = kvh * group + row % group;
+                    if (num_splits == 1) {
+                        float *o = out + ((int64_t)t * num_heads + hq) * d;
+                        const float total = s.l[r];
+                        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                        for (int x = 0; x < d; x++) o[x] = s.ot[(int64_t)x * rbp + r] * inv;
+                        lse[t * num_heads + hq] = total > 0.0f ? (s.m[r] + log2f(total)) * ln2 : -INFINITY;
+                    } else { /* partial state: m, l, unnormalised row */
+                        float *state = work + split * split_floats;
+                        const int at = kvh * rows + row;
+                        state[at] = s.m[r];
+                        state[all_rows + at] = s.l[r];
+                        float *acc = state + 2 * all_rows + (int64_t)at * d;
+                        for (int x = 0; x < d; x++) acc[x] = s.ot[(int64_t)x * rbp + r];
+                    }
+                }
+            }
+            free(s.qt);
+        }
+    }
+    if (failed) return -4;
+    if (num_splits == 1) return 0;
+    /* merge the splits of each row by log-sum-exp (log2 units) */
+#pragma omp parallel for schedule(static)
+    for (int at = 0; at < all_rows; at++) {
+        const int kvh = at / rows, row = at % rows;
+        const int t = row / group, hq = kvh * group + row % group;
+        float peak = -INFINITY;
+        for (int sp = 0; sp < num_splits; sp++) {
+            const float ms = work[sp * split_floats + at];
+            peak = ms > peak ? ms : peak;
+        }
+        float *o = out + ((int64_t)t * num_heads + hq) * d;
+        for (int x = 0; x < d; x++) o[x] = 0.0f;
+        float total = 0.0f;
+        for (int sp = 0; sp < num_splits; sp++) {
+            const float *state = work + sp * split_floats;
+            if (state[at] == -INFINITY) continue;
+            const float w = exp2_scalar(state[at] - peak);
+            total += w * state[all_rows + at];
+            const float *acc = state + 2 * all_rows + (int64_t)at * d;
+            for (int x = 0; x < d; x++) o[x] += w * acc[x];
+        }
+        if (total > 0.0f) {
+            const float inv = 1.0f / total;
+            for (int x = 0; x < d; x++) o[x] *= inv;
+            lse[t * num_heads + hq] = (peak + log2f(total)) * ln2;
+        } else {
+            lse[t * num_heads + hq] = -INFINITY;
+        }
+    }
+    return 0;
+}

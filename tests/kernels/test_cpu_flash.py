@@ -1,0 +1,200 @@
+"""The compiled CPU flash kernel (kernels/csrc/paged_flash.c) against the reference: GQA ratios
+1, 3 and 8, head dims 64, 80, 17 and 8 (its products run over the head dim one element at a
+time, so any width takes the vector path), row counts that leave 8-row and partial strips and
+span several 96-row blocks, odd block sizes with shuffled tables and NaN in every slot no
+sequence owns, causal and tree masks, float32 and bfloat16 caches, and KV splits merged by
+log-sum-exp. Then how torch_paged routes to it, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
+
+from longctx.kernels import cpu_build, cpu_flash, reference, torch_paged
+
+needs_kernel = pytest.mark.skipif(not cpu_flash.available(), reason=f"kernel {cpu_flash.status()}")
+
+
+def kernel_impl(splits: int | None):
+    """cpu_flash.attend sequence by sequence, shaped like a kernels module."""
+
+    def paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, *,
+                        scale=None, tree_mask=None):
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+        cu = cu_seqlens_q.tolist()
+        for b, ctx_len in enumerate(context_lens.tolist()):
+            s, e = cu[b], cu[b + 1]
+            words = tree_mask[s:e] if tree_mask is not None else None
+            out[s:e], lse[s:e] = cpu_flash.attend(q[s:e], k_cache, v_cache, block_table[b].tolist(),
+                                                  ctx_len, scale, words, splits)
+        return out, lse
+
+    return SimpleNamespace(paged_attention=paged_attention)
+
+
+CASES = {
+    # 37 tokens x 3 = 111 rows: a full 96-row block and a 15-row one (a 16-row strip, padded)
+    "prefill-gqa3": Case((37, 60), (37, 200), num_kv_heads=3, group=3, seed=1),
+    "chunk-mha": Case((50, 1), (177, 33), num_kv_heads=2, group=1, seed=2),
+    # 13 tokens x 8 = 104 rows: 96 + 8 (an 8-row strip)
+    "chunk-gqa8": Case((13,), (130,), num_kv_heads=1, group=8, seed=3),
+    "verify-8-gqa3": Case((8, 9), (300, 41), num_kv_heads=3, group=3, seed=4),
+    "tree-7": Case((7, 1), (70, 20), num_kv_heads=2, group=3, trees=(TWO_BRANCH_TREE, None), seed=5),
+    "tree-63": Case((63,), (100,), num_kv_heads=1, group=2, trees=(None,), seed=6),
+    "block-size-5": Case((30, 3), (123, 64), num_kv_heads=3, group=3, block_size=5, seed=7),
+    "block-size-1": Case((9,), (20,), num_kv_heads=1, group=3, block_size=1, seed=8),
+    "head-dim-80": Case((20, 2), (150, 77), num_kv_heads=2, group=3, head_dim=80, seed=9),
+    "head-dim-17": Case((20, 2), (50, 77), num_kv_heads=2, group=3, head_dim=17, seed=10),
+    "head-dim-8": Case((11,), (40,), num_kv_heads=2, group=4, head_dim=8, seed=11),
+    "only-new-tokens": Case((200,), (200,), num_kv_heads=1, group=3, block_size=64, seed=12),
+    "one-token": Case((1, 1), (1, 95), num_kv_heads=3, group=3, seed=13),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(name, splits, dtype):
+    case = dataclasses.replace(CASES[name], dtype=dtype)
+    check_against_reference(kernel_impl(splits), make_batch(case), dtype)
+
+
+@needs_kernel
+def test_more_splits_than_keys_and_rows_that_see_nothing():
+    """Splits longer than the context leave empty splits (m = -inf), and a tree row that sees
+    no key at all (no prefix, its own bit clear) gives out 0 and lse -inf, as the reference."""
+    batch = make_batch(Case((3,), (3,), num_kv_heads=1, group=2, trees=([-1, 0, 0],), seed=14))
+    batch.tree_mask[0] = 0  # token 0 sees nothing
+    for splits in (1, 2, 7):
+        out, lse = cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, batch.block_table[0].tolist(),
+                                    3, 0.125, batch.tree_mask, splits)
+        ref_out, ref_lse = reference.paged_attention(*batch.args(), scale=0.125, tree_mask=batch.tree_mask)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == float("-inf")).all())
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_split_choice_fills_the_threads():
+    """Few row blocks (verification) get KV splits so that every thread has the same number of
+    work items; a prefill chunk with many row blocks gets none; short contexts are not split
+    below SPLIT_MIN_TOKENS."""
+    threads = torch.get_num_threads()
+    for q_len, ctx in ((1, 8192), (8, 8192), (9, 4000)):
+        splits = cpu_flash.num_splits(q_len, 3, 3, ctx)
+        items = 3 * -(-q_len * 3 // cpu_flash.ROW_BLOCK) * splits
+        assert items >= 4 * threads and items % threads == 0, (q_len, splits)
+    assert cpu_flash.num_splits(2048, 3, 3, 8192) == 1
+    assert cpu_flash.num_splits(8, 3, 3, 600) == 1
+
+
+@needs_kernel
+def test_torch_paged_sends_long_steps_to_the_flash_kernel(monkeypatch):
+    """Past CPU_KERNEL_MAX_ROWS rows a sequence goes to cpu_flash (decode-sized ones to
+    cpu_decode); with the kernels switched off neither is called. Answers match the reference."""
+    calls = []
+    real = cpu_flash.attend
+    monkeypatch.setattr(cpu_flash, "attend", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    case = Case((1, 5, 7, 40), (80, 60, 70, 90), num_kv_heads=2, group=3, seed=21)
+    check_against_reference(torch_paged, make_batch(case), torch.float32)
+    assert calls == [7, 40]  # 7 x 3 = 21 rows > 20; 1 and 5 tokens stay with the decode kernel
+    calls.clear()
+    tree = dataclasses.replace(case, trees=(None, None, TWO_BRANCH_TREE, None))
+    check_against_reference(torch_paged, make_batch(tree), torch.float32)
+    assert calls == [7, 40]
+    calls.clear()
+    monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", False)
+    check_against_reference(torch_paged, make_batch(case), torch.float32)
+    assert calls == []
+
+
+@needs_kernel
+def test_float16_caches_stay_on_the_torch_path():
+    batch = make_batch(Case((40,), (60,), num_kv_heads=2, group=3, dtype=torch.float16, seed=22))
+    assert not cpu_flash.supports(batch.q, batch.k_cache)
+    check_against_reference(torch_paged, batch, torch.float16)
+
+
+@needs_kernel
+def test_prepared_blocks_output_buffers_and_bad_arguments():
+    batch = make_batch(Case((30,), (75,), num_kv_heads=3, group=3, seed=23))
+    blocks = batch.block_table[0].tolist()
+    want_out, want_lse = cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, blocks, 75, 0.125)
+    prepared = cpu_flash.prepare(blocks, 75, batch.k_cache)
+    out, lse = torch.full_like(batch.q, float("nan")), torch.full(batch.q.shape[:2], float("nan"))
+    got_out, got_lse = cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 75, 0.125,
+                                        out=out, lse=lse)
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="prepared for 75 tokens"):
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 70, 0.125)
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, blocks[:4] + [999], 75, 0.125)
+    with pytest.raises(ValueError, match="need 5 blocks, got 2"):
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, blocks[:2], 75, 0.125)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache.double(), prepared, 75, 0.125)
+    with pytest.raises(ValueError, match="tree_words must have shape"):
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 75, 0.125,
+                         torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="lse must be a contiguous float32"):
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 75, 0.125,
+                         lse=torch.empty(30, 8))
+    with pytest.raises(ValueError, match="rejected its arguments"):  # the C side's own check
+        cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, prepared, 75, 0.125, splits=0)
+    long_tree = torch.randn(64, 9, 64)
+    assert not cpu_flash.supports(long_tree, batch.k_cache, tree=True)
+    assert cpu_flash.supports(long_tree, batch.k_cache)
+
+
+FALLBACK = textwrap.dedent("""
+    import dataclasses
+    import torch
+    from longctx.kernels import cpu_build, cpu_flash, torch_paged
+    import sys; sys.path.insert(0, {tests!r})
+    from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
+    {setup}
+    print(cpu_flash.status())
+    for case in (Case((40, 7), (70, 33), num_kv_heads=2, group=3),
+                 Case((7, 30), (20, 50), num_kv_heads=1, group=4, trees=(TWO_BRANCH_TREE, None))):
+        check_against_reference(torch_paged, make_batch(case), torch.float32)
+        check_against_reference(torch_paged, make_batch(dataclasses.replace(case, dtype=torch.bfloat16)),
+                                torch.bfloat16)
+    print("matched")
+""")
+
+
+@pytest.mark.parametrize("env,setup,expect", [
+    ({"LONGCTX_CPU_KERNEL": "0"}, "", "disabled by LONGCTX_CPU_KERNEL=0"),
+    ({"CC": "false"}, "", "unavailable: false failed"),
+    # the C file's plain loops (no AVX2/FMA): the build for a CPU without them
+    ({}, "cpu_build.FLAGS += ['-mno-avx2', '-mno-fma']", "ok"),
+])
+def test_fallbacks_answer_the_same(tmp_path, env, setup, expect):
+    """Switched off or a compiler that fails: the status says why and the torch path answers;
+    built without AVX2: the C file's plain loops answer. All match the reference."""
+    if setup and not cpu_flash.available():
+        pytest.skip(f"kernel {cpu_flash.status()}")
+    script = FALLBACK.format(tests=os.path.dirname(__file__), setup=setup)
+    full_env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0].startswith(expect)
+    assert proc.stdout.splitlines()[-1] == "matched"
+    if setup:  # the build really left the vector code out
+        built = list((tmp_path / "cpu_kernels").glob("paged_flash-*.so"))
+        assert len(built) == 1
+        dump = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True, text=True)
+        if dump.returncode == 0:
+            assert "vfmadd" not in dump.stdout
