@@ -34,8 +34,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define RB 96      /* query rows per work item (a multiple of 16) */
-#define KT 96      /* keys per tile (a multiple of 6) */
+#ifndef RB
+#define RB 96 /* query rows per work item (a multiple of 16) */
+#endif
+#ifndef KT
+#define KT 96 /* keys per tile (a multiple of 6) */
+#endif
 #define MAX_D 256
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -327,7 +331,7 @@ typedef struct {
     const uint64_t *tail_words;
 } Args;
 
-/* Per-thread buffers, 32-byte aligned. */
+/* Per-thread buffers, 64-byte aligned (a 16-row strip of Q^T, S^T or O^T is one cache line). */
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
     float m[RB], l[RB];
@@ -390,7 +394,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 
 static int scratch_init(Scratch *s, int d) {
     const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d + 64;
-    float *base = aligned_alloc(32, (floats * sizeof(float) + 31) / 32 * 32);
+    float *base = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!base) return -1;
     s->qt = base;
     s->ot = s->qt + (size_t)d * RB;
