@@ -180,15 +180,17 @@ def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
     device = torch.device("cpu")
     results = []
 
-    def timed(impl: str, shape: Shape, inputs, kernel: bool, max_runs: int | None = None) -> None:
-        saved = torch_paged.USE_CPU_KERNEL, torch_paged.MAX_RUNS
-        torch_paged.USE_CPU_KERNEL = kernel
-        torch_paged.MAX_RUNS = saved[1] if max_runs is None else max_runs
-        try:
-            ms = time_call(lambda: torch_paged.paged_attention(*inputs), device, 1, args.reps)
-        finally:
-            torch_paged.USE_CPU_KERNEL, torch_paged.MAX_RUNS = saved
-        results.append(make_result(impl, shape, ms))
+    def path(inputs, kernel: bool, max_runs: int | None = None):
+        """torch_paged.paged_attention on ``inputs`` with the kernels on or off."""
+        def run():
+            saved = torch_paged.USE_CPU_KERNEL, torch_paged.MAX_RUNS
+            torch_paged.USE_CPU_KERNEL = kernel
+            torch_paged.MAX_RUNS = saved[1] if max_runs is None else max_runs
+            try:
+                torch_paged.paged_attention(*inputs)
+            finally:
+                torch_paged.USE_CPU_KERNEL, torch_paged.MAX_RUNS = saved
+        return run
 
     for shape in shapes:
         inputs = build_inputs(shape, device)
@@ -204,15 +206,26 @@ def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
         k2, v2 = torch.cat([inputs[1], spare]), torch.cat([inputs[2], spare])
         k2[two_runs.long()], v2[two_runs.long()] = inputs[1][inputs[3].long()], inputs[2][inputs[3].long()]
         inputs_r = (inputs[0], k2, v2, two_runs, *inputs[4:])
+        impls = {}
         if cpu_decode.available():
-            timed("engine-shuf", shape, inputs, True)
-            timed("engine-consec", shape, inputs_c, True)
-        timed("torch-shuf", shape, inputs, False)
-        timed("torch-consec", shape, inputs_c, False)
-        timed("torch-2runs", shape, inputs_r, False)
-        timed("torch-2runs-gather", shape, inputs_r, False, max_runs=0)
-        ms = time_call(gather_sdpa_call(shape, inputs), device, 1, args.reps)
-        results.append(make_result("gather+sdpa", shape, ms))
+            impls["engine-shuf"] = path(inputs, True)
+            impls["engine-consec"] = path(inputs_c, True)
+        impls["torch-shuf"] = path(inputs, False)
+        impls["torch-consec"] = path(inputs_c, False)
+        impls["torch-2runs"] = path(inputs_r, False)
+        impls["torch-2runs-gather"] = path(inputs_r, False, max_runs=0)
+        impls["gather+sdpa"] = gather_sdpa_call(shape, inputs)
+        # round-robin over the implementations, so that a slow spell of this shared machine
+        # falls on all of them rather than on whichever ran during it
+        times: dict[str, list[float]] = {name: [] for name in impls}
+        for fn in impls.values():
+            fn()
+        for _ in range(args.reps):
+            for name, fn in impls.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        results += [make_result(name, shape, statistics.median(t)) for name, t in times.items()]
     notes = ["No CUDA device: Triton numbers need a GPU and none were measured. Rows: engine-*, "
              "longctx.kernels.torch_paged as the engine runs it (steps of at most "
              f"{torch_paged.CPU_KERNEL_MAX_ROWS} query rows per KV head go to the compiled decode "
@@ -222,7 +235,8 @@ def bench_cpu(shapes: list[Shape], args) -> tuple[list[Result], list[str]]:
              "table in two runs of consecutive ids (a prefix-cache hit then fresh pages) attended "
              "run by run and, as before runs, gathered; and gather + SDPA as the baseline. Every "
              "row reruns one layer's inputs, so K/V may sit partly in cache: the end-to-end decode "
-             "figures are in bench_e2e.py."]
+             f"figures are in bench_e2e.py. Per shape the implementations run round-robin, "
+             f"{args.reps} rounds, medians."]
     return results, notes
 
 
@@ -284,7 +298,7 @@ def parse_args() -> argparse.Namespace:
                         help="tokens per sequence (default 32768 on CUDA, 8192 on the CPU)")
     parser.add_argument("--chunk", type=int, default=None,
                         help="prefill chunk tokens (default 2048 on CUDA and the CPU)")
-    parser.add_argument("--reps", type=int, default=None, help="timed calls (CUDA 20, CPU 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls (CUDA 20; CPU 7 rounds)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default benchmarks/results/kernels-<device>.json)")
@@ -296,7 +310,7 @@ def main() -> None:
     on_cuda = torch.cuda.is_available()
     context = args.context or (32768 if on_cuda else 8192)
     chunk = args.chunk or 2048
-    args.reps = args.reps or (20 if on_cuda else 5)
+    args.reps = args.reps or (20 if on_cuda else 7)
     if on_cuda:
         shapes = model_shapes(context, chunk, torch.bfloat16, [16, FLASH_ATTN_BLOCK])
         results, notes = bench_cuda(shapes, args)
