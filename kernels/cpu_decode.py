@@ -24,7 +24,8 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "attend", "prepare", "Blocks", "MAX_ROWS", "SPLIT_TOKENS"]
+__all__ = ["available", "status", "attend", "prepare", "checked_arguments", "Blocks", "MAX_ROWS",
+           "SPLIT_TOKENS"]
 
 SOURCE = cpu_build.CSRC / "paged_decode.c"
 MAX_ROWS = 128  # query rows per KV head (q_len * group); the C file's MAX_ROWS
@@ -34,13 +35,19 @@ SPLIT_TOKENS = 512  # tokens per work item: enough items for the threads, few me
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+# The C signature both attention kernels share (paged_decode.c, paged_flash.c): q, k_cache,
+# v_cache, dtype, blocks, block_size, ctx_len, q_len, num_heads, num_kv, d, scale, tail_words,
+# split_tokens / num_splits, work, out, lse.
+ATTENTION_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p]
+    fn.argtypes = ATTENTION_ARGTYPES
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
@@ -81,6 +88,30 @@ def prepare(blocks: list[int], ctx_len: int, k_cache: torch.Tensor) -> Blocks:
     return Blocks(torch.tensor(used, dtype=torch.int32), ctx_len, num_blocks, block_size)
 
 
+def checked_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      blocks: list[int] | Blocks, ctx_len: int, out: torch.Tensor | None,
+                      lse: torch.Tensor | None) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
+    """The checks a compiled attention kernel's caller makes before handing it pointers (shared
+    with ``cpu_flash``): one cache geometry for K and V, ``blocks`` prepared (or checked against
+    this cache and length), ``out`` [L, H, D] / ``lse`` [L, H] contiguous float32 or made here."""
+    q_len, num_heads, head_dim = q.shape
+    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+        raise ValueError("k_cache and v_cache must be contiguous with one shape and dtype")
+    if not isinstance(blocks, Blocks):
+        blocks = prepare(blocks, ctx_len, k_cache)
+    elif (blocks.ctx_len, blocks.num_blocks, blocks.block_size) != (ctx_len, *k_cache.shape[:2]):
+        raise ValueError(f"blocks were prepared for {blocks.ctx_len} tokens in a cache of "
+                         f"{blocks.num_blocks} x {blocks.block_size}, not {ctx_len} in "
+                         f"{k_cache.shape[0]} x {k_cache.shape[1]}")
+    for name, t, shape in (("out", out, (q_len, num_heads, head_dim)), ("lse", lse, (q_len, num_heads))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    out = torch.empty(q_len, num_heads, head_dim, dtype=torch.float32) if out is None else out
+    lse = torch.empty(q_len, num_heads, dtype=torch.float32) if lse is None else lse
+    return blocks, out, lse
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            blocks: list[int] | Blocks, ctx_len: int, scale: float,
            tail_words: torch.Tensor | None = None, split_tokens: int = SPLIT_TOKENS, *,
@@ -96,26 +127,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise RuntimeError(f"the CPU decode kernel is {status()}")
     q_len, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
-    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
-        raise ValueError("k_cache and v_cache must be contiguous with one shape and dtype")
-    if not isinstance(blocks, Blocks):
-        blocks = prepare(blocks, ctx_len, k_cache)
-    elif (blocks.ctx_len, blocks.num_blocks, blocks.block_size) != (ctx_len, *k_cache.shape[:2]):
-        raise ValueError(f"blocks were prepared for {blocks.ctx_len} tokens in a cache of "
-                         f"{blocks.num_blocks} x {blocks.block_size}, not {ctx_len} in "
-                         f"{k_cache.shape[0]} x {k_cache.shape[1]}")
+    blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse)
     qf = q.float().contiguous()
     words = None if tail_words is None else tail_words.to(torch.int64).contiguous()
     rows = q_len * (num_heads // num_kv)
     num_splits = (ctx_len + split_tokens - 1) // split_tokens
     all_rows = num_kv * rows
     work = torch.empty(all_rows * head_dim + num_splits * all_rows * (head_dim + 2), dtype=torch.float32)
-    for name, t, shape in (("out", out, (q_len, num_heads, head_dim)), ("lse", lse, (q_len, num_heads))):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    out = torch.empty(q_len, num_heads, head_dim, dtype=torch.float32) if out is None else out
-    lse = torch.empty(q_len, num_heads, dtype=torch.float32) if lse is None else lse
     rc = lib.longctx_paged_decode(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype],
         blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,

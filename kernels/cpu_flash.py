@@ -22,7 +22,7 @@ import ctypes
 import torch
 
 from . import cpu_build
-from .cpu_decode import Blocks, prepare
+from .cpu_decode import ATTENTION_ARGTYPES, DTYPES, Blocks, checked_arguments, prepare
 
 __all__ = ["available", "status", "supports", "attend", "num_splits", "Blocks", "prepare"]
 
@@ -31,16 +31,12 @@ ROW_BLOCK = 96  # query rows per work item (the C file's RB)
 MAX_HEAD_DIM = 256
 MAX_TREE_Q = 63  # tree-mask words hold 63 new tokens (reference.py)
 SPLIT_MIN_TOKENS = 512  # a KV split is never shorter than this
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_paged_flash
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p]
+    fn.argtypes = ATTENTION_ARGTYPES
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
@@ -87,28 +83,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise RuntimeError(f"the CPU flash kernel is {status()}")
     q_len, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
-    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
-        raise ValueError("k_cache and v_cache must be contiguous with one shape and dtype")
-    if not isinstance(blocks, Blocks):
-        blocks = prepare(blocks, ctx_len, k_cache)
-    elif (blocks.ctx_len, blocks.num_blocks, blocks.block_size) != (ctx_len, *k_cache.shape[:2]):
-        raise ValueError(f"blocks were prepared for {blocks.ctx_len} tokens in a cache of "
-                         f"{blocks.num_blocks} x {blocks.block_size}, not {ctx_len} in "
-                         f"{k_cache.shape[0]} x {k_cache.shape[1]}")
     if tree_words is not None and tuple(tree_words.shape) != (q_len,):
         raise ValueError(f"tree_words must have shape ({q_len},), got {tuple(tree_words.shape)}")
-    for name, t, shape in (("out", out, (q_len, num_heads, head_dim)), ("lse", lse, (q_len, num_heads))):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)}")
+    blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse)
     group = num_heads // num_kv
     splits = num_splits(q_len, group, num_kv, ctx_len) if splits is None else splits
     qf = q.float().contiguous()
     words = None if tree_words is None else tree_words.to(torch.int64).contiguous()
     work = torch.empty(splits * num_kv * q_len * group * (head_dim + 2) if splits > 1 else 0,
                        dtype=torch.float32)
-    out = torch.empty(q_len, num_heads, head_dim, dtype=torch.float32) if out is None else out
-    lse = torch.empty(q_len, num_heads, dtype=torch.float32) if lse is None else lse
     rc = lib.longctx_paged_flash(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype],
         blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,
