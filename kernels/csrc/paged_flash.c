@@ -33,6 +33,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifndef RB
 #define RB 96 /* query rows per work item (a multiple of 16) */
@@ -392,10 +395,14 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
     }
 }
 
-static int scratch_init(Scratch *s, int d) {
-    const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d + 64;
-    float *base = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-    if (!base) return -1;
+/* Floats of one thread's scratch, a multiple of 16 so that every thread's part stays aligned. */
+static size_t scratch_floats(int d) {
+    const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d;
+    return (floats + 15) / 16 * 16;
+}
+
+/* Lay one thread's scratch out in base (scratch_floats(d) floats, 64-byte aligned). */
+static void scratch_init(Scratch *s, float *base, int d) {
     s->qt = base;
     s->ot = s->qt + (size_t)d * RB;
     s->st = s->ot + (size_t)d * RB;
@@ -403,7 +410,6 @@ static int scratch_init(Scratch *s, int d) {
     s->vbuf = s->kbuf + (size_t)KT * d;
     s->zero = s->vbuf + (size_t)KT * d;
     memset(s->zero, 0, sizeof(float) * (size_t)d);
-    return 0;
 }
 
 /* Returns 0, or a negative code for arguments this kernel does not take (the caller checks
@@ -426,46 +432,55 @@ int longctx_paged_flash(const float *q, const void *k_cache, const void *v_cache
     const int all_rows = num_kv * rows;
     const int64_t split_floats = (int64_t)all_rows * (d + 2);
     const float ln2 = 0.693147180559945309f;
-    int failed = 0;
+    /* every thread's scratch in one allocation made before the parallel region, so a failed
+     * allocation returns here instead of leaving some threads out of the work-sharing loop */
+#ifdef _OPENMP
+    const int max_threads = omp_get_max_threads();
+#else
+    const int max_threads = 1;
+#endif
+    const size_t per_thread = scratch_floats(d);
+    float *pool = aligned_alloc(64, per_thread * max_threads * sizeof(float));
+    if (!pool) return -4;
 
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel num_threads(max_threads)
     {
         Scratch s;
-        if (scratch_init(&s, d) != 0) {
-            failed = 1;
-        } else {
-            /* row blocks last to first: under the causal mask the last ones have the most keys */
+#ifdef _OPENMP
+        scratch_init(&s, pool + per_thread * (size_t)omp_get_thread_num(), d);
+#else
+        scratch_init(&s, pool, d);
+#endif
+        /* row blocks last to first: under the causal mask the last ones have the most keys */
 #pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < items; item++) {
-                const int split = item % num_splits;
-                const int rb = num_rb - 1 - (item / num_splits) % num_rb;
-                const int kvh = item / (num_splits * num_rb);
-                const int r0 = rb * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
-                const int k0 = split * split_len, k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
-                attend_item(&a, kvh, r0, r1, k0, k1, &s);
-                const int rbp = (r1 - r0 + 7) / 8 * 8;
-                for (int r = 0; r < r1 - r0; r++) {
-                    const int row = r0 + r, t = row / group, hq = kvh * group + row % group;
-                    if (num_splits == 1) {
-                        float *o = out + ((int64_t)t * num_heads + hq) * d;
-                        const float total = s.l[r];
-                        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                        for (int x = 0; x < d; x++) o[x] = s.ot[(int64_t)x * rbp + r] * inv;
-                        lse[t * num_heads + hq] = total > 0.0f ? (s.m[r] + log2f(total)) * ln2 : -INFINITY;
-                    } else { /* partial state: m, l, unnormalised row */
-                        float *state = work + split * split_floats;
-                        const int at = kvh * rows + row;
-                        state[at] = s.m[r];
-                        state[all_rows + at] = s.l[r];
-                        float *acc = state + 2 * all_rows + (int64_t)at * d;
-                        for (int x = 0; x < d; x++) acc[x] = s.ot[(int64_t)x * rbp + r];
-                    }
+        for (int item = 0; item < items; item++) {
+            const int split = item % num_splits;
+            const int rb = num_rb - 1 - (item / num_splits) % num_rb;
+            const int kvh = item / (num_splits * num_rb);
+            const int r0 = rb * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
+            const int k0 = split * split_len, k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
+            attend_item(&a, kvh, r0, r1, k0, k1, &s);
+            const int rbp = (r1 - r0 + 7) / 8 * 8;
+            for (int r = 0; r < r1 - r0; r++) {
+                const int row = r0 + r, t = row / group, hq = kvh * group + row % group;
+                if (num_splits == 1) {
+                    float *o = out + ((int64_t)t * num_heads + hq) * d;
+                    const float total = s.l[r];
+                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                    for (int x = 0; x < d; x++) o[x] = s.ot[(int64_t)x * rbp + r] * inv;
+                    lse[t * num_heads + hq] = total > 0.0f ? (s.m[r] + log2f(total)) * ln2 : -INFINITY;
+                } else { /* partial state: m, l, unnormalised row */
+                    float *state = work + split * split_floats;
+                    const int at = kvh * rows + row;
+                    state[at] = s.m[r];
+                    state[all_rows + at] = s.l[r];
+                    float *acc = state + 2 * all_rows + (int64_t)at * d;
+                    for (int x = 0; x < d; x++) acc[x] = s.ot[(int64_t)x * rbp + r];
                 }
             }
-            free(s.qt);
         }
     }
-    if (failed) return -4;
+    free(pool);
     if (num_splits == 1) return 0;
     /* merge the splits of each row by log-sum-exp (log2 units) */
 #pragma omp parallel for schedule(static)
