@@ -8,7 +8,7 @@ Scenarios (default model, real text: the GPL-3 repeated):
   * the machine's ceilings, measured in the same run: fp32/bf16 GEMM GFLOP/s, memory copy GB/s.
 
 Usage:  python benchmarks/bench_e2e.py [--quick] [--repeats N] [--engines longctx-fp32,...]
-Writes benchmarks/results/e2e-<host>.json and prints a table last.
+Writes benchmarks/results/e2e-<host>-<cpu>-<git rev>.json (or ``--out``) and prints a table last.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import machine_info
+from machine import cpu_model, git_rev, machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
@@ -289,7 +290,11 @@ def main() -> None:
         report["longctx_fp32_decode_tokens_equal_hf"] = (
             results["hf-fp32"]["decode_tokens"] == results["longctx-fp32"]["decode_tokens"])
     RESULTS.mkdir(exist_ok=True)
-    out = args.out or RESULTS / f"e2e-{platform.node() or 'host'}{'-quick' if args.quick else ''}.json"
+    # named by host, CPU and revision, so a run never overwrites another machine's or
+    # revision's results that the README cites
+    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-").removeprefix("amd-").removeprefix("intel-r-")
+    out = args.out or RESULTS / (f"e2e-{platform.node() or 'host'}-{cpu[:24].strip('-')}-{git_rev()}"
+                                 f"{'-quick' if args.quick else ''}.json")
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     for row in summarize(results, ceil, args.lengths, args.decode_ctx):
