@@ -300,30 +300,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if seq_tree is not None and q_len > 63:
             raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {q_len}")
         blocks = tables[b][:(ctx_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
-        rows = q_len * (q.shape[1] // k_cache.shape[2])
-        if (USE_CPU_KERNEL and rows > CPU_KERNEL_MAX_ROWS
-                and cpu_flash.supports(q[start:end], k_cache, tree=seq_tree is not None)):
+        # the compiled kernels: the decode kernel up to CPU_KERNEL_MAX_ROWS query rows per KV
+        # head (it takes causal masks as ancestor words), the flash kernel above
+        kernel, words = None, seq_tree
+        if USE_CPU_KERNEL:
+            if q_len * (q.shape[1] // k_cache.shape[2]) > CPU_KERNEL_MAX_ROWS:
+                if cpu_flash.supports(q[start:end], k_cache, tree=seq_tree is not None):
+                    kernel = cpu_flash
+            elif cpu_decode.supports(q[start:end], k_cache):
+                kernel = cpu_decode
+                if words is None and q_len > 1:  # causal among the new tokens
+                    words = plan.causal(q_len)
+        if kernel is not None:
             prepared = plan.blocks_for_kernel(b, blocks, k_cache)
             if direct:
-                cpu_flash.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, seq_tree,
-                                 out=out[start:end], lse=lse[start:end])
+                kernel.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words,
+                              out=out[start:end], lse=lse[start:end])
             else:
-                out[start:end], lse[start:end] = cpu_flash.attend(
-                    q[start:end], k_cache, v_cache, prepared, ctx_len, scale, seq_tree)
-            continue
-        if (USE_CPU_KERNEL and rows <= CPU_KERNEL_MAX_ROWS
-                and cpu_decode.supports(q[start:end], k_cache)):
-            words = seq_tree
-            if words is None and q_len > 1:  # causal among the new tokens
-                words = plan.causal(q_len)
-            prepared = plan.blocks_for_kernel(b, blocks, k_cache)
-            if direct:
-                cpu_decode.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words,
-                                  out=out[start:end], lse=lse[start:end])
-            else:
-                o, l = cpu_decode.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words)
-                out[start:end] = o
-                lse[start:end] = l
+                out[start:end], lse[start:end] = kernel.attend(
+                    q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words)
             continue
         runs = block_runs(blocks)
         if (1 < len(runs) <= MAX_RUNS and ctx_len >= MIN_RUN_TOKENS * len(runs)
