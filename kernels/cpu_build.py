@@ -1,13 +1,15 @@
-"""Building the C kernels of ``csrc/`` on first use, for ``cpu_decode.py`` and ``cpu_linear.py``.
+"""Building the C kernels of ``csrc/`` on first use, for ``cpu_decode.py``, ``cpu_flash.py`` and
+``cpu_linear.py``.
 
 Owns: compiling one C source with the machine's C compiler into a per-user cache and loading it
 with ctypes. Never: deciding whether a kernel is used (each kernel module does, and reports why
 not).
 
 A library is built with ``-march=native`` into ``$LONGCTX_CACHE_DIR`` (default
-``~/.cache/longctx``), under a name that hashes the source, the compiler command and the CPU's
-flags, so a home directory shared by different machines never loads a foreign build. Builds are
-written to a temporary name and renamed, so concurrent processes (test workers, sequence-
+``~/.cache/longctx``), under a name that hashes the source, the headers beside it, the compiler
+command and the CPU's flags, so a home directory shared by different machines never loads a
+foreign build, and a changed header rebuilds its users. Builds are written to a temporary name
+and renamed, so concurrent processes (test workers, sequence-
 parallel ranks) never load a half-written file. ``LONGCTX_CPU_KERNEL=0`` switches every C
 kernel off.
 """
@@ -57,8 +59,9 @@ def build(source: Path) -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_flags().encode(),
-                 platform.machine().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it may include
+    for part in (source.read_bytes(), *headers, " ".join([compiler, *FLAGS]).encode(),
+                 _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():

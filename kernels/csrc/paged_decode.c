@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "split_merge.h"
+
 #define TILE 32       /* tokens scored together */
 #define MAX_ROWS 128  /* query rows per KV head (L * group), the caller checks */
 #define MAX_D 256
@@ -295,33 +297,6 @@ int longctx_paged_decode(const float *q, const void *k_cache, const void *v_cach
         attend_split(qs, k_cache, v_cache, dtype, blocks, block_size, ctx_len, q_len, num_heads,
                      num_kv, d, tail_words, t0, t1, state, state + all_rows, state + 2 * all_rows);
     }
-    /* merge the splits of each row by log-sum-exp */
-    for (int row = 0; row < all_rows; row++) {
-        const int kvh = row / rows, r = row % rows;
-        const int i = r / group, hq = kvh * group + r % group;
-        float peak = -INFINITY;
-        for (int s = 0; s < num_splits; s++) {
-            const float ms = states[s * item_floats + row];
-            peak = ms > peak ? ms : peak;
-        }
-        float *o = out + ((int64_t)i * num_heads + hq) * d;
-        for (int x = 0; x < d; x++) o[x] = 0.0f;
-        float total = 0.0f;
-        for (int s = 0; s < num_splits; s++) {
-            const float *state = states + s * item_floats;
-            if (state[row] == -INFINITY) continue;
-            const float w = exp_nonpos(state[row] - peak);
-            total += w * state[all_rows + row];
-            const float *acc = state + 2 * all_rows + (int64_t)row * d;
-            for (int x = 0; x < d; x++) o[x] += w * acc[x];
-        }
-        if (total > 0.0f) {
-            const float inv = 1.0f / total;
-            for (int x = 0; x < d; x++) o[x] *= inv;
-            lse[i * num_heads + hq] = peak + logf(total);
-        } else {
-            lse[i * num_heads + hq] = -INFINITY;
-        }
-    }
+    merge_splits(states, num_splits, item_floats, all_rows, rows, group, num_heads, d, 0, out, lse);
     return 0;
 }

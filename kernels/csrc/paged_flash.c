@@ -37,6 +37,8 @@
 #include <omp.h>
 #endif
 
+#include "split_merge.h"
+
 #ifndef RB
 #define RB 96 /* query rows per work item (a multiple of 16) */
 #endif
@@ -482,34 +484,6 @@ int longctx_paged_flash(const float *q, const void *k_cache, const void *v_cache
     }
     free(pool);
     if (num_splits == 1) return 0;
-    /* merge the splits of each row by log-sum-exp (log2 units) */
-#pragma omp parallel for schedule(static)
-    for (int at = 0; at < all_rows; at++) {
-        const int kvh = at / rows, row = at % rows;
-        const int t = row / group, hq = kvh * group + row % group;
-        float peak = -INFINITY;
-        for (int sp = 0; sp < num_splits; sp++) {
-            const float ms = work[sp * split_floats + at];
-            peak = ms > peak ? ms : peak;
-        }
-        float *o = out + ((int64_t)t * num_heads + hq) * d;
-        for (int x = 0; x < d; x++) o[x] = 0.0f;
-        float total = 0.0f;
-        for (int sp = 0; sp < num_splits; sp++) {
-            const float *state = work + sp * split_floats;
-            if (state[at] == -INFINITY) continue;
-            const float w = exp2_scalar(state[at] - peak);
-            total += w * state[all_rows + at];
-            const float *acc = state + 2 * all_rows + (int64_t)at * d;
-            for (int x = 0; x < d; x++) o[x] += w * acc[x];
-        }
-        if (total > 0.0f) {
-            const float inv = 1.0f / total;
-            for (int x = 0; x < d; x++) o[x] *= inv;
-            lse[t * num_heads + hq] = (peak + log2f(total)) * ln2;
-        } else {
-            lse[t * num_heads + hq] = -INFINITY;
-        }
-    }
+    merge_splits(work, num_splits, split_floats, all_rows, rows, group, num_heads, d, 1, out, lse);
     return 0;
 }

@@ -198,3 +198,19 @@ def test_fallbacks_answer_the_same(tmp_path, env, setup, expect):
         dump = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True, text=True)
         if dump.returncode == 0:
             assert "vfmadd" not in dump.stdout
+
+
+def test_a_changed_header_rebuilds_the_kernels_that_include_it(tmp_path, monkeypatch):
+    """Both attention kernels include csrc/split_merge.h; the build cache key covers the headers
+    beside a source, so editing one never loads a library built from the old text."""
+    if not cpu_flash.available():
+        pytest.skip(f"kernel {cpu_flash.status()}")
+    src = tmp_path / "csrc"
+    src.mkdir()
+    for name in ("paged_flash.c", "split_merge.h"):
+        (src / name).write_text((cpu_build.CSRC / name).read_text())
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_build.build(src / "paged_flash.c")
+    (src / "split_merge.h").write_text((src / "split_merge.h").read_text() + "\n/* edited */\n")
+    cpu_build.build(src / "paged_flash.c")
+    assert len(list((tmp_path / "cache" / "cpu_kernels").glob("paged_flash-*.so"))) == 2

@@ -1,0 +1,51 @@
+/* The last step of split-KV attention, shared by paged_decode.c and paged_flash.c: merge each
+ * query row's partial states from the KV splits by log-sum-exp into out and lse.
+ *
+ * states holds num_splits blocks of split_floats floats; in block s, for row at (at = kvh * rows
+ * + r, r = i * group + g being query token i, head kvh * group + g): the running max m at
+ * [at], the sum l at [all_rows + at] and the unnormalised output row at [2 * all_rows + at * d].
+ * A split that saw no key for the row has m = -inf. log2_units: m is in log2 units (scores
+ * pre-scaled by log2 e), else natural ones. out [L, H, d], lse [L, H] in natural log; a row
+ * that saw nothing gets out 0 and lse -inf.
+ */
+#ifndef LONGCTX_SPLIT_MERGE_H
+#define LONGCTX_SPLIT_MERGE_H
+
+#include <math.h>
+#include <stdint.h>
+
+static void merge_splits(const float *states, int num_splits, int64_t split_floats, int all_rows,
+                         int rows, int group, int num_heads, int d, int log2_units, float *out,
+                         float *lse) {
+#pragma omp parallel for schedule(static)
+    for (int at = 0; at < all_rows; at++) {
+        const int kvh = at / rows, r = at % rows;
+        const int i = r / group, hq = kvh * group + r % group;
+        float peak = -INFINITY;
+        for (int s = 0; s < num_splits; s++) {
+            const float ms = states[s * split_floats + at];
+            peak = ms > peak ? ms : peak;
+        }
+        float *o = out + ((int64_t)i * num_heads + hq) * d;
+        for (int x = 0; x < d; x++) o[x] = 0.0f;
+        float total = 0.0f;
+        for (int s = 0; s < num_splits; s++) {
+            const float *state = states + s * split_floats;
+            if (state[at] == -INFINITY) continue;
+            const float w = log2_units ? exp2f(state[at] - peak) : expf(state[at] - peak);
+            total += w * state[all_rows + at];
+            const float *acc = state + 2 * all_rows + (int64_t)at * d;
+            for (int x = 0; x < d; x++) o[x] += w * acc[x];
+        }
+        if (total > 0.0f) {
+            const float inv = 1.0f / total;
+            for (int x = 0; x < d; x++) o[x] *= inv;
+            lse[i * num_heads + hq] = log2_units ? (peak + log2f(total)) * 0.693147180559945309f
+                                                 : peak + logf(total);
+        } else {
+            lse[i * num_heads + hq] = -INFINITY;
+        }
+    }
+}
+
+#endif
