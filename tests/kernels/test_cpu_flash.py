@@ -84,6 +84,28 @@ def test_more_splits_than_keys_and_rows_that_see_nothing():
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("scale", [1e-3, 0.125, 2.0, 40.0])
+def test_softmax_over_the_exponentials_whole_range(scale):
+    """The kernel's exp2 (a polynomial, 2^n built in the exponent bits, 0 below 2^-126) against
+    the reference in float64, from nearly flat rows (scale 1e-3) to rows whose scores span
+    hundreds of log2 units, so that most weights fall below 2^-126 and must come out 0, not
+    garbage. A float32 score s carries an error of about |s| ulps, which moves its weight by as
+    much, so the tolerance grows with the largest score: 8 float32 ulps of it, and 1e-6."""
+    batch = make_batch(Case((40,), (300,), num_kv_heads=2, group=3, seed=15))
+    args64 = [t.double() if t.is_floating_point() else t for t in batch.args()]
+    ref_out, ref_lse = reference.paged_attention(*args64, scale=scale)
+    k = torch_paged.sequence_kv(batch.k_cache, batch.block_table[0].tolist(), 300)  # [300, 2, 64]
+    largest = scale * float(torch.einsum("thd,nkd->thkn", batch.q.double(), k.double()).abs().max())
+    tol = 8 * torch.finfo(torch.float32).eps * max(largest, 1.0) + 1e-6
+    for splits in (1, 3):
+        out, lse = cpu_flash.attend(batch.q, batch.k_cache, batch.v_cache, batch.block_table[0].tolist(),
+                                    300, scale, None, splits)
+        torch.testing.assert_close(out.double(), ref_out.double(), atol=tol, rtol=0)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=tol, rtol=tol)
+
+
 def test_split_choice_fills_the_threads():
     """Few row blocks (verification) get KV splits so that every thread has the same number of
     work items; a prefill chunk with many row blocks gets none; short contexts are not split
