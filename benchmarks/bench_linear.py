@@ -12,8 +12,9 @@ numbers, the ways alternating within each repeat so a slow spell of the machine 
 * ``F.linear(x, W)``   weights held ``[out, in]``, torch's usual call;
 * ``oneDNN packed``    weights pre-packed once by oneDNN for 16 rows (``cpu_matmul="onednn"``);
 * ``row kernel``       weights held ``[out, in]``, the C kernel of ``longctx.kernels.cpu_linear``
-                       (the model's fp32 default, ``cpu_matmul="kernel"``, which takes it up to
-                       ``cpu_linear.MAX_ROWS`` rows and ``F.linear`` on the same matrix above).
+                       (the model's fp32 default, ``cpu_matmul="kernel"``: dot products up to 16
+                       rows, register-blocked panels from 17; the model takes it for every step
+                       where it has the panels, ``cpu_linear.max_rows()``).
 
 It also times one plain read of all the weights (``torch.sum`` over each matrix), the floor
 for a one-row step.
@@ -41,7 +42,7 @@ from longctx.model.llama import PACK_ROWS_HINT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, QKV, INTERMEDIATE, LAYERS, VOCAB = 576, 576 + 2 * 192, 1536, 30, 49152  # SmolLM2-135M
-ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 96, 128, 2048)
+ROWS = (1, 2, 3, 4, 8, 16, 17, 24, 32, 64, 96, 128, 256, 512, 2048)
 
 
 def weights() -> list[tuple[int, int]]:

@@ -1,19 +1,21 @@
-"""The CPU weight-product kernel for a few rows (``csrc/linear_rows.c``): built on first use,
-called through ctypes.
+"""The CPU weight-product kernel (``csrc/linear_rows.c``): built on first use, called through
+ctypes.
 
-Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` of at most
-``MAX_ROWS`` rows and a float32 ``[out, in]`` weight (the checkpoint's layout), optionally with
-the decoder layer's RMSNorm or SwiGLU applied to ``x`` first and a residual added after (one
-call per product in a decode step instead of several small torch ops), and saying whether it
-can run (``available``/``status``/``supports``). Never: choosing when to use it (the
+Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` and a float32
+``[out, in]`` weight (the checkpoint's layout), optionally with the decoder layer's RMSNorm or
+SwiGLU applied to ``x`` first and a residual added after (one call per product instead of
+several torch ops), and saying whether and up to how many rows it runs
+(``available``/``status``/``supports``/``max_rows``). Never: choosing when to use it (the
 model's ``Linear`` does), or failing a run: with no compiler, a failed build or
 ``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable and the model keeps another path.
 
 Why: decode, batched decode and lookahead verification multiply one to a few dozen rows by
 every weight matrix, which is a stream over the weights. BLAS re-packs the weights on each such
 call, and oneDNN's pre-packed copy is read at ~15 GB/s here; this kernel reads the plain matrix
-once per block of rows near the machine's read bandwidth (``benchmarks/bench_linear.py``), so a
-model holds one plain copy of its weights that BLAS also uses for long prefill chunks.
+once per block of rows near the machine's read bandwidth. From 17 rows on it packs each slice
+of the weights into panels and runs a register-blocked product, which measured faster than
+torch's BLAS on the same matrix up to 2,048 rows (``benchmarks/bench_linear.py``), so prefill
+chunks take it too and a model holds one plain copy of its weights.
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "linear", "rope_", "MAX_ROWS"]
+__all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "DOT_MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
-# Rows up to which the model's Linear takes this kernel; above it BLAS on the same weights.
-# bench_linear.py (linear-vm.json, AMD EPYC, 2 threads, all 121 matrices, ms): 1 row 30.2 vs
-# 48.3 for F.linear and 35.5 oneDNN-packed; 8 rows 43.9 vs 90.4 / 48.2; 32 rows 97.9 vs 128.2
-# / 88.1; 64 rows 179.6 vs 215.5 / 160.5; at 128 rows (4 layers) 44.8 vs 38.5 / 38.8: from
-# there BLAS's blocked GEMM wins.
-MAX_ROWS = 64
+# Rows up to which the model's Linear takes this kernel when it was built without AVX2/FMA (dot
+# products only); above it BLAS on the same weights. Built with them, the kernel has its panel
+# path from 17 rows and takes every step (``max_rows``). bench_linear.py (linear-vm.json, AMD
+# EPYC, 2 threads, all 121 matrices, ms), before the panels: 1 row 30.2 vs 48.3 for F.linear
+# and 35.5 oneDNN-packed; 8 rows 43.9 vs 90.4 / 48.2; 64 rows 179.6 vs 215.5 / 160.5; at 128
+# rows (4 layers) 44.8 vs 38.5 / 38.8, where BLAS's blocked GEMM won over the dot products.
+DOT_MAX_ROWS = 64
+UNBOUNDED = 1 << 62
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -45,6 +49,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                      ctypes.c_void_p, ctypes.c_void_p]
+    lib.longctx_linear_has_panels.restype = ctypes.c_int
+    lib.longctx_linear_has_panels.argtypes = []
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
@@ -53,9 +59,20 @@ available = _LIBRARY.available  # whether the kernel runs here
 status = _LIBRARY.status  # 'ok', or why the kernel is not used
 
 
+def max_rows() -> int:
+    """Rows up to which ``supports`` takes a step: every step when the build has the panel
+    path (AVX2 + FMA), else ``DOT_MAX_ROWS``; 0 when the kernel does not run here."""
+    lib = _load()
+    if lib is None:
+        return 0
+    if not hasattr(lib, "longctx_max_rows"):  # asked once per loaded library
+        lib.longctx_max_rows = UNBOUNDED if lib.longctx_linear_has_panels() else DOT_MAX_ROWS
+    return lib.longctx_max_rows
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` takes this input for this weight (the caller then uses it)."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+    return (x.dim() == 2 and 1 <= x.shape[0] <= max_rows() and x.dtype == torch.float32
             and x.device.type == "cpu" and weight.dtype == torch.float32 and available())
 
 

@@ -42,9 +42,13 @@ def test_packed_linear_matches_blas(rows, bias):
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 300])
-def test_row_kernel_linear_matches_blas(rows, bias, monkeypatch):
-    """Up to MAX_ROWS rows through the kernel, more through BLAS on the same [out, in] copy."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, cpu_linear.DOT_MAX_ROWS, cpu_linear.DOT_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("limit", [None, cpu_linear.DOT_MAX_ROWS])
+def test_row_kernel_linear_matches_blas(rows, bias, limit, monkeypatch):
+    """Up to max_rows() rows through the kernel (every step where it has its panel path; the
+    limit of a build without it is simulated), more through BLAS on the same [out, in] copy."""
+    if limit is not None:
+        monkeypatch.setattr(cpu_linear, "max_rows", lambda: limit)
     layer = _linear(72, 200, bias)
     x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(rows))
     expected = layer(x)
@@ -54,7 +58,7 @@ def test_row_kernel_linear_matches_blas(rows, bias, monkeypatch):
     real = cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    assert bool(calls) == (rows <= cpu_linear.MAX_ROWS)
+    assert bool(calls) == (rows <= cpu_linear.max_rows())
     torch.testing.assert_close(layer(x[::2]), expected[::2], rtol=1e-5, atol=1e-5)
 
 

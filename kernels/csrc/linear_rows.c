@@ -1,39 +1,48 @@
-/* y = x @ W^T (+ bias) for a few rows of x on the CPU: the weight products of decode, batched
- * decode and lookahead verification.
+/* y = x @ W^T (+ bias) on the CPU for float32 weights held as the checkpoint has them
+ * ([out, in], row-major, HF's layout): the weight products of decode, batched decode, lookahead
+ * verification and prefill chunks.
  *
  * Why C: with one to a few dozen rows these products are a stream over the weights, and the
  * bytes read decide the time. BLAS either re-packs the weights on every call (several times
  * the cost of reading them once at 2-32 rows) or, given oneDNN's pre-packed copy, reads them
- * at ~15 GB/s here against ~25 GB/s for a plain reduction over the same bytes. This kernel
- * reads W in the layout the checkpoint has ([out, in], row-major, HF's layout), each weight
- * once per block of rows, with the x rows in L1, so a model keeps one plain copy of its weights
- * that BLAS also takes for long prefill chunks.
+ * at ~15 GB/s here against ~25 GB/s for a plain reduction over the same bytes. With more rows
+ * the products are compute-bound, and the panel path below measured faster than torch's BLAS
+ * on the same [out, in] matrix from 17 rows to 2,048 (bench_linear.py), so a model keeps one
+ * plain copy of its weights and one code path for every step.
  *
  *   x    [M, K] float32, row stride ldx (elements); [M, 2K] for the SwiGLU prologue
  *   w    [N, K] float32, contiguous
  *   bias [N] float32 or NULL
  *   y    [M, N] float32, row stride ldy
  *
- * Optional pieces of the decoder layer around the product, so a decode step makes one call
- * where torch would make several small ones:
+ * Optional pieces of the decoder layer around the product, so a step makes one call where
+ * torch would make several:
  *   prologue 1 (RMSNorm): the product takes g * x / sqrt(mean(x^2) + eps) for each row of x;
  *   prologue 2 (SwiGLU):  the product takes silu(x[:, :K]) * x[:, K:];
  *   residual [M, N] (row stride ldr) or NULL: added to y.
  *
- * Work: output rows of W are cut into slices of SLICE rows over torch's OpenMP threads. Within a
- * slice, rows of x are taken eight at a time against one weight row, so a step of up to eight
- * rows reads each weight once, while it streams in; the remaining rows go against several
- * weight rows at once (eight for a single x row, four for two, three for three) or one (four
- * to seven). The weights of a slice come from memory for the first block of x rows and
- * from cache for the next. Each (x row, weight row) pair has its own vector accumulator, summed
- * across lanes at the end of the row (bench_linear.py has the figures per row count). AVX2 +
- * FMA with intrinsics where the compiler targets them (-march=native), plain C otherwise.
+ * Work: output rows of W are cut into slices of SLICE rows over torch's OpenMP threads.
+ * Below PANEL_MIN_ROWS rows (dot products): within a slice, rows of x are taken eight at a time
+ * against one weight row, so a step of up to eight rows reads each weight once, while it
+ * streams in; the remaining rows go against several weight rows at once (eight for a single x
+ * row, four for two, three for three) or one (four to seven). Each (x row, weight row) pair
+ * has its own vector accumulator, summed across lanes at the end of the row. From
+ * PANEL_MIN_ROWS rows on (panels): a slice's weights are transposed once into two panels of
+ * 16 output columns ([k][16], 8x8 register transposes), and x rows are taken six at a time
+ * against a panel: per k two panel loads and six broadcasts feed twelve FMAs, where the dot
+ * products spend a load per FMA. K goes in blocks of up to PANEL_K and rows in blocks of
+ * PANEL_M so the panels and the x rows stay in cache for any model width and step.
+ * (bench_linear.py has the figures per row count.) AVX2 + FMA with intrinsics where the
+ * compiler targets them (-march=native); plain C dot products otherwise.
  *
  * Built at first use by kernels/cpu_linear.py with the machine's compiler.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -43,6 +52,15 @@
 #endif
 
 #define SLICE 32 /* output rows per work item: 32 rows x K=1536 floats = 192 KB, fits in L2 */
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 17 /* at 16 rows two dot-product passes measured as fast; from 17 the panels win */
+#endif
+#ifndef PANEL_M
+#define PANEL_M 1024 /* rows of x per pass over the weights */
+#endif
+#ifndef PANEL_K
+#define PANEL_K 2048 /* most of K per panel block (a multiple of 8): 2048 x 32 floats = 256 KB, in L2 */
+#endif /* output rows per work item: 32 rows x K=1536 floats = 192 KB, fits in L2 */
 
 #if HAVE_AVX2
 static inline float hsum(__m256 v) {
@@ -154,6 +172,130 @@ static void slice(const float *x, int64_t ldx, int M, const float *w, int K, Epi
     }
 }
 
+
+#if HAVE_AVX2
+/* The panel path (see the top): steps of PANEL_MIN_ROWS rows or more. */
+static inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* wp[s][k][j] = w[n0 + 16 s + j][k0 + k] for k < kb and the slice's ns rows, 0 for j past them
+ * (s < 2). */
+static void pack_panels(const float *w, int K, int k0, int kb, int n0, int ns, float *wp) {
+    for (int jb = 0; jb < 32; jb += 8) {
+        float *dst = wp + (int64_t)(jb / 16) * kb * 16 + jb % 16;
+        const float *src[8];
+        for (int i = 0; i < 8; i++) src[i] = jb + i < ns ? w + (int64_t)(n0 + jb + i) * K + k0 : NULL;
+        int k = 0;
+        for (; k + 8 <= kb; k += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = src[i] ? _mm256_loadu_ps(src[i] + k) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int c = 0; c < 8; c++) _mm256_store_ps(dst + (int64_t)(k + c) * 16, r[c]);
+        }
+        for (; k < kb; k++)
+            for (int i = 0; i < 8; i++) dst[(int64_t)k * 16 + i] = src[i] ? src[i][k] : 0.0f;
+    }
+}
+
+/* acc[m] = sum over k < kb of x[m][k] * ws[k][0..15] for MR (1..6) rows; ws: one panel [kb][16]. */
+static inline __attribute__((always_inline)) void panel_rows(int MR, const float *ws, int kb, const float *x,
+                                                             int64_t ldx, __m256 acc[6][2]) {
+    __m256 a[6][2]; /* local, so that it lives in registers (acc's address escapes) */
+    for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();
+    for (int k = 0; k < kb; k++) {
+        const __m256 w0 = _mm256_load_ps(ws + (int64_t)k * 16), w1 = _mm256_load_ps(ws + (int64_t)k * 16 + 8);
+        for (int m = 0; m < MR; m++) {
+            const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+            a[m][0] = _mm256_fmadd_ps(xb, w0, a[m][0]);
+            a[m][1] = _mm256_fmadd_ps(xb, w1, a[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        acc[m][0] = a[m][0];
+        acc[m][1] = a[m][1];
+    }
+}
+
+/* y[m][n0 .. n0 + cols) for MR rows: acc, plus what y holds unless this is the first block of
+ * K, plus the bias and the residual after the last. */
+static inline void panel_store(int MR, __m256 acc[6][2], Epilogue ep, int n0, int cols, float *y, int64_t ldy,
+                               int first, int last) {
+    for (int m = 0; m < MR; m++) {
+        float *yr = y + m * ldy + n0;
+        const float *rr = ep.res ? ep.res + m * ep.ldr + n0 : NULL;
+        if (cols == 16) {
+            for (int h = 0; h < 2; h++) {
+                __m256 v = acc[m][h];
+                if (!first) v = _mm256_add_ps(_mm256_loadu_ps(yr + 8 * h), v);
+                if (last && ep.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(ep.bias + n0 + 8 * h));
+                if (last && rr) v = _mm256_add_ps(v, _mm256_loadu_ps(rr + 8 * h));
+                _mm256_storeu_ps(yr + 8 * h, v);
+            }
+        } else {
+            float tmp[16];
+            _mm256_storeu_ps(tmp, acc[m][0]);
+            _mm256_storeu_ps(tmp + 8, acc[m][1]);
+            for (int j = 0; j < cols; j++) {
+                float v = tmp[j];
+                if (!first) v = yr[j] + v;
+                if (last && ep.bias) v += ep.bias[n0 + j];
+                if (last && rr) v += rr[j];
+                yr[j] = v;
+            }
+        }
+    }
+}
+
+/* The K block of the panels: K in equal blocks of at most PANEL_K (rounded up to 8). */
+static int panel_block(int K) {
+    const int blocks = (K + PANEL_K - 1) / PANEL_K;
+    return ((K + blocks - 1) / blocks + 7) / 8 * 8;
+}
+
+/* One slice (output rows n_begin..n_end of w, at most 32) for all M rows of x. K goes in
+ * blocks (panel_block) so that a block's panels stay in L2 whatever the model's width (one
+ * block up to 2,048: measured faster here than smaller blocks in L1, which add passes over
+ * y); each block's sums are added into y. */
+static void slice_panels(const float *x, int64_t ldx, int M, const float *w, int K, Epilogue ep,
+                         int n_begin, int n_end, float *y, int64_t ldy, float *wp) {
+    const int ns = n_end - n_begin, block = panel_block(K);
+    for (int k0 = 0; k0 < K; k0 += block) {
+        const int kb = K - k0 < block ? K - k0 : block;
+        const int first = k0 == 0, last = k0 + kb == K;
+        pack_panels(w, K, k0, kb, n_begin, ns, wp);
+        for (int m = 0; m < M; m += 6) /* a block of x rows meets both panels while in L1 */
+            for (int s = 0; s * 16 < ns; s++) {
+                const float *ws = wp + (int64_t)s * kb * 16;
+                const int n0 = n_begin + 16 * s, cols = ns - 16 * s < 16 ? ns - 16 * s : 16;
+                __m256 acc[6][2];
+                const float *xr = x + m * ldx + k0;
+                const Epilogue er = tile_ep(ep, m);
+                float *yr = y + m * ldy;
+                switch (M - m < 6 ? M - m : 6) { /* constant row counts: the sums stay in registers */
+                case 1: panel_rows(1, ws, kb, xr, ldx, acc); panel_store(1, acc, er, n0, cols, yr, ldy, first, last); break;
+                case 2: panel_rows(2, ws, kb, xr, ldx, acc); panel_store(2, acc, er, n0, cols, yr, ldy, first, last); break;
+                case 3: panel_rows(3, ws, kb, xr, ldx, acc); panel_store(3, acc, er, n0, cols, yr, ldy, first, last); break;
+                case 4: panel_rows(4, ws, kb, xr, ldx, acc); panel_store(4, acc, er, n0, cols, yr, ldy, first, last); break;
+                case 5: panel_rows(5, ws, kb, xr, ldx, acc); panel_store(5, acc, er, n0, cols, yr, ldy, first, last); break;
+                default: panel_rows(6, ws, kb, xr, ldx, acc); panel_store(6, acc, er, n0, cols, yr, ldy, first, last); break;
+                }
+            }
+    }
+}
+#endif
+
 /* silu(g) * u, with silu(g) = g / (1 + exp(-g)) as torch computes it. */
 static inline float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
@@ -168,6 +310,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const float *w, int 
     if (prologue != 0) { /* the rows the product takes, computed once: M x K floats */
         tmp = malloc(sizeof(float) * (size_t)M * (size_t)K);
         if (!tmp) return -2;
+#pragma omp parallel for schedule(static) if (M >= 8)
         for (int m = 0; m < M; m++) {
             const float *xr = x + m * ldx;
             float *t = tmp + (int64_t)m * K;
@@ -187,6 +330,41 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const float *w, int 
     }
     const Epilogue ep = {bias, res, ldr};
     const int num_slices = (N + SLICE - 1) / SLICE;
+#if HAVE_AVX2
+    if (M >= PANEL_MIN_ROWS) { /* every thread's panels in one allocation, before the parallel region */
+#ifdef _OPENMP
+        const int threads = omp_get_max_threads();
+#else
+        const int threads = 1;
+#endif
+        const size_t per_thread = (size_t)panel_block(K) * 32;
+        float *pool = aligned_alloc(64, sizeof(float) * per_thread * (size_t)threads);
+        if (!pool) {
+            free(tmp);
+            return -2;
+        }
+#pragma omp parallel num_threads(threads)
+        {
+#ifdef _OPENMP
+            float *wp = pool + per_thread * (size_t)omp_get_thread_num();
+#else
+            float *wp = pool;
+#endif
+            /* rows in blocks of PANEL_M, so that a block's x rows stay in cache across slices */
+            for (int m0 = 0; m0 < M; m0 += PANEL_M) {
+                const int mb = M - m0 < PANEL_M ? M - m0 : PANEL_M;
+#pragma omp for schedule(static)
+                for (int s = 0; s < num_slices; s++) {
+                    const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
+                    slice_panels(x + m0 * ldx, ldx, mb, w, K, tile_ep(ep, m0), n0, n1, y + m0 * ldy, ldy, wp);
+                }
+            }
+        }
+        free(pool);
+        free(tmp);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int s = 0; s < num_slices; s++) {
         const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
@@ -218,3 +396,7 @@ int longctx_rope_inplace(float *x, int T, int64_t ldx, int heads, int d, const f
     }
     return 0;
 }
+
+/* 1 when this build has the panel path for many rows (AVX2 + FMA), else 0: the caller then
+ * keeps BLAS for long steps. */
+int longctx_linear_has_panels(void) { return HAVE_AVX2; }

@@ -13,10 +13,11 @@ F MLP intermediate size, V vocabulary.
 
 Weights: q/k/v and gate/up are fused into one matrix each. How a CPU model in fp32 holds them
 is ``cpu_matmul`` (``choose_cpu_matmul``): by default ("kernel") in the checkpoint's ``[out, in]``
-layout, multiplied by the C kernel of ``longctx.kernels.cpu_linear`` for steps of up to
-``cpu_linear.MAX_ROWS`` rows (decode, batched decode, lookahead verification: a stream over the
-weights near the read bandwidth) and by BLAS for longer prefill chunks, one copy serving both,
-with a tied LM head sharing the embedding's memory. "onednn" holds them pre-packed for oneDNN,
+layout, multiplied by the C kernel of ``longctx.kernels.cpu_linear`` for every step it takes
+(``cpu_linear.max_rows()``: all of them where it has its panel path; decode, batched decode
+and lookahead verification stream the weights near the read bandwidth, prefill chunks run
+register-blocked panels) and by BLAS on the same copy above that, with a tied LM head sharing
+the embedding's memory. "onednn" holds them pre-packed for oneDNN,
 "blas" transposed (``[in, out]``; ``x @ W_t`` is BLAS's fastest one-row form here); every
 other model uses "blas". See benchmarks/bench_linear.py and docs/architecture.md.
 """
@@ -72,7 +73,7 @@ def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
 class Linear(nn.Module):
     """y = x @ W^T (+ bias), with the weight held one of three ways (one copy each):
     ``weight_t`` [in, out] contiguous (BLAS, ``x @ weight_t``); after ``use_row_kernel``,
-    ``weight`` [out, in] contiguous (the C row kernel up to ``cpu_linear.MAX_ROWS`` rows, BLAS
+    ``weight`` [out, in] contiguous (the C row kernel up to ``cpu_linear.max_rows()`` rows, BLAS
     above); after ``pack_onednn``, ``packed`` in oneDNN's blocked layout."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -101,8 +102,8 @@ class Linear(nn.Module):
         self.weight_t = None
 
     def takes_row_kernel(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes to the row kernel: held for it, and 1..MAX_ROWS rows."""
-        return self.weight is not None and 0 < x.shape[0] <= cpu_linear.MAX_ROWS
+        """Whether ``x`` goes to the row kernel: held for it, and 1..max_rows() rows."""
+        return self.weight is not None and 0 < x.shape[0] <= cpu_linear.max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_row_kernel(x):
@@ -198,7 +199,8 @@ class DecoderLayer(nn.Module):
 
     def _forward_row_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             backend: Any, attn_meta: Any) -> torch.Tensor:
-        """The same layer for a step of few rows with the row kernel: each norm runs inside
+        """The same layer for a step the row kernel takes (every step where it has its panel
+        path): each norm runs inside
         the product that follows it, SwiGLU inside the down projection and each residual add
         inside the product before it, so the layer is four kernel calls around attention."""
         attn, mlp = self.self_attn, self.mlp

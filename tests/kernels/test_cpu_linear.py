@@ -1,9 +1,11 @@
 """The compiled CPU weight-product kernel (kernels/csrc/linear_rows.c) against a float64
-reference: every row-block path (1, 2, 3, 4 rows and their mixes up to 64), weight row counts
-that leave every tile remainder, K that is and is not a multiple of the 8-lane vector, bias,
-the RMSNorm and SwiGLU prologues and the residual epilogue (against the model's own torch
-modules), strided and expanded inputs, output buffers, refused arguments, and the status when
-it cannot be built or is switched off."""
+reference: every row-block path of the dot products (1, 2, 3, 4 rows and their mixes up to 16)
+and of the panels (17 rows on: six-row blocks and their remainders, partial 16-column panels,
+several K blocks, several row blocks), weight row counts that leave every tile remainder, K
+that is and is not a multiple of the 8-lane vector, bias, the RMSNorm and SwiGLU prologues and
+the residual epilogue (against the model's own torch modules), strided and expanded inputs,
+output buffers, refused arguments, the row limit with and without the panel path, and the
+status when it cannot be built or is switched off."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def _operands(rows, n, k, bias, seed):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 17, 20, 23, 64, 97])
 @pytest.mark.parametrize("n,k", [(1, 1), (37, 77), (96, 64), (203, 576), (9, 1543)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(rows, n, k, bias):
@@ -51,7 +53,7 @@ def test_matches_reference(rows, n, k, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 19, 64])
 @pytest.mark.parametrize("k", [40, 77])
 def test_prologues_and_residual_match_the_model_modules(rows, k):
     from longctx.model.llama import RMSNorm
@@ -99,6 +101,22 @@ def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows,n,k", [(17, 40, 4100),     # K in two blocks (2,056 + 2,044): sums added into y
+                                      (1030, 45, 24),     # rows in two blocks (1,024 + 6)
+                                      (2051, 33, 200)])   # a prefill chunk's worth, a 1-column panel
+def test_panels_over_several_blocks_of_k_and_of_rows(rows, n, k):
+    """The panel path's blocking: bias and residual added once, after the last K block; every
+    row block and every slice written."""
+    if cpu_linear.max_rows() < cpu_linear.UNBOUNDED:
+        pytest.skip("built without the panel path")
+    x, w, b = _operands(rows, n, k, True, seed=rows + n + k)
+    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(7))
+    out = torch.full((rows, n), float("nan"))
+    cpu_linear.linear(x, w, b, residual=residual, out=out)
+    torch.testing.assert_close(out, _reference(x, w, b) + residual, rtol=1e-5, atol=5e-5)
+
+
+@needs_kernel
 def test_strided_and_expanded_inputs():
     x, w, b = _operands(9, 40, 72, True, seed=3)
     wide = torch.randn(9, 100)
@@ -143,8 +161,9 @@ def test_bad_arguments_are_refused():
         cpu_linear.linear(torch.randn(2, 32), w, norm_weight=torch.ones(16), swiglu=True)
     with pytest.raises(ValueError, match="residual must be"):
         cpu_linear.linear(x, w, residual=torch.randn(2, 9))
-    assert not cpu_linear.supports(torch.randn(cpu_linear.MAX_ROWS + 1, 16), w)
     assert cpu_linear.supports(x, w)
+    assert not cpu_linear.supports(torch.randn(cpu_linear.max_rows() + 1, 16), w) \
+        if cpu_linear.max_rows() < cpu_linear.UNBOUNDED else cpu_linear.supports(torch.randn(4096, 16), w)
 
 
 FALLBACK = textwrap.dedent("""
@@ -154,6 +173,7 @@ FALLBACK = textwrap.dedent("""
     print(cpu_linear.status())
     assert not cpu_linear.available()
     assert not cpu_linear.supports(torch.randn(1, 4), torch.randn(3, 4))
+    assert cpu_linear.max_rows() == 0
     choice = choose_cpu_matmul("auto", torch.float32)
     assert choice == ("onednn" if onednn_linear_available() else "blas"), choice
     try:
@@ -164,6 +184,34 @@ FALLBACK = textwrap.dedent("""
         raise AssertionError("cpu_matmul='kernel' accepted without the kernel")
     print("fell back")
 """)
+
+
+NO_AVX2 = textwrap.dedent("""
+    import torch
+    from longctx.kernels import cpu_build, cpu_linear
+    cpu_build.FLAGS += ["-mno-avx2", "-mno-fma"]
+    assert cpu_linear.available(), cpu_linear.status()
+    assert cpu_linear.max_rows() == cpu_linear.DOT_MAX_ROWS
+    w = torch.randn(37, 77)
+    for rows in (1, 17, 64):
+        x = torch.randn(rows, 77)
+        torch.testing.assert_close(cpu_linear.linear(x, w), (x.double() @ w.double().T).float(),
+                                   rtol=1e-5, atol=2e-5)
+    assert not cpu_linear.supports(torch.randn(65, 77), w)
+    print("dot products only")
+""")
+
+
+def test_a_build_without_avx2_keeps_the_dot_products_and_the_row_limit(tmp_path):
+    """Without AVX2/FMA the C file has no panel path: the kernel says so (max_rows is
+    DOT_MAX_ROWS, so the model keeps BLAS for long steps) and its plain loops answer."""
+    if not cpu_linear.available():
+        pytest.skip(f"kernel {cpu_linear.status()}")
+    full_env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", NO_AVX2], env=full_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "dot products only"
 
 
 @pytest.mark.parametrize("env,expect", [({"LONGCTX_CPU_KERNEL": "0"}, "disabled by LONGCTX_CPU_KERNEL=0"),
