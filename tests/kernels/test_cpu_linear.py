@@ -101,6 +101,22 @@ def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d):
 
 
 @needs_kernel
+def test_swiglu_prologue_over_the_exponentials_range():
+    """The SwiGLU prologue's silu (vectorized exp with AVX2) within a few float32 ulps of
+    float64 silu from -120 to 120, where e^-g overflows and underflows; read out exactly through
+    an identity weight (each output is one product with 1, the rest with 0)."""
+    k = 203  # 25 vector blocks and a 3-element tail
+    g = torch.cat([torch.linspace(-120, 120, 6000), torch.randn(3000, generator=torch.Generator().manual_seed(9)) * 5])
+    rows = -(-g.numel() // k)
+    g = torch.nn.functional.pad(g, (0, rows * k - g.numel())).view(rows, k)
+    u = torch.rand(rows, k, generator=torch.Generator().manual_seed(10)) + 0.5
+    got = cpu_linear.linear(torch.cat([g, u], 1), torch.eye(k), swiglu=True).double()
+    want = torch.nn.functional.silu(g.double()) * u.double()
+    # below ~1e-36 float32 silu underflows to 0 (e^-g overflows), as torch's float32 form does
+    torch.testing.assert_close(got, want, rtol=5e-7, atol=1e-35)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows,n,k", [(17, 40, 4100),     # K in two blocks (2,056 + 2,044): sums added into y
                                       (1030, 45, 24),     # rows in two blocks (1,024 + 6)
                                       (2051, 33, 200)])   # a prefill chunk's worth, a 1-column panel
