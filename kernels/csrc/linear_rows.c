@@ -60,7 +60,7 @@
 #endif
 #ifndef PANEL_K
 #define PANEL_K 2048 /* most of K per panel block (a multiple of 8): 2048 x 32 floats = 256 KB, in L2 */
-#endif /* output rows per work item: 32 rows x K=1536 floats = 192 KB, fits in L2 */
+#endif
 
 #if HAVE_AVX2
 static inline float hsum(__m256 v) {
@@ -171,7 +171,6 @@ static void slice(const float *x, int64_t ldx, int M, const float *w, int K, Epi
         break;
     }
 }
-
 
 #if HAVE_AVX2
 /* The panel path (see the top): steps of PANEL_MIN_ROWS rows or more. */

@@ -200,9 +200,9 @@ class DecoderLayer(nn.Module):
     def _forward_row_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             backend: Any, attn_meta: Any) -> torch.Tensor:
         """The same layer for a step the row kernel takes (every step where it has its panel
-        path): each norm runs inside
-        the product that follows it, SwiGLU inside the down projection and each residual add
-        inside the product before it, so the layer is four kernel calls around attention."""
+        path): each norm runs inside the product that follows it, SwiGLU inside the down
+        projection and each residual add inside the product before it, so the layer is four
+        kernel calls around attention."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = cpu_linear.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
