@@ -37,6 +37,16 @@ def enabled() -> bool:
     return os.environ.get("LONGCTX_CPU_KERNEL", "1") != "0"
 
 
+def set_omp_threads(num: int) -> None:
+    """Threads the C kernels' OpenMP runtime (the system's libgomp, not torch's own copy, so
+    ``torch.set_num_threads`` does not reach it) starts in parallel regions begun by the
+    calling thread. Nothing happens where that runtime is not present."""
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(ctypes.c_int(num))
+    except (OSError, AttributeError):
+        pass
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -12,7 +12,6 @@ Never: model math or scheduling.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -20,7 +19,7 @@ from typing import Any, Union
 
 from longctx import tasks
 from longctx.config import split_engine_kwargs
-from longctx.engine import TORCH_DTYPES, CompletionOutput, LLMEngine, RequestMetrics, RequestOutput
+from longctx.engine import TORCH_DTYPES, LLMEngine, RequestOutput
 from longctx.model.llama import choose_cpu_matmul
 from longctx.sampling_params import SamplingParams
 
@@ -40,24 +39,23 @@ class StreamDelta:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", *, sequence_parallel_size: int = 1,
-                 **engine_kwargs: Any) -> None:
-        """``sequence_parallel_size`` > 1: each prompt is prefilled and decoded by that many
-        processes on this machine (ring attention, KV sharded across them; docs/parallel.md),
-        one prompt at a time; ``generate`` only."""
-        if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
-            raise ValueError(f"sequence_parallel_size must be an integer >= 1, got {sequence_parallel_size!r}")
+    def __init__(self, model: str = "smollm2-135m", **engine_kwargs: Any) -> None:
+        """Engine options as keywords (``longctx.config``). ``sequence_parallel_size=N`` > 1
+        starts N-1 worker processes once, for this LLM's lifetime: every step is shared by
+        the N ranks, KV pages spread over them (docs/parallel.md); everything else works the
+        same. ``close()`` (or the end of the interpreter) stops them."""
         self.configs = split_engine_kwargs({"model": model, **engine_kwargs})
-        if (sequence_parallel_size > 1 and self.configs[0].cpu_matmul == "auto"
-                and choose_cpu_matmul("auto", TORCH_DTYPES[self.configs[0].dtype]) == "onednn"):
+        load, parallel = self.configs[0], self.configs[-1]
+        if (parallel.sequence_parallel_size > 1 and load.cpu_matmul == "auto"
+                and choose_cpu_matmul("auto", TORCH_DTYPES[load.dtype]) == "onednn"):
             # the ranks share this model's weights through shared memory, which oneDNN's
             # packed (opaque) tensors cannot join: keep them as plain BLAS matrices
-            self.configs = (replace(self.configs[0], cpu_matmul="blas"), *self.configs[1:])
+            self.configs = (replace(load, cpu_matmul="blas"), *self.configs[1:])
         self.engine = LLMEngine(*self.configs)
-        self.sequence_parallel_size = sequence_parallel_size
+        self.sequence_parallel_size = parallel.sequence_parallel_size
         self._closed = False
         # Runs when this LLM is garbage-collected or, at the latest, at interpreter exit.
-        self._atexit = weakref.finalize(self, self.engine.persist_prefix_cache)
+        self._atexit = weakref.finalize(self, self.engine.close)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -73,12 +71,13 @@ class LLM:
         self.engine.clear_prefix_cache()
 
     def close(self) -> None:
-        """Persist the prefix cache to the disk tier (when ``disk_cache_dir`` is set). Also
-        runs at interpreter exit; calling it twice is harmless."""
+        """Persist the prefix cache to the disk tier (when ``disk_cache_dir`` is set) and stop
+        the sequence-parallel ranks. Also runs at interpreter exit; calling it twice is
+        harmless."""
         if not self._closed:
             self._closed = True
             self._atexit.detach()
-            self.engine.persist_prefix_cache()
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -141,8 +140,6 @@ class LLM:
         salts = [_salt(p) for p in prompts]
         for ids, p in zip(encoded, params):
             self.engine.scheduler.check_fits(len(ids[0]), p.max_tokens)
-        if self.sequence_parallel_size > 1:
-            return [self._generate_sp(ids, text, p) for (ids, text), p in zip(encoded, params)]
         request_ids = []
         try:
             for salt, (ids, text), p in zip(salts, encoded, params):
@@ -165,8 +162,6 @@ class LLM:
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                *, on_prefill_progress: ProgressFn | None = None) -> Iterator[StreamDelta]:
         """Yield text as it is produced for one prompt."""
-        if self.sequence_parallel_size > 1:
-            raise ValueError("streaming is not available with sequence_parallel_size > 1: use generate")
         ids, text = self._to_ids(prompt)
         rid = self.engine.add_request(ids, sampling_params or SamplingParams(), prompt=text,
                                       cache_salt=_salt(prompt))
@@ -203,31 +198,6 @@ class LLM:
         """Answer questions about one document, batched over one shared prefill (BM25-retrieved
         pieces when the document is longer than the window). See ``longctx.tasks``."""
         return tasks.ask(self, document, questions, max_tokens=max_tokens, sampling_params=sampling_params)
-
-    def _generate_sp(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestOutput:
-        from longctx.parallel import generate_sp
-
-        load, cache, sched, _ = self.configs
-        n = self.sequence_parallel_size
-        metrics = RequestMetrics(time.perf_counter())
-        shared = self.engine.device.type == "cpu" and not self.engine.model.has_packed_linears()
-        out = generate_sp(self.engine.model if shared else load.model,
-                          ids, params, sequence_parallel_size=n,
-                          chunk_size=max(1, sched.max_num_batched_tokens // n),
-                          block_size=cache.block_size, dtype=load.dtype,
-                          eos_token_ids=tuple(self.engine.eos_ids), max_model_len=self.engine.max_model_len,
-                          num_threads=load.num_threads)
-        metrics.first_token_time = metrics.arrival_time + out.prefill_s
-        metrics.finished_time = metrics.first_token_time + out.decode_s
-        completion = self.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        reason = out.finish_reason
-        for stop in params.stop:  # stop strings apply to the text, as in the engine
-            at = completion.find(stop)
-            if at >= 0:
-                completion = completion[:at + len(stop)] if params.include_stop_str_in_output else completion[:at]
-                reason = "stop"
-        return RequestOutput(f"sp-{id(out)}", text, ids, [CompletionOutput(0, completion, out.token_ids, reason)],
-                             True, metrics)
 
     def _run(self, pending: set[str], on_progress: ProgressFn | None) -> None:
         while pending:

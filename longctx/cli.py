@@ -28,18 +28,22 @@ from longctx.server.config import ServerConfig
 TASK_MAX_TOKENS_HELP = "the task's: " + ", ".join(f"{k} {v}" for k, v in TASK_MAX_TOKENS.items())
 
 
+SHORT_FLAGS = {"sequence_parallel_size": ("--sp",)}
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_CLASSES,
                       title: str = "engine") -> None:
     group = parser.add_argument_group(title)
     for cls in classes:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            aliases = SHORT_FLAGS.get(f.name, ())
             help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
             if isinstance(f.default, bool):  # --flag / --no-flag
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    dest=f.name, help=help_text)
             else:
-                group.add_argument(flag, type=type(f.default), default=f.default, dest=f.name,
+                group.add_argument(flag, *aliases, type=type(f.default), default=f.default, dest=f.name,
                                    help=help_text)
 
 
@@ -71,9 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-prompt-tokens", type=int, default=0,
                      help="keep only the first N tokens of the document (0: all)")
-    gen.add_argument("--sp", type=int, default=1, metavar="N",
-                     help="sequence parallelism: prefill and decode with N processes on this machine "
-                          "(ring attention, KV sharded; output printed at the end) (default: 1)")
     _add_sampling_flags(gen)
     _add_config_flags(gen)
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (see docs/serve.md)",
@@ -149,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from longctx.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    llm = LLM(**_config_kwargs(args), sequence_parallel_size=args.sp)
+    llm = LLM(**_config_kwargs(args))
     tokenizer = llm.get_tokenizer()
     doc_ids = tokenizer.encode(text, add_special_tokens=False)
     if args.max_prompt_tokens:
@@ -161,8 +162,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = llm.chat_prompt_ids([{"role": "user", "content": body}])
     else:
         prompt_ids = tokenizer.encode(body, add_special_tokens=False)
-    if args.sp > 1:
-        return _generate_sp(llm, prompt_ids, params)
     start = [time.perf_counter()]
     first = True
     for delta in llm.stream({"prompt_token_ids": prompt_ids}, params,
@@ -180,24 +179,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{n} tokens, finish: {delta.finish_reason}, time to first token "
                   f"{m.time_to_first_token:.2f} s, "
                   f"{(1000 * sum(itl) / len(itl)) if itl else 0:.1f} ms/token after]", file=sys.stderr)
-    return 0
-
-
-def _generate_sp(llm, prompt_ids: list[int], params: SamplingParams) -> int:
-    from longctx.parallel import WorkerError
-
-    print(f"prefill and decode with {llm.sequence_parallel_size} processes ...", file=sys.stderr, flush=True)
-    try:
-        out = llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
-    except WorkerError as err:
-        print(f"longctx: error: sequence-parallel run failed: {err}", file=sys.stderr)
-        return 1
-    m = out.metrics
-    print(out.outputs[0].text)
-    n = len(out.outputs[0].token_ids)
-    print(f"[{n} tokens, finish: {out.outputs[0].finish_reason}, prefill {m.time_to_first_token:.2f} s, "
-          f"{1000 * (m.finished_time - m.first_token_time) / max(n - 1, 1):.1f} ms/token after]",
-          file=sys.stderr)
     return 0
 
 

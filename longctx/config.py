@@ -118,11 +118,29 @@ class LookaheadConfig:
                f"lookahead_max_branches must be >= 1, got {self.lookahead_max_branches}")
 
 
-CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig)
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sequence parallelism (docs/parallel.md): the engine's ranks, started once with it."""
+
+    sequence_parallel_size: int = field(
+        default=1, metadata={"help": "ranks (processes) that share every step: KV pages spread "
+                                     "over them, attention merged across them (1: off)"})
+    sp_timeout_s: float = field(
+        default=120.0, metadata={"help": "seconds a rank may take to answer within a step before "
+                                         "the requests in flight fail"})
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.sequence_parallel_size, int) and not isinstance(self.sequence_parallel_size, bool)
+               and self.sequence_parallel_size >= 1,
+               f"sequence_parallel_size must be an integer >= 1, got {self.sequence_parallel_size!r}")
+        _check(self.sp_timeout_s > 0, f"sp_timeout_s must be positive, got {self.sp_timeout_s}")
+
+
+CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig, ParallelConfig)
 
 
 def split_engine_kwargs(kwargs: dict[str, Any]) -> tuple[ModelLoadConfig, CacheConfig, SchedulerConfig,
-                                                          LookaheadConfig]:
+                                                          LookaheadConfig, ParallelConfig]:
     """Route ``LLM(**kwargs)`` keywords to the dataclass that owns each; unknown keys are an
     error. ``lookahead`` may also be a whole ``LookaheadConfig``."""
     kwargs = dict(kwargs)

@@ -18,7 +18,7 @@ import torch
 from longctx.attention import select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
-from longctx.config import CacheConfig, LookaheadConfig, ModelLoadConfig, SchedulerConfig
+from longctx.config import CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig, SchedulerConfig
 from longctx.kv.device_pool import DeviceKVPool, bytes_per_block, num_blocks_for
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.host_pool import HostKVPool
@@ -115,7 +115,8 @@ def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
 
 class LLMEngine:
     def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
-                 lookahead: LookaheadConfig = LookaheadConfig()) -> None:
+                 lookahead: LookaheadConfig = LookaheadConfig(),
+                 parallel: ParallelConfig = ParallelConfig()) -> None:
         if load.num_threads:
             torch.set_num_threads(load.num_threads)
         self.device = torch.device(load.device)
@@ -138,14 +139,21 @@ class LLMEngine:
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or self.model_config.max_position_embeddings
-        num_blocks = num_blocks_for(self.model_config, cache, self.dtype)
-        self.kv = DeviceKVPool(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks)
+        num_blocks = num_blocks_for(self.model_config, cache, self.dtype)  # per rank
+        backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
+        self.sequence_parallel_size = parallel.sequence_parallel_size
+        if parallel.sequence_parallel_size > 1:
+            from longctx import sp
+
+            self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device)
+        else:
+            self.runner = ModelRunner(self.model, DeviceKVPool(self.model_config, num_blocks, cache.block_size,
+                                                               self.dtype, self.device), backend, self.device)
+        self.kv = self.runner.kv
+        self.pool = BlockPool(self.kv.num_blocks)
         self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
         self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
                                    context_cost=self.model_config.context_cost_tokens)
-        backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
-        self.runner = ModelRunner(self.model, self.kv, backend, self.device)
         self.max_model_len = max_len
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
@@ -192,6 +200,15 @@ class LLMEngine:
         if pc is not None and pc.disk is not None:
             usage["disk"] = {"in_use": 0, "cached": pc.disk.num_pages, "free": 0}
         return usage
+
+    def close(self) -> None:
+        """Persist the prefix cache, then stop the sequence-parallel ranks (if any)."""
+        try:
+            self.persist_prefix_cache()
+        finally:
+            shutdown = getattr(self.runner, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
 
     def persist_prefix_cache(self) -> int:
         """Write every cached page to the disk tier (if there is one); returns pages written."""

@@ -12,6 +12,7 @@ per token: row 0 predicts what follows the last token, row ``i + 1`` what follow
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -22,63 +23,73 @@ from longctx.model.llama import LlamaForCausalLM
 from longctx.scheduler import ScheduledBatch
 
 
-class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, backend, device: torch.device) -> None:
-        self.model, self.kv, self.backend, self.device = model, kv, backend, device
-        self.block_size = kv.block_size
+@dataclass
+class StepInputs:
+    """One step flattened over its sequences, as host lists (every runner starts here)."""
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        bs = self.block_size
-        for seq in batch.seqs:
-            ids.extend(seq.token_ids)
-            memory = range(seq.start_pos, seq.start_pos + len(seq.token_ids))
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in memory)
-            if seq.num_draft:
-                positions.extend(seq.start_pos + d for d in tree_depths(seq.draft_parents))
-            else:
-                positions.extend(memory)
-        query_lens = [len(s.token_ids) for s in batch.seqs]
-        context_lens = [s.start_pos + len(s.token_ids) for s in batch.seqs]
-        width = max(len(s.block_ids) for s in batch.seqs)
-        table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
-        cu = list(accumulate(query_lens, initial=0))
-        dev = self.device
-        meta = AttentionMetadata(
-            query_lens=query_lens, context_lens=context_lens,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            tree_mask=self._tree_mask(batch), kv_caches=self.kv.layers)
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # where each token's K/V goes: block id * BS + offset
+    query_lens: list[int]
+    context_lens: list[int]
+    tree_words: list[int] | None  # per token (kernels' tree mask), None when no seq drafts
+    sample_rows: list[int]  # tokens whose hidden state gets logits, in order
 
-    def _tree_mask(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        if not any(seq.num_draft for seq in batch.seqs):
-            return None
-        words: list[int] = []
+
+def flatten_batch(batch: ScheduledBatch, block_size: int) -> StepInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+    for seq in batch.seqs:
+        ids.extend(seq.token_ids)
+        memory = range(seq.start_pos, seq.start_pos + len(seq.token_ids))
+        slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in memory)
+        if seq.num_draft:
+            positions.extend(seq.start_pos + d for d in tree_depths(seq.draft_parents))
+        else:
+            positions.extend(memory)
+        if seq.sample:
+            rows.extend(range(len(ids) - 1 - seq.num_draft, len(ids)))
+    words = None
+    if any(seq.num_draft for seq in batch.seqs):
+        words = []
         for seq in batch.seqs:
             if seq.num_draft:
                 words.extend(tree_ancestor_words(seq.draft_parents))
             else:  # causal within the sequence's new tokens
                 words.extend((1 << (i + 1)) - 1 for i in range(len(seq.token_ids)))
-        return torch.tensor(words, dtype=torch.int64, device=self.device)
+    return StepInputs(ids, positions, slots, [len(s.token_ids) for s in batch.seqs],
+                      [s.start_pos + len(s.token_ids) for s in batch.seqs], words, rows)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, backend, device: torch.device) -> None:
+        self.model, self.kv, self.backend, self.device = model, kv, backend, device
+        self.block_size = kv.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        step = flatten_batch(batch, self.block_size)
+        width = max(len(s.block_ids) for s in batch.seqs)
+        table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_lens=step.query_lens, context_lens=step.context_lens,
+            cu_seqlens_q=torch.tensor(list(accumulate(step.query_lens, initial=0)), dtype=torch.int32, device=dev),
+            context_lens_t=torch.tensor(step.context_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(step.slots, dtype=torch.int64, device=dev),
+            tree_mask=None if step.tree_words is None else torch.tensor(step.tree_words, dtype=torch.int64, device=dev),
+            kv_caches=self.kv.layers)
+        return (torch.tensor(step.token_ids, dtype=torch.long, device=dev),
+                torch.tensor(step.positions, dtype=torch.long, device=dev), meta, step.sample_rows)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits (fp32) for the seqs of ``batch`` that sample, in order: one row each, or
         ``1 + num_draft`` rows for a seq with a draft tree."""
-        input_ids, positions, meta = self.prepare(batch)
+        input_ids, positions, meta, rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.backend, meta)  # (T, E)
-        rows: list[int] = []
-        end = 0
-        for seq in batch.seqs:
-            end += len(seq.token_ids)
-            if seq.sample:
-                rows.extend(range(end - 1 - seq.num_draft, end))
         if not rows:
             return torch.empty(0, self.model.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
@@ -88,18 +99,10 @@ class ModelRunner:
         accepted[j]``) moves to slot ``start_pos + 1 + j``, in every layer. All sources are
         read before any destination is written."""
         pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
-        if not pairs:
-            return
-        bs = self.block_size
-
-        def slots(positions: list[int]) -> torch.Tensor:
-            return torch.tensor([seq_block_ids[p // bs] * bs + p % bs for p in positions], device=self.device)
-
-        src, dst = slots([a for a, _ in pairs]), slots([b for _, b in pairs])
-        for k_cache, v_cache in self.kv.layers:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])  # (NB * BS, Hkv, D)
-                flat[dst] = flat[src]
+        if pairs:
+            bs = self.block_size
+            slot = lambda p: seq_block_ids[p // bs] * bs + p % bs  # noqa: E731
+            self.kv.move_slots([slot(a) for a, _ in pairs], [slot(b) for _, b in pairs])
 
 
 def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:

@@ -1,26 +1,24 @@
-"""Sequence parallelism: ring attention, sequence sharding and sharded-KV decode.
+"""Sequence parallelism primitives: ring attention, sequence sharding, attention over KV that
+stays sharded (whole sequences or paged, for the engine), and the log-sum-exp merge.
 
     from longctx.parallel import ring_attention, SequenceSharding   # inside a process group
-    from longctx.parallel import generate_sp                         # one request, N processes
+    from longctx.parallel.paged_sp import PagedSPAttention          # the engine's SP backend
 
-The attention pieces (``comm``, ``sharding``, ``local_attention``, ``ring_attention``,
-``sharded_kv``, ``ulysses``) need only torch, torch.distributed and ``longctx.kernels``.
-The generator (``sp_engine``, ``sp_generate``, ``launch``, ``worker``) runs the model and is
-imported on first use, so ``import longctx.parallel`` stays light. See docs/parallel.md.
+These need only torch, torch.distributed and ``longctx.kernels``; the engine's ranks live in
+``longctx.sp``. ``spawn_ranks`` starts fresh ranks for the primitives' tests and benchmarks.
+See docs/parallel.md.
 """
 
 from .comm import CommStats, RingComm, init_distributed, init_from_env
 from .ring_attention import ring_attention
 from .sharded_kv import merge_decode_partials, sharded_prefix_attention
 from .sharding import SequenceSharding
-from .ulysses import ulysses_attention
 
 __all__ = ["CommStats", "RingComm", "SequenceSharding", "init_distributed", "init_from_env",
-           "merge_decode_partials", "ring_attention", "sharded_prefix_attention", "ulysses_attention",
-           "generate_sp", "spawn_ranks", "SPOutput", "WorkerError", "SequenceParallelConfig"]
+           "merge_decode_partials", "ring_attention", "sharded_prefix_attention", "spawn_ranks",
+           "WorkerError"]
 
-_LAZY = {"generate_sp": "launch", "spawn_ranks": "launch", "SPOutput": "launch",
-         "WorkerError": "launch", "SequenceParallelConfig": "sp_engine"}
+_LAZY = {"spawn_ranks": "launch", "WorkerError": "launch"}
 
 
 def __getattr__(name: str):

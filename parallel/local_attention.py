@@ -5,7 +5,9 @@ of ring attention, Ulysses and sharded-KV prefix attention, on the device's fuse
 PyTorch's CPU flash kernel, or its CUDA memory-efficient kernel (both return the lse); and
 the running (out, lse) state those paths fold partial results into (``empty_state``,
 ``merge_into``).
-Never: masks beyond "all keys" or "the diagonal block", communication, paged KV.
+``attend_masked`` takes any bool mask, in plain fp32 math, for the small blocks of a step's
+own new tokens (at most a few dozen queries: lookahead trees, short causal runs).
+Never: communication, paged KV.
 
 Two forms, because blocks in sequence parallelism come in two kinds:
 
@@ -95,3 +97,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
     if causal:
         return _attend_diagonal(q, k, v, scale)
     return _attend_all(q, k, v, scale)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [L, H, D], k/v [S, Hkv, D], visible bool [L, S] -> out fp32 [L, H, D], lse [L, H].
+    Plain fp32 math: meant for small L and S."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.float(), kf) * scale  # (H, L, S)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (H, L)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hls,shd->lhd", probs, vf), lse.transpose(0, 1).contiguous()

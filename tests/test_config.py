@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from longctx.config import (CacheConfig, ConfigError, LookaheadConfig, ModelLoadConfig, SchedulerConfig,
+from longctx.config import (CacheConfig, ConfigError, LookaheadConfig, ModelLoadConfig, ParallelConfig,
+                            SchedulerConfig,
                             split_engine_kwargs)
 from longctx.model.config import ModelConfig, RopeScaling, UnsupportedModelError
 
@@ -99,11 +100,12 @@ def test_scheduler_config_smallest_valid_values():
 
 
 def test_split_engine_kwargs_empty_gives_defaults():
-    assert split_engine_kwargs({}) == (ModelLoadConfig(), CacheConfig(), SchedulerConfig(), LookaheadConfig())
+    assert split_engine_kwargs({}) == (ModelLoadConfig(), CacheConfig(), SchedulerConfig(), LookaheadConfig(),
+                                      ParallelConfig())
 
 
 def test_split_engine_kwargs_routes_each_key_to_its_owner():
-    load, cache, sched, _ = split_engine_kwargs(dict(
+    load, cache, sched, *_ = split_engine_kwargs(dict(
         model="/models/x", dtype="bfloat16", device="cuda:1", num_threads=4,
         attention_backend="triton", block_size=16,
         kv_cache_gb=2.5, num_blocks=100, max_num_batched_tokens=512, max_num_seqs=8,
@@ -116,14 +118,15 @@ def test_split_engine_kwargs_routes_each_key_to_its_owner():
 
 
 def test_split_engine_kwargs_partial():
-    load, cache, sched, _ = split_engine_kwargs({"max_num_seqs": 2, "block_size": 8})
+    load, cache, sched, *_ = split_engine_kwargs({"max_num_seqs": 2, "block_size": 8})
     assert load == ModelLoadConfig()
     assert cache == CacheConfig(block_size=8)
     assert sched == SchedulerConfig(max_num_seqs=2)
 
 
 def test_split_engine_kwargs_unknown_keys_are_listed_sorted_with_the_known_ones():
-    known = sorted(f.name for cls in (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig)
+    known = sorted(f.name for cls in (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig,
+                                                  ParallelConfig)
                    for f in dataclasses.fields(cls))
     assert known[:3] == ["attention_backend", "block_size", "busy_prefill_chunk"]
     with pytest.raises(ConfigError) as info:
@@ -460,9 +463,9 @@ def test_gguf_unsupported_architecture_names_it():
 
 
 def test_lookahead_takes_a_bool_or_a_config_object():
-    *_, look = split_engine_kwargs({"lookahead": False})
+    _, _, _, look, _ = split_engine_kwargs({"lookahead": False})
     assert look == LookaheadConfig(lookahead=False)
-    *_, look = split_engine_kwargs({"lookahead": LookaheadConfig(lookahead_max_tokens=4)})
+    _, _, _, look, _ = split_engine_kwargs({"lookahead": LookaheadConfig(lookahead_max_tokens=4)})
     assert look.lookahead_max_tokens == 4 and look.lookahead
     with pytest.raises(ConfigError, match="not both"):
         split_engine_kwargs({"lookahead": LookaheadConfig(), "lookahead_max_tokens": 3})

@@ -119,28 +119,23 @@ def test_engine_tokens_same_with_every_path(tmp_path, tied):
 @needs_onednn
 def test_sequence_parallel_keeps_shared_weights_unpacked(tmp_path):
     """SP ranks share the engine's weights through shared memory; packed (opaque) tensors
-    cannot be shared, so SP never packs (the row kernel's plain matrices are shared as they
-    are), and a packed model is refused by name."""
-    from longctx.parallel import generate_sp
-
+    cannot be shared, so SP never packs by default, and asking for packing is refused by name."""
     make_engine_checkpoint(tmp_path)
-    assert not LLM(str(tmp_path), sequence_parallel_size=2).engine.model.has_packed_linears()
-    packed = LLM(str(tmp_path), cpu_matmul="onednn").engine.model
-    assert packed.has_packed_linears()
-    with pytest.raises(ValueError, match="oneDNN-packed weights cannot be shared"):
-        generate_sp(packed, [5, 6, 7], SamplingParams(max_tokens=2), sequence_parallel_size=2)
+    with LLM(str(tmp_path), sequence_parallel_size=2) as llm:
+        assert not llm.engine.model.has_packed_linears()
+    with pytest.raises(ConfigError, match="opaque tensors that the ranks cannot share"):
+        LLM(str(tmp_path), cpu_matmul="onednn", sequence_parallel_size=2)
 
 
 @needs_kernel
 def test_sequence_parallel_shares_row_kernel_weights(tmp_path):
     """A model holding [out, in] matrices for the row kernel goes to the ranks as it is, and
-    they produce the single-process tokens."""
-    from longctx.parallel import generate_sp
-
+    they produce HF's tokens."""
     hf = make_engine_checkpoint(tmp_path, tie_word_embeddings=True)
-    model = LLM(str(tmp_path), cpu_matmul="kernel").engine.model
-    assert model.uses_row_kernel() and not model.has_packed_linears()
     prompt = torch.randint(3, 160, (90,), generator=torch.Generator().manual_seed(8)).tolist()
-    out = generate_sp(model, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                      sequence_parallel_size=2, chunk_size=32, block_size=16)
+    with LLM(str(tmp_path), cpu_matmul="kernel", sequence_parallel_size=2, block_size=16,
+             max_num_batched_tokens=32) as llm:
+        assert llm.engine.model.uses_row_kernel() and not llm.engine.model.has_packed_linears()
+        out = llm.generate({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == hf_greedy(hf, prompt, 6)

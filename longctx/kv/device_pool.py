@@ -1,7 +1,10 @@
 """The device KV pool: the bytes behind the block ids the scheduler hands out.
 
 Owns: one tensor per layer for K and one for V, each ``[NB, BS, Hkv, D]`` (the layout
-flash-attn's paged API and vLLM use), sized from the cache budget.
+flash-attn's paged API and vLLM use), sized from the cache budget; whole pages read out and
+written in (``read_pages``/``write_pages``, ``[P, L, 2, BS, Hkv, D]``), the one interface the
+host and disk tiers use, so a pool whose pages are spread over ranks
+(``longctx.sp.ShardedKVPool``) serves them the same way.
 Never: deciding which block is whose (``longctx.cache``) or what runs when (the scheduler).
 
 Allocated with ``torch.empty``: on the CPU, pages nobody has written are never touched, so
@@ -32,8 +35,34 @@ class DeviceKVPool:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
         shape = (num_blocks, block_size, model.num_key_value_heads, model.head_dim)
+        self.page_shape = (model.num_hidden_layers, 2, *shape[1:])  # (L, 2, BS, Hkv, D)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             for _ in range(model.num_hidden_layers)
         ]
+
+    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
+        """The bytes of pages ``block_ids`` on the CPU, ``[P, L, 2, BS, Hkv, D]``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)], 1)
+                            for k, v in self.layers], 1).to("cpu")
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Write ``pages`` ``[P, L, 2, BS, Hkv, D]`` into blocks ``block_ids`` (same order)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        pages = pages.to(self.device, non_blocking=True)
+        for layer, (k, v) in enumerate(self.layers):
+            k.index_copy_(0, idx, pages[:, layer, 0])
+            v.index_copy_(0, idx, pages[:, layer, 1])
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of token slots ``src`` to slots ``dst`` in every layer (slot = block *
+        BS + offset); all sources are read before any destination is written."""
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.layers:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])  # (NB * BS, Hkv, D)
+                flat[d] = flat[s]

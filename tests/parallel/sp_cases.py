@@ -17,7 +17,7 @@ import torch
 
 from longctx.kernels import reference, torch_paged
 from longctx.parallel import (RingComm, SequenceSharding, merge_decode_partials, ring_attention,
-                              sharded_prefix_attention, ulysses_attention)
+                              sharded_prefix_attention)
 from longctx.parallel.sharded_kv import ring_prefix_attention
 from longctx.parallel.local_attention import attend, empty_state
 
@@ -32,7 +32,6 @@ class AttnCase:
     causal: bool = True
     batched: bool = True
     by_name: bool = False  # pass the mode string (ranks derive the sharding) instead of the object
-    ulysses: bool = False
     head_dim: int = 16
     seed: int = 0
 
@@ -50,9 +49,6 @@ def attention_cases(world: int) -> list[AttnCase]:
         AttnCase("ring-plain-isend-irecv", 45, 6, 2, batched=False, seed=3),
         AttnCase("ring-mode-by-name", 2 * world * 5, 6, 3, by_name=True, seed=4),
         AttnCase("ring-d64-long", 257, 9, 3, head_dim=64, seed=5),
-        AttnCase(f"ulysses-zigzag-causal-S37", 37, 2 * world, world, ulysses=True, seed=6),
-        AttnCase(f"ulysses-contiguous-full-S50", 50, 4 * world, 2 * world, "contiguous", causal=False,
-                 ulysses=True, seed=7),
     ]
     return cases
 
@@ -77,7 +73,7 @@ def run_attention_case(comm: RingComm, case: AttnCase) -> tuple[float, float]:
     layout = SequenceSharding(case.seq_len, comm.world_size, case.mode)
     rank = comm.rank
     ring = RingComm(batched=case.batched)
-    fn = ulysses_attention if case.ulysses else ring_attention
+    fn = ring_attention
     out, lse = fn(layout.shard(q, rank), layout.shard(k, rank), layout.shard(v, rank), ring,
                   case.causal, sharding=case.mode if case.by_name else layout)
     return _errors(out, lse, layout.shard(ref_out, rank), layout.shard(ref_lse, rank))
@@ -190,29 +186,3 @@ def raise_on_rank(comm: RingComm, device: torch.device, victim: int) -> str:
 
 
 # ---------------------------------------------------------------------- the generator
-
-@dataclass(frozen=True)
-class Request:
-    """One request for ``run_requests``: prompt, sampling, and how to split it."""
-
-    prompt: tuple[int, ...]
-    params: object  # SamplingParams
-    chunk_size: int
-    mode: str = "zigzag"
-    block_size: int = 16
-
-
-def run_requests(comm: RingComm, device: torch.device, model, requests: list[Request]) -> list[tuple]:
-    """Every request through ``SequenceParallelGenerator`` in one process group; per request
-    (tokens, finish reason, KV tokens this rank holds, its shard capacity)."""
-    from longctx.parallel.sp_engine import SequenceParallelConfig
-    from longctx.parallel.sp_generate import SequenceParallelGenerator
-
-    out = []
-    for req in requests:
-        config = SequenceParallelConfig(comm.world_size, req.chunk_size, req.block_size, req.mode)
-        generator = SequenceParallelGenerator(model, comm, config, device)
-        report = generator.generate(list(req.prompt), req.params, frozenset(model.config.eos_token_ids),
-                                    model.config.max_position_embeddings)
-        out.append((report.token_ids, report.finish_reason, report.tokens_held))
-    return out

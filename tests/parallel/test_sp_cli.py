@@ -1,5 +1,5 @@
 """``LLM(sequence_parallel_size=2)`` and ``longctx generate --sp 2`` on a tiny random Llama:
-the same greedy text as the single-process engine; streaming says it is not available."""
+the same greedy text as the single-process engine, streamed or not."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from tiny_models import make_engine_checkpoint
 
 from longctx import LLM, SamplingParams
+from longctx.sp import SequenceParallelError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
@@ -28,8 +29,12 @@ def test_llm_with_sequence_parallel_size_equals_single_process(folder):
     sp = LLM(folder, block_size=16, max_num_batched_tokens=64, sequence_parallel_size=2)
     got = sp.generate(PROMPT, GREEDY)[0].outputs[0]
     assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, "length")
-    with pytest.raises(ValueError, match="streaming is not available"):
-        next(sp.stream(PROMPT, GREEDY))
+    streamed = list(sp.stream(PROMPT, GREEDY))
+    assert "".join(d.text for d in streamed) == expected.text
+    assert [t for d in streamed for t in d.token_ids] == expected.token_ids
+    sp.close()
+    with pytest.raises(SequenceParallelError, match="shut down"):  # after close: a clear error
+        sp.generate(PROMPT, GREEDY)
     with pytest.raises(ValueError, match="sequence_parallel_size must be"):
         LLM(folder, sequence_parallel_size=0)
 

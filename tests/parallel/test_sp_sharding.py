@@ -14,7 +14,6 @@ from longctx.parallel import SequenceSharding
 from longctx.parallel.local_attention import empty_state, merge_into
 from longctx.parallel.ring_attention import accumulate_block, block_plan
 from longctx.parallel.sharded_kv import prefix_exchange_bytes
-from longctx.parallel.sp_engine import SequenceParallelConfig
 
 
 def test_zigzag_layout_with_odd_length():
@@ -108,16 +107,6 @@ def test_merge_into_equals_the_reference_merge_with_empty_parts():
     assert not out.isnan().any()
 
 
-def test_config_rounds_and_kv_placement():
-    config = SequenceParallelConfig(world_size=2, chunk_size=3)
-    rounds = config.rounds(14)
-    assert [(r.offset, r.seq_len) for r in rounds] == [(0, 6), (6, 6), (12, 2)]
-    # 14 prompt tokens + 5 sampled: decode tokens at positions 14..17 go 0, 1, 0, 1
-    held = [config.tokens_held(r, 14, 5) for r in range(2)]
-    assert held == [7 + 2, 7 + 2]
-    assert sum(held) == 14 + 5 - 1
-
-
 def test_prefix_exchange_moves_kv_while_the_prefix_is_short_then_queries():
     # SmolLM geometry (H 9, Hkv 3, D 64), fp32, 2 ranks, 1024 queries per rank per round
     def kv_is_cheaper(prefix_per_rank: int) -> bool:
@@ -126,10 +115,3 @@ def test_prefix_exchange_moves_kv_while_the_prefix_is_short_then_queries():
 
     assert kv_is_cheaper(1024) and kv_is_cheaper(2048)  # after one or two rounds
     assert not kv_is_cheaper(4096)  # after four rounds: the queries travel
-
-
-def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="sequence_parallel_size must be >= 1"):
-        SequenceParallelConfig(world_size=0)
-    with pytest.raises(ValueError, match="sharding must be one of"):
-        SequenceParallelConfig(world_size=2, sharding="ring")

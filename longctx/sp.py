@@ -1,0 +1,425 @@
+"""Sequence parallelism inside the engine: N ranks that live as long as the engine.
+
+Owns: starting the ranks once (``start``: N-1 worker processes beside this one, one gloo or
+NCCL process group, the model shared with them through shared memory on the CPU), the worker
+loop, ``RankExecutor`` (what every rank runs for a step or a page move),
+``SequenceParallelRunner`` (rank 0's runner: ``ModelRunner``'s interface, so the engine,
+scheduler, prefix store, lookahead and everything above them are the same with 1 or N ranks)
+and ``ShardedKVPool`` (rank 0's view of the pages of every rank: the interface the host and
+disk tiers use), failures and shutdown.
+Never: scheduling, sampling or the attention math (``longctx.parallel.paged_sp``).
+
+One engine, one scheduler (rank 0)::
+
+    rank 0: scheduler -> ScheduledBatch --control broadcast--> every rank
+    every rank: its tokens of the step through the model; each layer's attention exchanges
+                q/k/v and partial results with the other ranks (paged_sp)
+    rank 0: hidden states of the tokens that sample -> logits -> sampling (engine)
+
+Pages: global block id ``b`` lives on rank ``b % N`` as local block ``b // N``. The block pool
+hands out the lowest free ids, so a lone sequence's pages alternate over the ranks; the radix
+tree, the scheduler and the host/disk tiers keep speaking global ids. Page moves between
+tiers (``read_pages``/``write_pages``) travel between the owner and rank 0, where the host
+tier and the disk files live.
+
+Failures: every exchange inside a step runs under ``sp_timeout_s``; a rank that dies (its
+peers see the closed connection) or hangs (the timeout) makes the step raise
+``SequenceParallelError`` on rank 0, which the engine's callers turn into an error for the
+requests in flight (``serve`` answers 503 and reports unhealthy). Workers exit when rank 0
+closes the engine, when its process exits (daemon processes, plus a watchdog on the parent's
+pid) or when the group breaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
+from longctx.kernels import cpu_build
+from longctx.kv.device_pool import DeviceKVPool
+from longctx.model.llama import LlamaForCausalLM
+from longctx.parallel.comm import RingComm, init_distributed
+from longctx.parallel.paged_sp import PagedSPAttention, ShardedStep, StepSeq, assign_tokens
+from longctx.runner import flatten_batch
+from longctx.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=365)  # a worker waits this long for the next command
+
+
+class SequenceParallelError(RuntimeError):
+    """A rank failed or stopped answering: the engine cannot run steps any more."""
+
+
+def rank_threads(world: int, num_threads: int) -> int:
+    return num_threads or max(1, (os.cpu_count() or 1) // world)
+
+
+def set_threads(num: int) -> None:
+    """Threads for torch and for the C kernels' OpenMP runtime (a separate one)."""
+    torch.set_num_threads(num)
+    cpu_build.set_omp_threads(num)
+
+
+class RankExecutor:
+    """One rank's share of every command: the same code on rank 0 and on the workers."""
+
+    def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, kernels: Any, rank: int,
+                 world: int, device: torch.device, threads: int) -> None:
+        self.model, self.kv, self.rank, self.world, self.device = model, kv, rank, world, device
+        self.comm = RingComm()
+        self.threads = threads
+        self.config = model.config
+        self.attention = PagedSPAttention(kv.layers, self.comm, kernels, model.config.head_dim)
+
+    # ------------------------------------------------------------------ a step
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Run this rank's tokens of ``batch``; on rank 0 return the logits (fp32) of the
+        tokens that sample, like ``ModelRunner.execute``."""
+        cpu_build.set_omp_threads(self.threads)  # per calling thread (the server steps in its own)
+        bs = self.kv.block_size
+        flat = flatten_batch(batch, bs)
+        owned = assign_tokens(flat.query_lens, self.world)
+        seqs, start = [], 0
+        for seq, n in zip(batch.seqs, flat.query_lens):
+            words = tuple(flat.tree_words[start:start + n]) if seq.num_draft else ()
+            seqs.append(StepSeq(start, n, seq.start_pos, tuple(seq.block_ids), words))
+            start += n
+        step = ShardedStep(seqs, owned, flat.slots, self.rank, self.world, bs, self.device)
+        mine = owned[self.rank]
+        c = self.config
+        if mine:
+            ids = torch.tensor([flat.token_ids[t] for t in mine], dtype=torch.long, device=self.device)
+            pos = torch.tensor([flat.positions[t] for t in mine], dtype=torch.long, device=self.device)
+            hidden = self.model(ids, pos, self.attention, step)  # (T_r, E)
+        else:
+            self.attention.idle(c.num_hidden_layers, step, self.kv.layers[0][0],
+                                c.num_attention_heads, c.num_key_value_heads)
+            hidden = torch.empty((0, c.hidden_size), dtype=self.kv.dtype, device=self.device)
+        return self._logits(hidden, mine, owned, flat.sample_rows)
+
+    def _logits(self, hidden: torch.Tensor, mine: list[int], owned: list[list[int]],
+                rows: list[int]) -> torch.Tensor | None:
+        """Bring the sampling rows' hidden states to rank 0 (one gather, skipped when they are
+        all there already) and compute their logits there."""
+        where = {t: (r, i) for r, own in enumerate(owned) for i, t in enumerate(own)}
+        if all(where[t][0] == 0 for t in rows):
+            if self.rank != 0:
+                return None
+            picked = hidden[torch.tensor([where[t][1] for t in rows], dtype=torch.long, device=self.device)]
+        else:
+            wanted = set(rows)
+            counts = [sum(1 for t in own if t in wanted) for own in owned]
+            width = max(counts)
+            local = [i for i, t in enumerate(mine) if t in wanted]
+            send = hidden.new_zeros((width, hidden.shape[1]))
+            if local:
+                send[:len(local)] = hidden[torch.tensor(local, device=self.device)]
+            gathered = self.comm.all_gather(send)  # (N, width, E)
+            if self.rank != 0:
+                return None
+            slot = {}
+            for r, own in enumerate(owned):
+                for i, t in enumerate(t for t in own if t in wanted):
+                    slot[t] = r * width + i
+            picked = gathered.flatten(0, 1)[torch.tensor([slot[t] for t in rows], device=self.device)]
+        if not rows:
+            return torch.empty(0, self.config.vocab_size)
+        return self.model.compute_logits(picked)
+
+    # ------------------------------------------------------------------ page moves
+
+    def _mine(self, block_ids: list[int], rank: int) -> list[tuple[int, int]]:
+        """(index in ``block_ids``, local id) of the pages rank ``rank`` holds."""
+        return [(i, b // self.world) for i, b in enumerate(block_ids) if b % self.world == rank]
+
+    def read_pages(self, block_ids: list[int]) -> torch.Tensor | None:
+        """Every rank sends rank 0 its pages among ``block_ids``; rank 0 returns them all,
+        ``[P, L, 2, BS, Hkv, D]`` on the CPU, in order."""
+        if self.rank != 0:
+            local = self._mine(block_ids, self.rank)
+            if local:
+                dist.send(self.kv.read_pages([b for _, b in local]), 0)
+            return None
+        pages = torch.empty((len(block_ids), *self.kv.page_shape), dtype=self.kv.dtype)
+        for r in range(self.world):
+            part = self._mine(block_ids, r)
+            if not part:
+                continue
+            if r == 0:
+                got = self.kv.read_pages([b for _, b in part])
+            else:
+                got = torch.empty((len(part), *self.kv.page_shape), dtype=self.kv.dtype)
+                dist.recv(got, r)
+            pages[torch.tensor([i for i, _ in part])] = got
+        return pages
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor | None = None) -> None:
+        """Rank 0 sends each rank its pages among ``block_ids`` (``pages`` on rank 0 only)."""
+        if self.rank != 0:
+            local = self._mine(block_ids, self.rank)
+            if local:
+                got = torch.empty((len(local), *self.kv.page_shape), dtype=self.kv.dtype)
+                dist.recv(got, 0)
+                self.kv.write_pages([b for _, b in local], got)
+            return
+        for r in range(self.world):
+            part = self._mine(block_ids, r)
+            if not part:
+                continue
+            chunk = pages[torch.tensor([i for i, _ in part])].contiguous()
+            if r == 0:
+                self.kv.write_pages([b for _, b in part], chunk)
+            else:
+                dist.send(chunk, r)
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy token slots ``src`` to ``dst`` (global slots) in every layer, across ranks:
+        the owners of the sources contribute their rows to one all-reduce (every other row is
+        zero, so the sum is exact), and the owners of the destinations write them."""
+        bs, world = self.kv.block_size, self.world
+        local = lambda s: (s // bs // world) * bs + s % bs  # noqa: E731
+        owner = lambda s: (s // bs) % world  # noqa: E731
+        c = self.config
+        rows = torch.zeros((len(src), c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim),
+                           dtype=self.kv.dtype, device=self.device)
+        have = [i for i, s in enumerate(src) if owner(s) == self.rank]
+        if have:
+            idx = torch.tensor([local(src[i]) for i in have], device=self.device)
+            at = torch.tensor(have, device=self.device)
+            for layer, (k, v) in enumerate(self.kv.layers):
+                rows[at, layer, 0] = k.view(-1, *k.shape[2:])[idx]
+                rows[at, layer, 1] = v.view(-1, *v.shape[2:])[idx]
+        dist.all_reduce(rows)
+        put = [i for i, s in enumerate(dst) if owner(s) == self.rank]
+        if put:
+            idx = torch.tensor([local(dst[i]) for i in put], device=self.device)
+            at = torch.tensor(put, device=self.device)
+            for layer, (k, v) in enumerate(self.kv.layers):
+                k.view(-1, *k.shape[2:])[idx] = rows[at, layer, 0]
+                v.view(-1, *v.shape[2:])[idx] = rows[at, layer, 1]
+
+
+# ---------------------------------------------------------------------- rank 0's side
+
+
+class _Ranks:
+    """Rank 0's handle on the workers: the control channel, the processes, the failure."""
+
+    def __init__(self, procs: list, control: Any, folder: tempfile.TemporaryDirectory) -> None:
+        self.procs, self.control, self.folder = procs, control, folder
+        self.error: str | None = None
+        self.closed = False
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def call(self, command: str, *args: Any) -> None:
+        """Send every worker the next command (they run their share of it right away)."""
+        self.check()
+        dist.broadcast_object_list([(command, args)], src=0, group=self.control)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise SequenceParallelError(self.error)
+        if self.closed:
+            raise SequenceParallelError("the sequence-parallel ranks were shut down (LLM closed)")
+
+    def fail(self, err: BaseException) -> SequenceParallelError:
+        """Describe a failed exchange (naming ranks that died) and mark the ranks unusable."""
+        time.sleep(0.2)  # a dead peer's exit code shows up a moment after its socket closes
+        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs)
+                if p.exitcode is not None]
+        what = "; ".join(dead) if dead else f"{type(err).__name__}: {err}"
+        self.error = f"a sequence-parallel rank failed during a step ({what}); restart the engine"
+        return SequenceParallelError(self.error)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.error is None:
+            try:
+                dist.broadcast_object_list([("stop", ())], src=0, group=self.control)
+            except Exception:  # noqa: BLE001 - the workers may be gone already
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+        self.folder.cleanup()
+
+
+class ShardedKVPool:
+    """Rank 0's view of the KV pages of every rank: ``DeviceKVPool``'s page interface over
+    global block ids (``read_pages``, ``write_pages``, ``move_slots``)."""
+
+    def __init__(self, local: DeviceKVPool, world: int, executor: RankExecutor, ranks: _Ranks) -> None:
+        self.local, self.world, self.executor, self.ranks = local, world, executor, ranks
+        self.num_blocks = local.num_blocks * world
+        self.block_size, self.dtype, self.device = local.block_size, local.dtype, local.device
+        self.page_shape = local.page_shape
+
+    def _run(self, command: str, *args: Any) -> Any:
+        self.ranks.call(command, *(a for a in args if not isinstance(a, torch.Tensor)))
+        try:
+            return getattr(self.executor, command)(*args)
+        except Exception as err:  # noqa: BLE001
+            raise self.ranks.fail(err) from err
+
+    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
+        return self._run("read_pages", list(block_ids))
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        self._run("write_pages", list(block_ids), pages)
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        self._run("move_slots", list(src), list(dst))
+
+
+class SequenceParallelRunner:
+    """Rank 0's runner: ``execute(batch) -> logits`` and ``move_draft_kv``, like
+    ``ModelRunner``, with every step shared by the ranks."""
+
+    def __init__(self, executor: RankExecutor, kv: ShardedKVPool, ranks: _Ranks) -> None:
+        self.executor, self.kv, self.ranks = executor, kv, ranks
+        self.block_size = kv.block_size
+        self.world_size = kv.world
+        self.backend = executor.attention
+
+    def worker_pids(self) -> list[int]:
+        return self.ranks.pids()
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        self.ranks.call("execute", batch)
+        try:
+            return self.executor.execute(batch)
+        except Exception as err:  # noqa: BLE001
+            raise self.ranks.fail(err) from err
+
+    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
+        pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
+        if pairs:
+            bs = self.block_size
+            slot = lambda p: seq_block_ids[p // bs] * bs + p % bs  # noqa: E731
+            self.kv.move_slots([slot(a) for a, _ in pairs], [slot(b) for _, b in pairs])
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
+
+# ---------------------------------------------------------------------- start-up
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this worker when the engine's process is gone (no orphan ranks)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _worker_main(rank: int, world: int, init_method: str, model: Any, load: ModelLoadConfig,
+                 num_blocks: int, block_size: int, timeout_s: float, threads: int, parent: int,
+                 ready: Any) -> None:
+    """A worker rank: join the group, then run rank 0's commands until told to stop."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    set_threads(threads)
+    device = init_distributed(rank, world, init_method, None, timeout_s)
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # as the engine does
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
+        from longctx.model.loader import load_model
+
+        model = load_model(model, dtype=_dtype(load.dtype), device=device)
+    from longctx.attention import select_backend
+
+    kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
+    kv = DeviceKVPool(model.config, num_blocks, block_size, _dtype(load.dtype), device)
+    executor = RankExecutor(model, kv, kernels, rank, world, device, threads)
+    ready.put(rank)
+    while True:
+        message = [None]
+        try:
+            dist.broadcast_object_list(message, src=0, group=control)
+        except Exception:  # noqa: BLE001 - rank 0 is gone: nothing left to serve
+            os._exit(1)
+        command, args = message[0]
+        if command == "stop":
+            break
+        getattr(executor, command)(*args)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, parallel: ParallelConfig,
+          num_blocks: int, kernels: Any, device: torch.device) -> SequenceParallelRunner:
+    """Start ``parallel.sequence_parallel_size - 1`` workers beside this process (rank 0),
+    each with ``num_blocks`` KV pages; returns rank 0's runner (its ``kv`` is the pool of all
+    ranks' pages)."""
+    world = parallel.sequence_parallel_size
+    if dist.is_initialized():
+        raise ConfigError("sequence_parallel_size > 1 needs its own process group, but this process "
+                          "already has one (one sequence-parallel LLM per process)")
+    if device.type == "cuda" and world > torch.cuda.device_count():
+        raise ConfigError(f"sequence_parallel_size {world} needs as many GPUs; this machine has "
+                          f"{torch.cuda.device_count()}")
+    shared: Any = model if device.type == "cpu" else load.model
+    if device.type == "cpu" and model.has_packed_linears():
+        raise ConfigError("cpu_matmul='onednn' packs weights into opaque tensors that the ranks cannot "
+                          "share: use cpu_matmul='kernel' or 'blas' with sequence_parallel_size > 1")
+    threads = rank_threads(world, load.num_threads)
+    folder = tempfile.TemporaryDirectory(prefix="longctx-sp-")
+    init_method = f"file://{os.path.join(folder.name, 'rendezvous')}"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, name=f"longctx-sp-rank{rank}", daemon=True,
+                         args=(rank, world, init_method, shared, load, num_blocks, cache.block_size,
+                               parallel.sp_timeout_s, threads, os.getpid(), ready))
+             for rank in range(1, world)]
+    for proc in procs:
+        proc.start()
+    try:
+        init_distributed(0, world, init_method, None, parallel.sp_timeout_s)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        for _ in procs:
+            ready.get(timeout=parallel.sp_timeout_s)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        folder.cleanup()
+        raise
+    set_threads(threads)
+    ranks = _Ranks(procs, control, folder)
+    local = DeviceKVPool(model.config, num_blocks, cache.block_size, _dtype(load.dtype), device)
+    executor = RankExecutor(model, local, kernels, 0, world, device, threads)
+    log.info("sequence parallelism: %d ranks (workers %s), %d threads each", world,
+             ranks.pids(), threads)
+    return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)

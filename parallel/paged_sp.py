@@ -1,0 +1,272 @@
+"""Attention for one engine step whose KV pages are spread over ranks ("queries travel").
+
+Owns: ``assign_tokens`` (which rank computes which of a step's tokens), ``ShardedStep`` (what
+one rank derives from the step's plain data: its tokens, the KV slots it writes, its pages
+per sequence, the gather/scatter orders) and ``PagedSPAttention.forward(layer, q, k, v,
+step)``, the attention backend the unchanged model calls on every rank.
+Never: scheduling, sampling, processes, or page placement (the caller maps a global block
+id ``b`` to rank ``b % N``, local id ``b // N``).
+
+Why queries travel and pages stay: a step's new tokens are few next to a long document's
+cached KV (a 2K chunk against 30K cached tokens), so sending every rank the step's q/k/v and
+sending each token's partial result home moves O(step) bytes per layer, where moving pages
+around a ring would move O(context). Each layer, on every rank::
+
+    all-gather q, k, v of the step's tokens            (each rank computed its own tokens')
+    write the K/V rows whose slots are on this rank's pages
+    (a) every query of the step over this rank's pages below the step's first position
+        (all visible: no mask; paged kernel with an all-ones tree mask for up to 63
+        queries, else the pages gathered and the fused dense kernel)
+    all-to-all: each query's partial (out, lse) goes to the rank that owns the query
+    (b) own queries over the step's own new tokens of their sequence (causal, or the
+        draft tree), from the gathered K/V
+    merge (b) with the N partials of (a) by log-sum-exp
+
+Pages of a lone sequence alternate over the ranks (the block pool hands out lowest ids
+first), so (a) is balanced at every context length; ``assign_tokens`` splits a prefill
+chunk zigzag (rank r takes pieces r and 2N-1-r), which balances (b)'s causal work, and keeps
+small steps (decode, verification: weight reads, not arithmetic) whole on rank 0, so the
+linear layers of one token run once, not N times.
+
+Shape legend: T tokens in the step, T_r of them owned by rank r, N ranks, H query heads,
+Hkv kv heads, D head dim, BS page size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .comm import RingComm
+from .local_attention import attend, attend_masked, empty_state, merge_into
+from .sharded_kv import pack_state, unpack_state
+
+MAX_TREE_QUERIES = 63  # the kernels' tree masks cover this many new tokens per sequence
+MIN_SPLIT_TOKENS = 32  # a step with fewer tokens runs whole on rank 0 (see ``assign_tokens``)
+
+
+def assign_tokens(query_lens: list[int], world: int, min_split: int = MIN_SPLIT_TOKENS) -> list[list[int]]:
+    """The step's token indices (flattened over sequences) each rank computes, ascending.
+
+    Fewer than ``min_split`` tokens in all: every one on rank 0 (their linear layers read
+    the weights once, near the read bandwidth; splitting them would read them N times).
+    Otherwise a sequence with at least ``2 N`` new tokens is cut into ``2 N`` near-equal
+    pieces and rank r takes pieces r and 2N-1-r (equal causal work); a shorter one goes
+    whole to the rank with the fewest tokens so far."""
+    owned: list[list[int]] = [[] for _ in range(world)]
+    total = sum(query_lens)
+    if world == 1 or total < min_split:
+        owned[0] = list(range(total))
+        return owned
+    start = 0
+    for n in query_lens:
+        if n >= 2 * world:
+            cuts = [start + n * i // (2 * world) for i in range(2 * world + 1)]
+            for r in range(world):
+                for piece in (r, 2 * world - 1 - r):
+                    owned[r].extend(range(cuts[piece], cuts[piece + 1]))
+        else:
+            least = min(range(world), key=lambda r: len(owned[r]))
+            owned[least].extend(range(start, start + n))
+        start += n
+    return [sorted(o) for o in owned]
+
+
+@dataclass(frozen=True)
+class StepSeq:
+    """One sequence of the step, as plain data every rank has."""
+
+    start: int  # flat index of its first new token
+    num_new: int  # new tokens (T_s)
+    start_pos: int  # tokens cached before the step
+    block_ids: tuple[int, ...]  # global block ids of its pages
+    tree_words: tuple[int, ...] = ()  # per new token: ancestor bits (lookahead); () = causal
+
+
+class ShardedStep:
+    """What rank ``rank`` of ``world`` derives from one step: built once, used by every layer."""
+
+    def __init__(self, seqs: list[StepSeq], owned: list[list[int]], slots: list[int], rank: int,
+                 world: int, block_size: int, device: torch.device) -> None:
+        self.seqs, self.rank, self.world = seqs, rank, world
+        self.num_tokens = sum(s.num_new for s in seqs)
+        self.num_owned = [len(o) for o in owned]
+        self.max_owned = max(1, max(self.num_owned))
+        self.kernel_cache: dict = {}  # the kernels' per-step plans (same metadata every layer)
+        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        rows = [0] * self.num_tokens  # token t -> its row in the gathered [N * max_owned] tensor
+        for r, own in enumerate(owned):
+            for i, t in enumerate(own):
+                rows[t] = r * self.max_owned + i
+        self.gather_rows = long(rows)
+        self.scatter_rows = long([own[i] if i < len(own) else 0
+                                  for own in owned for i in range(self.max_owned)])
+        mine = [(t, s) for t, s in enumerate(slots) if (s // block_size) % world == rank]
+        self.write_rows = long([t for t, _ in mine])
+        self.write_slots = long([(s // block_size // world) * block_size + s % block_size for _, s in mine])
+        self._plan_cached_part(block_size, device)
+        self._plan_own_part(owned[rank], device)
+
+    def _local_prefix(self, seq: StepSeq, block_size: int) -> tuple[list[int], int]:
+        """This rank's local block ids holding the sequence's tokens before the step, in order,
+        and how many such tokens they hold (every page full but possibly the last)."""
+        num_pages = -(-seq.start_pos // block_size)
+        pages = [b // self.world for b in seq.block_ids[:num_pages] if b % self.world == self.rank]
+        tokens = len(pages) * block_size
+        last = num_pages - 1
+        if pages and seq.block_ids[last] % self.world == self.rank:
+            tokens -= num_pages * block_size - seq.start_pos
+        return pages, tokens
+
+    def _plan_cached_part(self, block_size: int, device: torch.device) -> None:
+        """(a): small sequences go to one paged-kernel call, the rest to dense calls."""
+        paged: list[tuple[StepSeq, list[int], int]] = []
+        self.dense: list[tuple[slice, torch.Tensor, int]] = []  # (query rows, local pages, tokens)
+        for seq in self.seqs:
+            pages, tokens = self._local_prefix(seq, block_size)
+            if tokens == 0:
+                continue
+            if seq.num_new <= MAX_TREE_QUERIES and tokens >= seq.num_new:
+                paged.append((seq, pages, tokens))
+            else:
+                idx = torch.tensor(pages, dtype=torch.long, device=device)
+                self.dense.append((slice(seq.start, seq.start + seq.num_new), idx, tokens))
+        self.paged_rows = None
+        if not paged:
+            return
+        width = max(len(p) for _, p, _ in paged)
+        self.paged_rows = torch.tensor([t for s, _, _ in paged for t in range(s.start, s.start + s.num_new)],
+                                       dtype=torch.long, device=device)
+        self.paged_table = torch.tensor([p + [0] * (width - len(p)) for _, p, _ in paged],
+                                        dtype=torch.int32, device=device)
+        self.paged_lens = torch.tensor([n for _, _, n in paged], dtype=torch.int32, device=device)
+        cu = [0]
+        for s, _, _ in paged:
+            cu.append(cu[-1] + s.num_new)
+        self.paged_cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        all_visible = [(1 << s.num_new) - 1 for s, _, _ in paged for _ in range(s.num_new)]
+        self.paged_words = (None if all(s.num_new == 1 for s, _, _ in paged)
+                            else torch.tensor(all_visible, dtype=torch.int64, device=device))
+
+    def _plan_own_part(self, own: list[int], device: torch.device) -> None:
+        """(b): own tokens as runs inside their sequences; lone tokens (a decode's one new
+        token) in one vectorised group."""
+        self.lone_rows: list[int] = []  # flat index of a token that sees only itself in the step
+        self.lone_at: list[int] = []  # its row among this rank's tokens
+        self.runs: list[tuple[StepSeq, int, int, int]] = []  # (seq, i0, i1, row of i0 among own)
+        at = {t: i for i, t in enumerate(own)}
+        for seq in self.seqs:
+            i = 0
+            while i < seq.num_new:
+                if seq.start + i not in at:
+                    i += 1
+                    continue
+                j = i
+                while j < seq.num_new and seq.start + j in at:
+                    j += 1
+                if seq.num_new == 1:
+                    self.lone_rows.append(seq.start)
+                    self.lone_at.append(at[seq.start])
+                else:
+                    self.runs.append((seq, i, j, at[seq.start + i]))
+                i = j
+        self.lone_rows_t = torch.tensor(self.lone_rows, dtype=torch.long, device=device)
+        self.lone_at_t = torch.tensor(self.lone_at, dtype=torch.long, device=device)
+
+
+def _visible(seq: StepSeq, i0: int, i1: int, device: torch.device) -> torch.Tensor:
+    """Bool [i1 - i0, i1]: which of the sequence's first i1 new tokens queries i0..i1-1 see."""
+    cols = torch.arange(i1, device=device)
+    if seq.tree_words:
+        words = torch.tensor(seq.tree_words[i0:i1], dtype=torch.int64, device=device)
+        return (words[:, None] >> cols[None, :]) & 1 == 1
+    return cols[None, :] <= torch.arange(i0, i1, device=device)[:, None]
+
+
+class PagedSPAttention:
+    """The attention backend of a model whose KV pages are spread over ``comm``'s ranks.
+    ``kv_layers``: this rank's pages per layer (K, V) ``[NB_r, BS, Hkv, D]``; ``kernels``:
+    ``longctx.kernels.torch_paged`` (CPU) or ``triton_attention`` (CUDA)."""
+
+    def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], comm: RingComm,
+                 kernels: Any, head_dim: int) -> None:
+        self.kv_layers, self.comm, self.kernels = kv_layers, comm, kernels
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.name = f"sequence-parallel[{comm.world_size}]"
+
+    def _extra(self, step: ShardedStep) -> dict:
+        return {"step_cache": step.kernel_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                step: ShardedStep) -> torch.Tensor:
+        """q [T_r, H, D], k/v [T_r, Hkv, D]: this rank's tokens -> out [T_r, H, D]."""
+        num_heads, num_kv = q.shape[1], k.shape[1]
+        mine = torch.cat([q, k, v], dim=1)  # (T_r, H + 2 Hkv, D)
+        mine = F.pad(mine, (0, 0, 0, 0, 0, step.max_owned - mine.shape[0]))
+        every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.gather_rows)  # (T, ., D)
+        q_all, k_all, v_all = every.split([num_heads, num_kv, num_kv], dim=1)
+        k_cache, v_cache = self.kv_layers[layer_idx]
+        if step.write_rows.numel():
+            self.kernels.write_kv(k_cache, v_cache, k_all[step.write_rows], v_all[step.write_rows],
+                                  step.write_slots, **self._extra(step))
+        cached_out, cached_lse = self._cached_part(q_all, k_cache, v_cache, step)
+        sent = pack_state(cached_out, cached_lse).index_select(0, step.scatter_rows)
+        received = self.comm.all_to_all(sent.view(self.comm.world_size, step.max_owned, num_heads, -1))
+        out, lse = self._own_part(q_all, k_all, v_all, q.shape[0], step)
+        parts_out, parts_lse = unpack_state(received[:, :q.shape[0]])  # (N, T_r, H, D), (N, T_r, H)
+        for r in range(self.comm.world_size):
+            merge_into(out, lse, parts_out[r], parts_lse[r])
+        return out.to(q.dtype)
+
+    def _cached_part(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a): every query of the step over this rank's pages before the step's tokens."""
+        out, lse = empty_state(q)  # (T, H, D) fp32, (T, H)
+        if step.paged_rows is not None:
+            o, l = self.kernels.paged_attention(q[step.paged_rows], k_cache, v_cache, step.paged_table,
+                                                step.paged_lens, step.paged_cu, scale=self.scale,
+                                                tree_mask=step.paged_words, **self._extra(step))
+            out[step.paged_rows], lse[step.paged_rows] = o.float(), l
+        for rows, pages, tokens in step.dense:
+            keys = k_cache.index_select(0, pages).flatten(0, 1)[:tokens]  # (tokens, Hkv, D)
+            values = v_cache.index_select(0, pages).flatten(0, 1)[:tokens]
+            o, l = attend(q[rows], keys, values, causal=False, scale=self.scale)
+            out[rows], lse[rows] = o.float(), l
+        return out, lse
+
+    def _own_part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_own: int,
+                  step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b): this rank's queries over the new tokens of their own sequence."""
+        out = torch.zeros((num_own, *q.shape[1:]), dtype=torch.float32, device=q.device)
+        lse = torch.full((num_own, q.shape[1]), float("-inf"), device=q.device)
+        if step.lone_rows:  # a lone new token sees only itself: softmax weight 1
+            group = q.shape[1] // k.shape[1]
+            kk = k[step.lone_rows_t].float().repeat_interleave(group, dim=1)  # (n, H, D)
+            out[step.lone_at_t] = v[step.lone_rows_t].float().repeat_interleave(group, dim=1)
+            lse[step.lone_at_t] = (q[step.lone_rows_t].float() * kk).sum(-1) * self.scale
+        for seq, i0, i1, at in step.runs:
+            base = seq.start
+            qs, ks, vs = q[base + i0:base + i1], k[base:base + i1], v[base:base + i1]
+            if seq.tree_words or i1 - i0 <= MAX_TREE_QUERIES:
+                o, l = attend_masked(qs, ks, vs, _visible(seq, i0, i1, q.device), self.scale)
+            else:  # earlier new tokens all visible, then the causal diagonal block
+                o, l = attend(qs, ks[i0:], vs[i0:], causal=True, scale=self.scale)
+                o, l = o.float(), l.clone()
+                if i0:
+                    before_o, before_l = attend(qs, ks[:i0], vs[:i0], causal=False, scale=self.scale)
+                    merge_into(o, l, before_o, before_l)
+            out[at:at + i1 - i0], lse[at:at + i1 - i0] = o.float(), l
+        return out, lse
+
+    def idle(self, num_layers: int, step: ShardedStep, like: torch.Tensor, num_heads: int,
+             num_kv_heads: int) -> None:
+        """A rank that owns no token of the step still serves every layer's exchange."""
+        head_dim = like.shape[-1]
+        empty_q = like.new_empty((0, num_heads, head_dim))
+        empty_kv = like.new_empty((0, num_kv_heads, head_dim))
+        for layer in range(num_layers):
+            self.forward(layer, empty_q, empty_kv, empty_kv, step)
