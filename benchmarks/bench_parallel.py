@@ -1,213 +1,161 @@
-"""Benchmark sequence parallelism: prefill time, bytes sent per rank, and how much of the
-communication hides behind compute, for N = 1, 2, ... ranks; plus ring vs Ulysses attention.
+"""Benchmark sequence parallelism inside the engine: prefill and decode for N = 1, 2 ranks.
 
-For each world size N the real model prefills one document (``--tokens`` of the GPL-3 text,
-``--chunk`` tokens per rank per round) through ``SequenceParallelGenerator`` in N processes
-(gloo on the CPU; NCCL, one GPU per rank, when CUDA exists), then decodes ``--decode-tokens``
-tokens over the sharded KV. Per rank it records:
+For each N a fresh process builds ``LLM(sequence_parallel_size=N)`` once (the ranks start
+there and live for the whole run), then for each context length (``--contexts``, default
+4096 and 8192 tokens of the GPL-3 text, token ids, prefix caching and lookahead off):
 
-* prefill seconds (from a barrier to the end of the last round) and decode ms/token;
-* bytes sent (logical: what a direct exchange puts on the wire from this rank);
-* blocked seconds per kind of call (ring transfers, query all-gather, partial all-to-all,
-  broadcasts): time the rank waited on communication while it could have computed;
-* comm-only seconds per kind: the same calls, same sizes, same order, replayed with no
-  compute in between right after the prefill (what the communication costs on its own);
-* hidden fraction = 1 - blocked / comm-only, overall and per kind, clamped to [0, 1].
-  Blocked time also counts waiting for a slower peer's compute (imbalance, or a core taken
-  by another process), which no overlap can hide; the raw seconds are kept next to it.
-  (Gloo's p2p handles report completion only once waited on, so "was this step's transfer
-  done before its compute" cannot be asked directly.)
+* prefill: the time to the first token of a ``max_tokens=1`` request;
+* decode: ``(t(1 + D tokens) - t(1 token)) / D`` ms/token (``--decode-tokens`` D, default 64),
+  the same prompt again with a cold cache, as shared/BENCHMARKS.md measures decode;
+* bytes sent per rank in each phase (``RankExecutor.report``: logical bytes as ``RingComm``
+  counts them) against the cost model (``longctx.parallel.paged_sp.exchange_bytes``);
+* seconds each rank was blocked in exchanges.
 
-On CUDA the host does not block on NCCL, so blocked and hidden are not reported there (use
-torch.profiler); prefill times are taken after ``torch.cuda.synchronize``.
+The processes run one after another, N = 1 and N = 2 alternating ``--repeats`` times (the
+machine's speed drifts; medians are reported). On a 2-core CPU two ranks share the two cores:
+the figure to read is decode with N = 2 against N = 1 (the issue's bar: at most 1.3x).
 
-The attention section times one attention call (ring and, where the heads divide by N,
-Ulysses) on random q/k/v for short-sequence, many-head shapes and a long one.
-
-Results go to ``benchmarks/results/parallel-<cpu|cuda>.json`` (or ``--out``).
-Usage: python benchmarks/bench_parallel.py [--tokens 8000] [--chunk 2048] [--world-sizes 1 2]
+Results: ``benchmarks/results/parallel-<cpu|cuda>.json`` (or ``--out``).
+Usage: python benchmarks/bench_parallel.py [--contexts 4096 8192] [--world-sizes 1 2] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
-
-import torch
-
-from longctx.model.loader import load_model, resolve_model
-from longctx.model.tokenizer import load_tokenizer
-from longctx.parallel import CommStats, RingComm, SequenceSharding, ring_attention, spawn_ranks, ulysses_attention
-from longctx.parallel.sp_engine import DTYPES, SequenceParallelConfig
-from longctx.parallel.sp_generate import SequenceParallelGenerator
-from machine import machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENT = Path("/usr/share/common-licenses/GPL-3")
-ATTENTION_SHAPES = [  # (name, S, H, Hkv, D)
-    ("short-many-heads-S1024-H32/8-D128", 1024, 32, 8, 128),
-    ("short-many-heads-S2048-H32/8-D128", 2048, 32, 8, 128),
-    ("smollm-S8192-H9/3-D64", 8192, 9, 3, 64),
-]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def document_ids(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(DOCUMENT.read_text(), add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
 
 
-def replay(ops: list[tuple], device: torch.device) -> dict[str, float]:
-    """The recorded calls again, same sizes and order, no compute: seconds per kind."""
-    comm = RingComm()
-    comm.barrier()
-    for op in ops:
-        kind, size = op[0], op[1]
-        if kind == "ring":
-            comm.send_recv(torch.empty(size, dtype=torch.uint8, device=device),
-                           torch.empty(op[2], dtype=torch.uint8, device=device))
-            comm.wait()
-        elif kind == "all_gather":
-            comm.all_gather(torch.empty(size, dtype=torch.uint8, device=device))
-        elif kind == "all_to_all":
-            parts = torch.empty(comm.world_size, size // comm.world_size, dtype=torch.uint8, device=device)
-            comm.all_to_all(parts)
-        else:
-            comm.broadcast(torch.empty(size, dtype=torch.uint8, device=device), op[2])
-    return comm.stats.blocked
+def predicted(world: int, tokens: int, config, itemsize: int) -> int:
+    """Cost-model bytes rank 0 sends for a prefill of ``tokens`` in chunks (``tokens`` = 1 per
+    step for decode), with the engine's own token assignment."""
+    from longctx.parallel.paged_sp import assign_tokens, exchange_bytes
+
+    owned = assign_tokens([tokens], world)
+    return exchange_bytes(max(len(o) for o in owned), world, config.num_attention_heads,
+                          config.num_key_value_heads, config.head_dim, itemsize, config.num_hidden_layers)
 
 
-def _hidden(blocked: dict[str, float], alone: dict[str, float]) -> dict[str, float | None]:
-    def fraction(exposed: float, cost: float) -> float | None:
-        return min(1.0, max(0.0, 1.0 - exposed / cost)) if cost > 0 else None
+def run_one(world: int, contexts: list[int], decode_tokens: int, chunk: int) -> dict:
+    """One process's measurements (this runs inside the child)."""
+    from longctx import LLM, SamplingParams
 
-    kinds = {k: fraction(blocked.get(k, 0.0), alone[k]) for k in alone}
-    kinds["all"] = fraction(sum(blocked.values()), sum(alone.values()))
-    return kinds
-
-
-def prefill_on_rank(comm: RingComm, device: torch.device, model, ids: list[int],
-                    config: SequenceParallelConfig, decode_tokens: int) -> dict:
-    if device.type == "cpu":
-        torch.set_flush_denormal(True)
-    model = model.to(device=device, dtype=DTYPES[config.dtype])
-    generator = SequenceParallelGenerator(model, comm, config, device)
-    kv = generator.new_shard(len(ids), decode_tokens + 1)
-    comm.barrier()
-    comm.stats = CommStats()
-    start = time.perf_counter()
-    generator.prefill(ids, kv)
-    _sync(device)
-    prefill_s = time.perf_counter() - start
-    stats, comm.stats = comm.stats, CommStats()  # decode traffic is not part of the prefill's
-    comm.barrier()
-    start = time.perf_counter()
-    for i in range(decode_tokens):
-        generator.decode_step(ids[i], len(ids) + i, kv)
-    _sync(device)
-    decode_ms = 1000 * (time.perf_counter() - start) / max(decode_tokens, 1)
-    row = {"rank": comm.rank, "prefill_s": prefill_s, "decode_ms_per_token": decode_ms,
-           "bytes_sent": stats.bytes_sent, "num_calls": len(stats.ops), "tokens_held": kv.num_tokens}
-    if device.type == "cpu" and comm.world_size > 1:
-        alone = replay(stats.ops, device)
-        row.update(blocked_s=stats.blocked, comm_only_s=alone, hidden_fraction=_hidden(stats.blocked, alone))
-    return row
-
-
-def attention_on_rank(comm: RingComm, device: torch.device, reps: int) -> list[dict]:
-    rows = []
-    for name, seq_len, heads, kv_heads, head_dim in ATTENTION_SHAPES:
-        layout = SequenceSharding(seq_len, comm.world_size, "zigzag")
-        gen = torch.Generator().manual_seed(0)
-        local = layout.length(comm.rank)
-        q = torch.randn(local, heads, head_dim, generator=gen).to(device)
-        k = torch.randn(local, kv_heads, head_dim, generator=gen).to(device)
-        v = torch.randn(local, kv_heads, head_dim, generator=gen).to(device)
-        fns = {"ring": ring_attention}
-        if heads % comm.world_size == 0 and kv_heads % comm.world_size == 0:
-            fns["ulysses"] = ulysses_attention
-        for kind, fn in fns.items():
-            times, sent = [], 0
-            for rep in range(reps + 1):  # the first call warms up
-                ring = RingComm()
-                comm.barrier()
-                start = time.perf_counter()
-                fn(q, k, v, ring, True, sharding=layout)
-                _sync(device)
-                if rep:
-                    times.append(time.perf_counter() - start)
-                sent = ring.stats.bytes_sent
-            rows.append({"shape": name, "kind": kind, "rank": comm.rank, "median_s": statistics.median(times),
-                         "bytes_sent": sent})
-    return rows
+    llm = LLM("smollm2-135m", sequence_parallel_size=world, enable_prefix_caching=False,
+              lookahead=False, max_num_batched_tokens=chunk, max_model_len=max(contexts) + decode_tokens + 8)
+    runner = llm.engine.runner
+    config, itemsize = llm.engine.model_config, llm.engine.kv.dtype.itemsize
+    reports = (lambda: runner.comm_reports(reset=True)) if world > 1 else (lambda: [])
+    tok = llm.get_tokenizer()
+    llm.generate({"prompt_token_ids": document_ids(tok, 256)}, SamplingParams(max_tokens=4, ignore_eos=True))
+    reports()
+    out = []
+    for ctx in contexts:
+        ids = document_ids(tok, ctx)
+        start = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, ignore_eos=True))
+        prefill_s = time.perf_counter() - start
+        prefill_comm = reports()
+        start = time.perf_counter()
+        res = llm.generate({"prompt_token_ids": ids},
+                           SamplingParams(temperature=0.0, max_tokens=1 + decode_tokens, ignore_eos=True))[0]
+        total_s = time.perf_counter() - start
+        decode_comm = reports()
+        m = res.metrics
+        decode_ms = 1000 * (m.finished_time - m.first_token_time) / decode_tokens
+        chunks = [min(chunk, ctx - s) for s in range(0, ctx, chunk)]
+        out.append({
+            "context": ctx, "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "decode_run_s": total_s,
+            "prefill_bytes_sent": [r["bytes_sent"] for r in prefill_comm],
+            "prefill_blocked_s": [r["blocked_s"] for r in prefill_comm],
+            "decode_bytes_sent_per_token": [r["bytes_sent"] / (decode_tokens + 1) for r in decode_comm],
+            "decode_blocked_s": [r["blocked_s"] for r in decode_comm],
+            "model_prefill_bytes_rank0": sum(predicted(world, c, config, itemsize) for c in chunks) if world > 1 else 0,
+            "model_decode_bytes_per_token": predicted(world, 1, config, itemsize) if world > 1 else 0,
+        })
+    llm.close()
+    return {"world": world, "threads_per_rank": runner.executor.threads if world > 1 else None, "rows": out}
 
 
-def _document_ids(model_name: str, num_tokens: int) -> list[int]:
-    tokenizer = load_tokenizer(resolve_model(model_name))
-    text = DOCUMENT.read_text()
-    ids: list[int] = []
-    while len(ids) < num_tokens:
-        ids += tokenizer.encode(text + "\n\n", add_special_tokens=False)
-    return ids[:num_tokens]
-
-
-def _threads(world: int, given: int) -> int:
-    return given or max(1, (os.cpu_count() or 1) // world)
+def child_main() -> None:
+    args = json.loads(sys.argv[2])
+    print("RESULT " + json.dumps(run_one(**args)), flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tokens", type=int, default=8000)
-    parser.add_argument("--chunk", type=int, default=2048, help="prompt tokens per rank per round")
-    parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
-                        help="default: 1 2 (CPU) or 1 2 4 8 up to the GPUs present")
-    parser.add_argument("--threads-per-rank", type=int, default=0, help="0: cores / N")
-    parser.add_argument("--attention-reps", type=int, default=3, help="0 skips the attention section")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    import torch
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from machine import machine_info
 
-    cuda = torch.cuda.is_available()
-    worlds = args.world_sizes or ([w for w in (1, 2, 4, 8) if w <= torch.cuda.device_count()] if cuda else [1, 2])
-    model = load_model(args.model, dtype=torch.float32)  # shared with the ranks through shared memory
-    ids = _document_ids(args.model, args.tokens)
-    runs, attention = [], []
-    for world in worlds:
-        config = SequenceParallelConfig(world, args.chunk, dtype=args.dtype)
-        threads = _threads(world, args.threads_per_rank)
-        ranks = spawn_ranks(prefill_on_rank, world, (model, ids, config, args.decode_tokens),
-                            num_threads=threads, group_timeout_s=1800)
-        runs.append({"world_size": world, "threads_per_rank": threads,
-                     "prefill_s": max(r["prefill_s"] for r in ranks), "ranks": ranks})
-        hidden = [round(r["hidden_fraction"]["all"], 3) for r in ranks if "hidden_fraction" in r]
-        print(f"N={world} ({threads} threads/rank): prefill {runs[-1]['prefill_s']:.2f} s, "
-              f"bytes/rank {[r['bytes_sent'] for r in ranks]}, blocked s "
-              f"{[round(sum(r['blocked_s'].values()), 2) for r in ranks if 'blocked_s' in r]}, comm-only s "
-              f"{[round(sum(r['comm_only_s'].values()), 2) for r in ranks if 'comm_only_s' in r]}, "
-              f"hidden {hidden or 'n/a'}")
-        if args.attention_reps:
-            rows = spawn_ranks(attention_on_rank, world, (args.attention_reps,), num_threads=threads)
-            for row in rows[0]:
-                key = (row["shape"], row["kind"])
-                same = [r for rank_rows in rows for r in rank_rows if (r["shape"], r["kind"]) == key]
-                attention.append({"world_size": world, "shape": row["shape"], "kind": row["kind"],
-                                  "seconds": max(r["median_s"] for r in same),
-                                  "bytes_sent_per_rank": max(r["bytes_sent"] for r in same)})
-                print(f"  attention {row['shape']} {row['kind']}: {attention[-1]['seconds'] * 1000:.1f} ms")
-    result = {"machine": machine_info(device="cuda" if cuda else "cpu", backend="nccl" if cuda else "gloo"),
-              "model": args.model, "dtype": args.dtype, "prompt_tokens": len(ids), "chunk_per_rank": args.chunk,
-              "decode_tokens": args.decode_tokens, "runs": runs, "attention": attention}
-    out = args.out or RESULTS / f"parallel-{'cuda' if cuda else 'cpu'}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    runs: dict[int, list[dict]] = {w: [] for w in args.world_sizes}
+    for rep in range(args.repeats):
+        for world in args.world_sizes:
+            spec = json.dumps({"world": world, "contexts": args.contexts, "decode_tokens": args.decode_tokens,
+                               "chunk": args.chunk})
+            done = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
+            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+            if done.returncode or not line:
+                raise SystemExit(f"N={world} failed:\n{done.stderr[-3000:]}")
+            runs[world].append(json.loads(line[0][7:]))
+            print(f"repeat {rep} N={world}: " + ", ".join(
+                f"{r['context']}: prefill {r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} ms"
+                for r in runs[world][-1]["rows"]), flush=True)
+    summary = []
+    for world, reps in runs.items():
+        for i, ctx in enumerate(args.contexts):
+            rows = [r["rows"][i] for r in reps]
+            med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+            summary.append({"world": world, "context": ctx, "prefill_s": med("prefill_s"),
+                            "prefill_s_all": [r["prefill_s"] for r in rows],
+                            "decode_ms_per_token": med("decode_ms_per_token"),
+                            "decode_ms_all": [r["decode_ms_per_token"] for r in rows],
+                            **{k: rows[-1][k] for k in ("prefill_bytes_sent", "prefill_blocked_s",
+                                                        "decode_bytes_sent_per_token", "decode_blocked_s",
+                                                        "model_prefill_bytes_rank0",
+                                                        "model_decode_bytes_per_token")}})
+    base = {s["context"]: s for s in summary if s["world"] == 1}
+    lines = ["| N | context | prefill s | vs N=1 | decode ms/token | vs N=1 | bytes/rank prefill (model r0) | bytes/rank/token decode (model) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        b = base.get(s["context"])
+        rp = f"{s['prefill_s'] / b['prefill_s']:.2f}x" if b else "-"
+        rd = f"{s['decode_ms_per_token'] / b['decode_ms_per_token']:.2f}x" if b else "-"
+        mb = lambda x: f"{x / 1e6:.1f} MB"  # noqa: E731
+        pb = "/".join(mb(x) for x in s["prefill_bytes_sent"]) or "-"
+        db = "/".join(f"{x / 1e3:.0f} kB" for x in s["decode_bytes_sent_per_token"]) or "-"
+        lines.append(f"| {s['world']} | {s['context']} | {s['prefill_s']:.2f} | {rp} | {s['decode_ms_per_token']:.1f} | "
+                     f"{rd} | {pb} ({mb(s['model_prefill_bytes_rank0'])}) | {db} "
+                     f"({s['model_decode_bytes_per_token'] / 1e3:.0f} kB) |")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = args.out or RESULTS / f"parallel-{device}.json"
+    out.write_text(json.dumps({"machine": machine_info(), "args": vars(args) | {"out": str(out)},
+                               "summary": summary, "runs": {str(k): v for k, v in runs.items()}}, indent=1))
+    print("\n".join(lines))
     print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child_main()
+    else:
+        main()

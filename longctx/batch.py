@@ -514,6 +514,7 @@ def _run_todo(job: BatchJob, todo: list[Record], log: ResultLog, show_progress: 
             progress.update(tokens=result.get("completion_tokens", 0))
     finally:
         progress.close()
+        llm.close()
 
 
 def _shard_process(job: BatchJob, rank: int, world: int) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -140,6 +141,15 @@ class RankExecutor:
             return torch.empty(0, self.config.vocab_size)
         return self.model.compute_logits(picked)
 
+    def report(self, reset: bool = False) -> dict:
+        """This rank's traffic so far: bytes sent, seconds blocked in exchanges, calls."""
+        stats = self.comm.stats
+        out = {"rank": self.rank, "bytes_sent": stats.bytes_sent, "blocked_s": stats.blocked_s,
+               "num_calls": len(stats.ops)}
+        if reset:
+            self.comm.stats = type(stats)()
+        return out
+
     # ------------------------------------------------------------------ page moves
 
     def _mine(self, block_ids: list[int], rank: int) -> list[tuple[int, int]]:
@@ -230,7 +240,17 @@ class _Ranks:
     def call(self, command: str, *args: Any) -> None:
         """Send every worker the next command (they run their share of it right away)."""
         self.check()
-        dist.broadcast_object_list([(command, args)], src=0, group=self.control)
+        try:
+            dist.broadcast_object_list([(command, args)], src=0, group=self.control)
+        except Exception as err:  # noqa: BLE001 - a worker is gone
+            raise self.fail(err) from err
+
+    def gather_reports(self, executor: "RankExecutor", reset: bool) -> list[dict]:
+        self.call("report", reset)
+        reports: list = [None] * (len(self.procs) + 1)
+        mine = executor.report(reset)
+        dist.gather_object(mine, reports, dst=0, group=self.control)
+        return reports
 
     def check(self) -> None:
         if self.error is not None:
@@ -324,6 +344,10 @@ class SequenceParallelRunner:
             slot = lambda p: seq_block_ids[p // bs] * bs + p % bs  # noqa: E731
             self.kv.move_slots([slot(a) for a, _ in pairs], [slot(b) for _, b in pairs])
 
+    def comm_reports(self, reset: bool = False) -> list[dict]:
+        """Every rank's traffic (``RankExecutor.report``), in rank order."""
+        return self.ranks.gather_reports(self.executor, reset)
+
     def shutdown(self) -> None:
         self.ranks.shutdown()
 
@@ -344,6 +368,7 @@ def _worker_main(rank: int, world: int, init_method: str, model: Any, load: Mode
                  ready: Any) -> None:
     """A worker rank: join the group, then run rank 0's commands until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle (serve drains)
     set_threads(threads)
     device = init_distributed(rank, world, init_method, None, timeout_s)
     if device.type == "cpu":
@@ -368,6 +393,9 @@ def _worker_main(rank: int, world: int, init_method: str, model: Any, load: Mode
         command, args = message[0]
         if command == "stop":
             break
+        if command == "report":
+            dist.gather_object(executor.report(*args), None, dst=0, group=control)
+            continue
         getattr(executor, command)(*args)
     try:
         dist.destroy_process_group()

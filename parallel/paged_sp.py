@@ -76,6 +76,19 @@ def assign_tokens(query_lens: list[int], world: int, min_split: int = MIN_SPLIT_
     return [sorted(o) for o in owned]
 
 
+def exchange_bytes(max_owned: int, world: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   itemsize: int, num_layers: int) -> int:
+    """The cost model: bytes one rank sends in one step's attention exchanges (as
+    ``RingComm`` counts them: what a direct exchange puts on the wire from this rank), when
+    the rank owning the most tokens owns ``max_owned``. Per layer: the all-gather of q, k, v
+    (every row padded to ``max_owned``) to N-1 peers, and the all-to-all of fp32 partials
+    (out and lse) for the other ranks' tokens. The hidden states brought to rank 0 for
+    sampling (one row per sampling token, when not already there) come on top."""
+    gather = (world - 1) * max_owned * (num_heads + 2 * num_kv_heads) * head_dim * itemsize
+    partials = (world - 1) * max_owned * num_heads * (head_dim + 1) * 4
+    return num_layers * (gather + partials)
+
+
 @dataclass(frozen=True)
 class StepSeq:
     """One sequence of the step, as plain data every rank has."""

@@ -58,6 +58,7 @@ def run_server(server_config: ServerConfig, engine_kwargs: dict[str, Any]) -> in
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            engine_loop.engine.close()  # persists the prefix store, stops sequence-parallel ranks
     finally:
         sock.close()
     return 0 if server.started else 1

@@ -1,0 +1,510 @@
+"""``LLM(sequence_parallel_size=N)`` on a tiny random Llama: the N ranks give exactly the
+tokens of one rank (batched, chunked, with and without lookahead, seeded sampling, stop
+strings, streaming, preemption, every prefix-store tier, summarize/ask), are started once and
+never outlive the engine, and a rank that dies or hangs fails the engine with
+``SequenceParallelError`` in bounded time.
+
+Only one sequence-parallel LLM may exist in a process at a time (it owns the default process
+group): every test closes its own before the next starts (``_no_process_group_left``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from tiny_models import make_engine_checkpoint
+
+from longctx import LLM, SamplingParams, tasks
+from longctx.sp import SequenceParallelError
+
+BLOCK = 16
+VOCAB = 160  # tiny_models.BASE
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+
+
+def _repetitive(n: int, period: int, seed: int) -> list[int]:
+    """``n`` ids repeating a random block of ``period``: the drafter finds continuations."""
+    base = _tokens(period, seed)
+    return (base * (n // period + 1))[:n]
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompts(ids: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-sp-engine")
+    make_engine_checkpoint(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """Each test starts and ends with no sequence-parallel LLM alive in this process."""
+    assert not dist.is_initialized(), "a sequence-parallel LLM of an earlier test was not closed"
+    yield
+    assert not dist.is_initialized(), "this test left a sequence-parallel LLM open"
+
+
+@contextmanager
+def _llm(folder: str, sp: int, **kw):
+    llm = LLM(folder, **{"block_size": BLOCK, "max_num_batched_tokens": 64,
+                         "sequence_parallel_size": sp, **kw})
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
+def _gone(pid: int, zombie_is_gone: bool) -> bool:
+    """The process ``pid`` no longer runs. A zombie has exited but was not reaped: that counts
+    only where its parent is not ours to blame (an orphan, reparented to init)."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return True
+    return zombie_is_gone and status == psutil.STATUS_ZOMBIE
+
+
+def _wait(check, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def _python(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter that imports from the tests folder too."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+# ---------------------------------------------------------------------- batches
+
+MIXED = [_repetitive(30, 10, seed=1), _repetitive(200, 23, seed=2), _repetitive(333, 37, seed=3),
+         _repetitive(517, 41, seed=4)]
+MIXED_TOKENS = 24
+_one_rank: dict[tuple, list] = {}
+
+
+def _one_rank_outputs(folder: str, chunk: int, lookahead: bool) -> list:
+    """The mixed batch on one rank with the same engine options (computed once per options)."""
+    key = (chunk, lookahead)
+    if key not in _one_rank:
+        with _llm(folder, 1, max_num_batched_tokens=chunk, lookahead=lookahead) as llm:
+            _one_rank[key] = llm.generate(_prompts(MIXED), _greedy(MIXED_TOKENS))
+    return _one_rank[key]
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
+@pytest.mark.parametrize("chunk", [64, 256])
+@pytest.mark.parametrize("sp", [2, 3])
+def test_mixed_batch_equals_one_rank(folder, sp, chunk, lookahead):
+    expected = _one_rank_outputs(folder, chunk, lookahead)
+    with _llm(folder, sp, max_num_batched_tokens=chunk, lookahead=lookahead) as llm:
+        engine = llm.engine
+        assert len(llm.engine.runner.worker_pids()) == sp - 1
+        assert engine.kv.num_blocks == sp * engine.kv.local.num_blocks  # pages of every rank
+        outs = llm.generate(_prompts(MIXED), _greedy(MIXED_TOKENS))
+        assert _ids(outs) == _ids(expected)
+        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in expected]
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        accepted = [o.metrics.num_accepted_tokens for o in outs]
+        if lookahead:  # drafts were verified across the ranks, and some were right
+            assert sum(accepted) > 0 and accepted == [o.metrics.num_accepted_tokens for o in expected]
+        else:
+            assert accepted == [0, 0, 0, 0]
+        assert not engine.has_unfinished()
+        llm.clear_prefix_cache()  # cached pages are the only ones still held
+        assert engine.pool.num_free == engine.pool.num_blocks
+
+
+# ---------------------------------------------------------------------- one engine, many uses
+
+
+@pytest.fixture(scope="module")
+def one_rank(folder):
+    """The single-process reference, with the options of ``TestOneEngine``'s engines."""
+    with _llm(folder, 1) as llm:
+        yield llm
+
+
+class TestOneEngine:
+    """Several uses of one sequence-parallel engine per world size (started once per class
+    parameter; closed before any other test runs)."""
+
+    @pytest.fixture(scope="class", params=[2, 3], ids=["sp2", "sp3"])
+    def sp_llm(self, request, folder):
+        assert not dist.is_initialized()
+        with _llm(folder, request.param) as llm:
+            llm.started_pids = list(llm.engine.runner.worker_pids())
+            yield llm
+
+    @pytest.fixture(autouse=True)
+    def _no_process_group_left(self):  # the class fixture keeps its engine open between tests
+        yield
+
+    def test_seeded_sampling_equals_one_rank(self, sp_llm, one_rank):
+        prompts = _prompts([_tokens(40, seed=10), _tokens(150, seed=11), _repetitive(90, 9, seed=12)])
+        params = [SamplingParams(temperature=0.8, seed=s, max_tokens=20, ignore_eos=True) for s in (1, 2, 3)]
+        got = _ids(sp_llm.generate(prompts, params))
+        assert got == _ids(one_rank.generate(prompts, params))
+        assert got == _ids(sp_llm.generate(prompts, params))  # the seed decides, not the run
+        other = [SamplingParams(temperature=0.8, seed=s + 100, max_tokens=20, ignore_eos=True) for s in (1, 2, 3)]
+        assert _ids(sp_llm.generate(prompts, other)) != got
+
+    def test_stop_strings_equal_one_rank(self, sp_llm, one_rank):
+        prompt = {"prompt_token_ids": _tokens(120, seed=20)}
+        free = one_rank.generate(prompt, _greedy(30))[0].outputs[0]
+        assert sp_llm.generate(prompt, _greedy(30))[0].outputs[0].text == free.text
+        stop = free.text[6:8]  # two characters: two tokens of the char tokenizer
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop, "\x7f\x7f"])
+        out = sp_llm.generate(prompt, params)[0].outputs[0]
+        ref = one_rank.generate(prompt, params)[0].outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+        assert out.finish_reason == "stop" and out.text == free.text[: free.text.find(stop)]
+        streamed = list(sp_llm.stream(prompt, params))
+        assert "".join(d.text for d in streamed) == out.text
+        assert streamed[-1].finish_reason == "stop"
+
+    def test_stream_and_prefill_progress(self, sp_llm, one_rank):
+        prompt = {"prompt_token_ids": _tokens(300, seed=30)}  # new to both engines: no cache hit
+        expected = one_rank.generate(prompt, _greedy(16))[0].outputs[0]
+        progress = []
+        deltas = list(sp_llm.stream(prompt, _greedy(16), on_prefill_progress=lambda d, t: progress.append((d, t))))
+        assert "".join(d.text for d in deltas) == expected.text
+        assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+        assert progress == [(64, 300), (128, 300), (192, 300), (256, 300)]  # the chunks before sampling
+        final = deltas[-1].output
+        assert final is not None and final.finished and final.outputs[0].text == expected.text
+        again = sp_llm.generate(prompt, _greedy(16))[0].outputs[0]  # from the prefix store now
+        assert again.text == expected.text
+        # generate reports progress too, per request
+        seen = []
+        prompts = _prompts([_tokens(130, seed=31), _tokens(70, seed=32)])
+        sp_llm.generate(prompts, _greedy(4), on_prefill_progress=lambda d, t: seen.append((d, t)))
+        for total in (130, 70):
+            done = [d for d, t in seen if t == total]
+            assert done and done == sorted(done) and len(set(done)) == len(done) and done[-1] < total
+
+    def test_summarize_and_ask_equal_one_rank(self, sp_llm, one_rank):
+        short = "A short note about cats and the dogs that chase them."
+        got, ref = sp_llm.summarize(short, max_tokens=12), one_rank.summarize(short, max_tokens=12)
+        assert not got.map_reduce and got.text == ref.text
+        long = "\n\n".join(f"Paragraph {i}: " + "lorem ipsum " * 6 for i in range(20))  # > the window
+        got, ref = sp_llm.summarize(long, max_tokens=12), one_rank.summarize(long, max_tokens=12)
+        assert got.map_reduce and got.num_pieces == ref.num_pieces >= 2
+        assert [s.text for s in got.steps] == [s.text for s in ref.steps] and got.text == ref.text
+        doc = "\n\n".join(f"Section {i}: the value of item {i} is {i * 7}." for i in range(12))
+        questions = ["What is item 3?", "How many sections?", "Which is last?"]
+        got, ref = sp_llm.ask(doc, questions, max_tokens=8), one_rank.ask(doc, questions, max_tokens=8)
+        assert [a.text for a in got.answers] == [a.text for a in ref.answers]
+        assert got.shared_prefix_tokens == ref.shared_prefix_tokens > len(doc)
+
+    def test_ranks_start_once_and_stay(self, sp_llm):
+        pids = sp_llm.engine.runner.worker_pids()
+        assert pids == sp_llm.started_pids and len(pids) == sp_llm.sequence_parallel_size - 1
+        for i in range(10):
+            out = sp_llm.generate({"prompt_token_ids": _tokens(20 + 9 * i, seed=40 + i)}, _greedy(3))
+            assert len(out[0].outputs[0].token_ids) == 3
+            assert sp_llm.engine.runner.worker_pids() == pids
+        me = os.getpid()
+        children = {p.pid for p in psutil.Process(me).children()}
+        for pid in pids:
+            proc = psutil.Process(pid)
+            assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+            assert proc.ppid() == me and pid in children
+
+
+# ---------------------------------------------------------------------- the prefix store
+
+DOC = _tokens(200, seed=1)  # 12 full pages of 16 and a partial one
+QUESTION = _tokens(9, seed=2)
+
+
+@pytest.fixture(scope="module")
+def cold(folder):
+    """Tokens of a cold single-process run (no prefix store)."""
+    with _llm(folder, 1, enable_prefix_caching=False) as llm:
+        return {"doc": _ids(llm.generate({"prompt_token_ids": DOC}, _greedy(10)))[0],
+                "question": _ids(llm.generate({"prompt_token_ids": DOC + QUESTION}, _greedy(10)))[0]}
+
+
+def _one(llm, prompt: list[int]) -> list[int]:
+    return llm.generate({"prompt_token_ids": prompt}, _greedy(10))[0].outputs[0].token_ids
+
+
+def test_device_tier_hit_under_sp(folder, cold):
+    with _llm(folder, 2) as llm:
+        assert _one(llm, DOC) == cold["doc"]
+        assert _one(llm, DOC + QUESTION) == cold["question"]
+        stats = llm.cache_stats()
+        assert stats.hit_tokens == {"device": 12 * BLOCK, "host": 0, "disk": 0}
+        assert stats.computed_prompt_tokens == stats.prompt_tokens - 12 * BLOCK
+
+
+def test_host_tier_hit_under_sp(folder, cold):
+    # 10 pages per rank, 20 in all: the document (13 pages) and another (13) do not both fit
+    with _llm(folder, 2, num_blocks=10) as llm:
+        assert llm.engine.pool.num_blocks == 20
+        assert _one(llm, DOC) == cold["doc"]
+        _one(llm, _tokens(200, seed=9))  # pushes the document's pages (from both ranks) to the host
+        assert llm.engine.prefix_cache.tree.num_host_pages >= 12 - (20 - 13 - 1)
+        assert _one(llm, DOC + QUESTION) == cold["question"]  # pages copied back to their ranks
+        hits = llm.cache_stats().hit_tokens
+        assert hits["host"] > 0 and hits["device"] + hits["host"] == 12 * BLOCK
+
+
+READ_DISK = """
+import json, sys
+from longctx import LLM, SamplingParams
+
+def main():
+    folder, runs = sys.argv[1], json.loads(sys.argv[2])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    report = []
+    for disk, sp, prompt in runs:
+        llm = LLM(folder, block_size=16, max_num_batched_tokens=64, sequence_parallel_size=sp,
+                  disk_cache_dir=disk)
+        ids = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        report.append({"ids": ids, "hits": llm.cache_stats().hit_tokens})
+        llm.close()
+    print(json.dumps(report))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_disk_tier_pages_cross_between_rank_counts_and_processes(folder, cold, tmp_path):
+    """Pages written by two ranks are read by a one-rank engine in another process, and pages
+    written by one rank by a two-rank engine there."""
+    import json
+
+    dirs = {sp: tmp_path / f"written-by-sp{sp}" for sp in (1, 2)}
+    for sp, disk in dirs.items():
+        with _llm(folder, sp, disk_cache_dir=str(disk)) as llm:
+            assert _one(llm, DOC) == cold["doc"]
+        assert len(list(disk.glob("*/*.kvpage"))) == 13  # 200 prompt + 9 computed output tokens
+    runs = [[str(dirs[2]), 1, DOC + QUESTION], [str(dirs[1]), 2, DOC + QUESTION]]
+    done = _python(READ_DISK, folder, json.dumps(runs), timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for got in report:
+        assert got["ids"] == cold["question"]
+        assert got["hits"] == {"device": 0, "host": 0, "disk": 12 * BLOCK}
+
+
+# ---------------------------------------------------------------------- preemption
+
+
+@pytest.mark.parametrize("sp", [2, 3])
+def test_preemption_under_sp_equals_one_rank(folder, sp):
+    prompts = _prompts([_tokens(n, seed=50 + n) for n in (90, 100, 110, 120)])
+    params = _greedy(40)
+    with _llm(folder, 1) as roomy:
+        expected = _ids(roomy.generate(prompts, params))
+    # 12 pages of 16 tokens over the ranks: each request alone fits (<= 10 pages), not all four
+    with _llm(folder, sp, num_blocks=12 // sp) as tight:
+        assert tight.engine.pool.num_blocks == 12
+        got = _ids(tight.generate(prompts, params))
+        assert tight.engine.scheduler.num_preemptions > 0
+        assert got == expected
+        tight.clear_prefix_cache()
+        assert tight.engine.pool.num_free == 12
+
+
+# ---------------------------------------------------------------------- no orphan ranks
+
+
+def test_close_ends_and_reaps_the_ranks(folder):
+    llm = LLM(folder, block_size=BLOCK, sequence_parallel_size=3)
+    pids = llm.engine.runner.worker_pids()
+    assert len(pids) == 2 and all(not _gone(p, zombie_is_gone=False) for p in pids)
+    llm.generate({"prompt_token_ids": _tokens(50, seed=60)}, _greedy(3))
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 10
+    assert _wait(lambda: all(_gone(p, zombie_is_gone=False) for p in pids), 5), \
+        [(p, psutil.Process(p).status()) for p in pids if psutil.pid_exists(p)]
+    llm.close()  # twice is harmless
+    with pytest.raises(SequenceParallelError, match="shut down"):
+        llm.generate({"prompt_token_ids": _tokens(50, seed=60)}, _greedy(3))
+
+
+EXIT_WITHOUT_CLOSE = """
+import os, sys, time
+from longctx import LLM, SamplingParams
+
+def main():
+    llm = LLM(sys.argv[1], block_size=16, sequence_parallel_size=2)
+    llm.generate({"prompt_token_ids": [5] * 40}, SamplingParams(temperature=0.0, max_tokens=3))
+    print("PIDS", *llm.engine.runner.worker_pids(), flush=True)
+    if sys.argv[2] == "hang":  # wait to be killed
+        time.sleep(600)
+    # else: the interpreter exits with the LLM open
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_interpreter_exit_without_close_leaves_no_ranks(folder):
+    done = _python(EXIT_WITHOUT_CLOSE, folder, "exit")
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(p) for p in done.stdout.split("PIDS", 1)[1].split()]
+    assert len(pids) == 1
+    assert _wait(lambda: all(_gone(p, zombie_is_gone=True) for p in pids), 5)
+
+
+def test_killed_engine_process_leaves_no_ranks(folder):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITHOUT_CLOSE), folder, "hang"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while not line.startswith("PIDS") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the script ended before printing its ranks"
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 1 and not _gone(pids[0], zombie_is_gone=False)
+        proc.send_signal(signal.SIGKILL)  # no atexit, no finalizers: only the ranks' watchdog
+        proc.wait(10)
+        # the ranks are orphans now (their zombie is init's to reap): they must have exited
+        assert _wait(lambda: all(_gone(p, zombie_is_gone=True) for p in pids), 5), \
+            [(p, psutil.Process(p).status()) for p in pids if psutil.pid_exists(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------- failed ranks
+
+
+def _expect_failure(llm, prompt, what: str, within: float, **kw) -> SequenceParallelError:
+    start = time.monotonic()
+    with pytest.raises(SequenceParallelError) as info:
+        llm.generate(prompt, _greedy(20), **kw)
+    elapsed = time.monotonic() - start
+    assert elapsed < within, f"the failure took {elapsed:.1f} s to surface"
+    message = str(info.value)
+    assert "sequence-parallel rank failed" in message and what in message, message
+    assert not llm.engine.has_unfinished()  # the failed request was aborted
+    start = time.monotonic()  # from now on every call fails at once, with the same message
+    with pytest.raises(SequenceParallelError, match="rank failed"):
+        llm.generate({"prompt_token_ids": [7] * 20}, _greedy(2))
+    with pytest.raises(SequenceParallelError, match="rank failed"):
+        list(llm.stream({"prompt_token_ids": [7] * 20}, _greedy(2)))
+    assert time.monotonic() - start < 1.0
+    return info.value
+
+
+def _close_promptly(llm) -> None:
+    pids = llm.engine.runner.worker_pids()
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 15
+    assert _wait(lambda: all(_gone(p, zombie_is_gone=False) for p in pids), 5)
+
+
+def test_rank_killed_between_requests(folder):
+    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=2, sp_timeout_s=10)
+    try:
+        prompt = {"prompt_token_ids": _tokens(150, seed=70)}
+        llm.generate(prompt, _greedy(4))
+        victim = llm.engine.runner.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        assert _wait(lambda: _gone(victim, zombie_is_gone=True), 5)
+        _expect_failure(llm, prompt, "rank 1 exited with code -9", within=30)
+    finally:
+        _close_promptly(llm)
+
+
+def test_rank_killed_during_a_request(folder):
+    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=3, sp_timeout_s=10)
+    try:
+        victim = llm.engine.runner.worker_pids()[1]  # rank 2
+
+        def kill_after_first_chunk(done: int, total: int) -> None:
+            if done == 64:
+                os.kill(victim, signal.SIGKILL)
+
+        prompt = {"prompt_token_ids": _tokens(300, seed=71)}
+        _expect_failure(llm, prompt, "rank 2 exited with code -9", within=30,
+                        on_prefill_progress=kill_after_first_chunk)
+    finally:
+        _close_promptly(llm)
+
+
+def test_hung_rank_trips_the_timeout(folder):
+    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=2, sp_timeout_s=3)
+    victim = llm.engine.runner.worker_pids()[0]
+    try:
+        llm.generate({"prompt_token_ids": _tokens(100, seed=72)}, _greedy(3))
+        os.kill(victim, signal.SIGSTOP)  # alive, silent
+        error = _expect_failure(llm, {"prompt_token_ids": _tokens(100, seed=73)}, "", within=25)
+        assert "exited" not in str(error)  # nobody died: the exchange timed out
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        _close_promptly(llm)
+
+
+def test_rank_killed_while_another_thread_generates(folder):
+    """The failure reaches a ``generate`` blocked in another thread, which returns."""
+    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=16, sequence_parallel_size=2,
+              sp_timeout_s=10, lookahead=False)
+    try:
+        result: dict = {}
+        started = threading.Event()
+
+        def work() -> None:
+            try:
+                llm.generate({"prompt_token_ids": _tokens(900, seed=74)}, _greedy(100),
+                             on_prefill_progress=lambda d, t: started.set())
+                result["outcome"] = "finished"
+            except BaseException as err:  # noqa: BLE001
+                result["outcome"] = err
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        assert started.wait(60)
+        os.kill(llm.engine.runner.worker_pids()[0], signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive(), "generate hung after a rank died"
+        assert isinstance(result["outcome"], SequenceParallelError), result["outcome"]
+        assert "rank 1 exited with code -9" in str(result["outcome"])
+    finally:
+        _close_promptly(llm)
