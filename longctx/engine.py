@@ -145,7 +145,8 @@ class LLMEngine:
         if parallel.sequence_parallel_size > 1:
             from longctx import sp
 
-            self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device)
+            self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device,
+                                   sched.max_num_batched_tokens)
         else:
             self.runner = ModelRunner(self.model, DeviceKVPool(self.model_config, num_blocks, cache.block_size,
                                                                self.dtype, self.device), backend, self.device)

@@ -46,17 +46,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
-from longctx.kernels import cpu_build
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.model.llama import LlamaForCausalLM
 from longctx.parallel.comm import RingComm, init_distributed
-from longctx.parallel.paged_sp import PagedSPAttention, ShardedStep, StepSeq, assign_tokens
+from longctx.parallel import shm_comm
+from longctx.parallel.paged_sp import PagedSPAttention, ShardedStep, StepSeq, assign_tokens, set_threads
+from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl
 from longctx.runner import flatten_batch
 from longctx.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)  # a worker waits this long for the next command
+MAX_BOARD_TOKENS = 8192  # the shared-memory board holds steps up to this size; larger go over gloo
 
 
 class SequenceParallelError(RuntimeError):
@@ -67,20 +69,15 @@ def rank_threads(world: int, num_threads: int) -> int:
     return num_threads or max(1, (os.cpu_count() or 1) // world)
 
 
-def set_threads(num: int) -> None:
-    """Threads for torch and for the C kernels' OpenMP runtime (a separate one)."""
-    torch.set_num_threads(num)
-    cpu_build.set_omp_threads(num)
-
-
 class RankExecutor:
     """One rank's share of every command: the same code on rank 0 and on the workers."""
 
     def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, kernels: Any, rank: int,
-                 world: int, device: torch.device, threads: int) -> None:
+                 world: int, device: torch.device, threads: int, comm: Any) -> None:
         self.model, self.kv, self.rank, self.world, self.device = model, kv, rank, world, device
-        self.comm = RingComm()
+        self.comm = comm
         self.threads = threads
+        self.alone_threads = min(os.cpu_count() or 1, threads * world) if device.type == "cpu" else threads
         self.config = model.config
         self.attention = PagedSPAttention(kv.layers, self.comm, kernels, model.config.head_dim)
 
@@ -90,16 +87,21 @@ class RankExecutor:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Run this rank's tokens of ``batch``; on rank 0 return the logits (fp32) of the
         tokens that sample, like ``ModelRunner.execute``."""
-        cpu_build.set_omp_threads(self.threads)  # per calling thread (the server steps in its own)
         bs = self.kv.block_size
         flat = flatten_batch(batch, bs)
         owned = assign_tokens(flat.query_lens, self.world)
+        # a step whose tokens are all here leaves the other ranks idle through its linear
+        # layers: take their cores for those (attention, which they share, runs on ours)
+        alone = len(owned[self.rank]) == len(flat.token_ids) and self.world > 1
+        linear_threads = self.alone_threads if alone else self.threads
+        set_threads(linear_threads)  # per calling thread for the C kernels (the server steps in its own)
         seqs, start = [], 0
         for seq, n in zip(batch.seqs, flat.query_lens):
             words = tuple(flat.tree_words[start:start + n]) if seq.num_draft else ()
             seqs.append(StepSeq(start, n, seq.start_pos, tuple(seq.block_ids), words))
             start += n
-        step = ShardedStep(seqs, owned, flat.slots, self.rank, self.world, bs, self.device)
+        step = ShardedStep(seqs, owned, flat.slots, self.rank, self.world, bs, self.device,
+                           threads=(linear_threads, self.threads))
         mine = owned[self.rank]
         c = self.config
         if mine:
@@ -229,8 +231,9 @@ class RankExecutor:
 class _Ranks:
     """Rank 0's handle on the workers: the control channel, the processes, the failure."""
 
-    def __init__(self, procs: list, control: Any, folder: tempfile.TemporaryDirectory) -> None:
-        self.procs, self.control, self.folder = procs, control, folder
+    def __init__(self, procs: list, control: Any, folder: tempfile.TemporaryDirectory,
+                 shm_control: ShmControl | None) -> None:
+        self.procs, self.control, self.folder, self.shm_control = procs, control, folder, shm_control
         self.error: str | None = None
         self.closed = False
 
@@ -241,7 +244,7 @@ class _Ranks:
         """Send every worker the next command (they run their share of it right away)."""
         self.check()
         try:
-            dist.broadcast_object_list([(command, args)], src=0, group=self.control)
+            _broadcast_command((command, args), self.shm_control, self.control)
         except Exception as err:  # noqa: BLE001 - a worker is gone
             raise self.fail(err) from err
 
@@ -273,7 +276,7 @@ class _Ranks:
         self.closed = True
         if self.error is None:
             try:
-                dist.broadcast_object_list([("stop", ())], src=0, group=self.control)
+                _broadcast_command(("stop", ()), self.shm_control, self.control)
             except Exception:  # noqa: BLE001 - the workers may be gone already
                 pass
         deadline = time.monotonic() + timeout_s
@@ -363,9 +366,28 @@ def _watch_parent(parent: int) -> None:
             os._exit(0)
 
 
+def _broadcast_command(message: tuple, shm: ShmControl | None, group: Any) -> None:
+    """Rank 0: the next command to every worker, through shared memory when it fits, else
+    (a marker there, then) over the control process group."""
+    if shm is not None:
+        if shm.send(message):
+            return
+        shm.send(("via-group", ()))
+    dist.broadcast_object_list([message], src=0, group=group)
+
+
+def _receive_command(shm: ShmControl | None, group: Any) -> tuple:
+    message = shm.receive() if shm is not None else None
+    if message is None or message[0] == "via-group":
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        message = box[0]
+    return message
+
+
 def _worker_main(rank: int, world: int, init_method: str, model: Any, load: ModelLoadConfig,
                  num_blocks: int, block_size: int, timeout_s: float, threads: int, parent: int,
-                 ready: Any) -> None:
+                 board: ShmBoard | None, ready: Any) -> None:
     """A worker rank: join the group, then run rank 0's commands until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle (serve drains)
@@ -382,15 +404,16 @@ def _worker_main(rank: int, world: int, init_method: str, model: Any, load: Mode
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
     kv = DeviceKVPool(model.config, num_blocks, block_size, _dtype(load.dtype), device)
-    executor = RankExecutor(model, kv, kernels, rank, world, device, threads)
+    alive = lambda: os.getppid() == parent  # noqa: E731
+    comm = ShmComm(board, rank, RingComm(), timeout_s, alive) if board is not None else RingComm()
+    shm_control = ShmControl(board, rank, timeout_s, alive) if board is not None else None
+    executor = RankExecutor(model, kv, kernels, rank, world, device, threads, comm)
     ready.put(rank)
     while True:
-        message = [None]
         try:
-            dist.broadcast_object_list(message, src=0, group=control)
+            command, args = _receive_command(shm_control, control)
         except Exception:  # noqa: BLE001 - rank 0 is gone: nothing left to serve
             os._exit(1)
-        command, args = message[0]
         if command == "stop":
             break
         if command == "report":
@@ -407,8 +430,16 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def board_slot_bytes(config: Any, world: int, max_tokens: int, itemsize: int) -> int:
+    """The largest message of a step of ``max_tokens`` tokens: the all-gather of q, k, v, the
+    all-to-all of fp32 partials, or the hidden states brought to rank 0."""
+    gather = max_tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * itemsize
+    partials = world * max_tokens * config.num_attention_heads * (config.head_dim + 1) * 4
+    return max(gather, partials, max_tokens * config.hidden_size * itemsize)
+
+
 def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, parallel: ParallelConfig,
-          num_blocks: int, kernels: Any, device: torch.device) -> SequenceParallelRunner:
+          num_blocks: int, kernels: Any, device: torch.device, max_step_tokens: int) -> SequenceParallelRunner:
     """Start ``parallel.sequence_parallel_size - 1`` workers beside this process (rank 0),
     each with ``num_blocks`` KV pages; returns rank 0's runner (its ``kv`` is the pool of all
     ranks' pages)."""
@@ -424,13 +455,17 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
         raise ConfigError("cpu_matmul='onednn' packs weights into opaque tensors that the ranks cannot "
                           "share: use cpu_matmul='kernel' or 'blas' with sequence_parallel_size > 1")
     threads = rank_threads(world, load.num_threads)
+    board = None
+    if device.type == "cpu" and shm_comm.supported():
+        slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), _dtype(load.dtype).itemsize)
+        board = ShmBoard(world, slot)
     folder = tempfile.TemporaryDirectory(prefix="longctx-sp-")
     init_method = f"file://{os.path.join(folder.name, 'rendezvous')}"
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, name=f"longctx-sp-rank{rank}", daemon=True,
                          args=(rank, world, init_method, shared, load, num_blocks, cache.block_size,
-                               parallel.sp_timeout_s, threads, os.getpid(), ready))
+                               parallel.sp_timeout_s, threads, os.getpid(), board, ready))
              for rank in range(1, world)]
     for proc in procs:
         proc.start()
@@ -445,9 +480,12 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
         folder.cleanup()
         raise
     set_threads(threads)
-    ranks = _Ranks(procs, control, folder)
+    alive = lambda: all(p.exitcode is None for p in procs)  # noqa: E731
+    shm_control = ShmControl(board, 0, parallel.sp_timeout_s, alive) if board is not None else None
+    ranks = _Ranks(procs, control, folder, shm_control)
     local = DeviceKVPool(model.config, num_blocks, cache.block_size, _dtype(load.dtype), device)
-    executor = RankExecutor(model, local, kernels, 0, world, device, threads)
-    log.info("sequence parallelism: %d ranks (workers %s), %d threads each", world,
-             ranks.pids(), threads)
+    comm = ShmComm(board, 0, RingComm(), parallel.sp_timeout_s, alive) if board is not None else RingComm()
+    executor = RankExecutor(model, local, kernels, 0, world, device, threads, comm)
+    log.info("sequence parallelism: %d ranks (workers %s), %d threads each, exchanges over %s", world,
+             ranks.pids(), threads, "shared memory" if board is not None else "torch.distributed")
     return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)

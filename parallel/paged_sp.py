@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from longctx.kernels.cpu_build import set_omp_threads
+
 from .comm import RingComm
 from .local_attention import attend, attend_masked, empty_state, merge_into
 from .sharded_kv import pack_state, unpack_state
@@ -104,8 +106,12 @@ class ShardedStep:
     """What rank ``rank`` of ``world`` derives from one step: built once, used by every layer."""
 
     def __init__(self, seqs: list[StepSeq], owned: list[list[int]], slots: list[int], rank: int,
-                 world: int, block_size: int, device: torch.device) -> None:
+                 world: int, block_size: int, device: torch.device,
+                 threads: tuple[int, int] | None = None) -> None:
+        """``threads``: (outside attention, inside it) CPU threads, when they differ (a rank
+        that computes every token's linear layers alone may use the idle ranks' cores)."""
         self.seqs, self.rank, self.world = seqs, rank, world
+        self.threads = threads if threads is not None and threads[0] != threads[1] else None
         self.num_tokens = sum(s.num_new for s in seqs)
         self.num_owned = [len(o) for o in owned]
         self.max_owned = max(1, max(self.num_owned))
@@ -191,6 +197,12 @@ class ShardedStep:
         self.lone_at_t = torch.tensor(self.lone_at, dtype=torch.long, device=device)
 
 
+def set_threads(num: int) -> None:
+    """CPU threads for torch and for the C kernels' OpenMP runtime (a separate one)."""
+    torch.set_num_threads(num)
+    set_omp_threads(num)
+
+
 def _visible(seq: StepSeq, i0: int, i1: int, device: torch.device) -> torch.Tensor:
     """Bool [i1 - i0, i1]: which of the sequence's first i1 new tokens queries i0..i1-1 see."""
     cols = torch.arange(i1, device=device)
@@ -217,6 +229,16 @@ class PagedSPAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 step: ShardedStep) -> torch.Tensor:
         """q [T_r, H, D], k/v [T_r, Hkv, D]: this rank's tokens -> out [T_r, H, D]."""
+        if step.threads is None:
+            return self._forward(layer_idx, q, k, v, step)
+        set_threads(step.threads[1])
+        try:
+            return self._forward(layer_idx, q, k, v, step)
+        finally:
+            set_threads(step.threads[0])
+
+    def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 step: ShardedStep) -> torch.Tensor:
         num_heads, num_kv = q.shape[1], k.shape[1]
         mine = torch.cat([q, k, v], dim=1)  # (T_r, H + 2 Hkv, D)
         mine = F.pad(mine, (0, 0, 0, 0, 0, step.max_owned - mine.shape[0]))

@@ -157,19 +157,21 @@ def one_rank(folder):
         yield llm
 
 
+@pytest.fixture(scope="class", params=[2, 3], ids=["sp2", "sp3"])
+def sp_llm(request, folder):
+    """One sequence-parallel engine per world size for all of ``TestOneEngine``."""
+    assert not dist.is_initialized()
+    with _llm(folder, request.param) as llm:
+        llm.started_pids = list(llm.engine.runner.worker_pids())
+        yield llm
+
+
 class TestOneEngine:
     """Several uses of one sequence-parallel engine per world size (started once per class
-    parameter; closed before any other test runs)."""
-
-    @pytest.fixture(scope="class", params=[2, 3], ids=["sp2", "sp3"])
-    def sp_llm(self, request, folder):
-        assert not dist.is_initialized()
-        with _llm(folder, request.param) as llm:
-            llm.started_pids = list(llm.engine.runner.worker_pids())
-            yield llm
+    parameter, closed when the class is done, before any other test runs)."""
 
     @pytest.fixture(autouse=True)
-    def _no_process_group_left(self):  # the class fixture keeps its engine open between tests
+    def _no_process_group_left(self):  # the class's engine stays open between its tests
         yield
 
     def test_seeded_sampling_equals_one_rank(self, sp_llm, one_rank):
@@ -377,134 +379,193 @@ if __name__ == "__main__":
 """
 
 
-def test_interpreter_exit_without_close_leaves_no_ranks(folder):
-    done = _python(EXIT_WITHOUT_CLOSE, folder, "exit")
-    assert done.returncode == 0, done.stderr[-3000:]
-    pids = [int(p) for p in done.stdout.split("PIDS", 1)[1].split()]
-    assert len(pids) == 1
-    assert _wait(lambda: all(_gone(p, zombie_is_gone=True) for p in pids), 5)
+def _ranks_printed(line: str) -> list[int]:
+    assert line.startswith("PIDS"), line
+    return [int(p) for p in line.split()[1:]]
 
 
-def test_killed_engine_process_leaves_no_ranks(folder):
+def test_engine_process_ending_leaves_no_ranks(folder):
+    """Two engine processes that never call close(): one exits normally (atexit, finalizers),
+    one is killed with SIGKILL (nothing runs: only the ranks' watch on their parent). Both
+    start at once, so their start-ups overlap."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT_WITHOUT_CLOSE), folder, "hang"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    script = textwrap.dedent(EXIT_WITHOUT_CLOSE)
+    procs = {how: subprocess.Popen([sys.executable, "-c", script, folder, how], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE if how == "exit" else subprocess.DEVNULL,
+                                   text=True, env=env)
+             for how in ("exit", "hang")}
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while not line.startswith("PIDS") and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "the script ended before printing its ranks"
-        pids = [int(p) for p in line.split()[1:]]
+        exiting, killed = procs["exit"], procs["hang"]
+        pids = _ranks_printed(killed.stdout.readline())  # blocks until its engine runs
         assert len(pids) == 1 and not _gone(pids[0], zombie_is_gone=False)
-        proc.send_signal(signal.SIGKILL)  # no atexit, no finalizers: only the ranks' watchdog
-        proc.wait(10)
-        # the ranks are orphans now (their zombie is init's to reap): they must have exited
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        # orphans now (their zombies are init's to reap): they must have exited
+        assert _wait(lambda: all(_gone(p, zombie_is_gone=True) for p in pids), 5), \
+            [(p, psutil.Process(p).status()) for p in pids if psutil.pid_exists(p)]
+        out, err = exiting.communicate(timeout=120)
+        assert exiting.returncode == 0, err[-3000:]
+        pids = _ranks_printed(out.strip().splitlines()[-1])
+        assert len(pids) == 1
         assert _wait(lambda: all(_gone(p, zombie_is_gone=True) for p in pids), 5), \
             [(p, psutil.Process(p).status()) for p in pids if psutil.pid_exists(p)]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 # ---------------------------------------------------------------------- failed ranks
 
 
-def _expect_failure(llm, prompt, what: str, within: float, **kw) -> SequenceParallelError:
-    start = time.monotonic()
-    with pytest.raises(SequenceParallelError) as info:
-        llm.generate(prompt, _greedy(20), **kw)
-    elapsed = time.monotonic() - start
+def _bounded(llm, call, timeout: float):
+    """``call()`` in a thread: (its exception or None, seconds taken). Past ``timeout`` the
+    test fails; the ranks are killed first so that the stuck call (and the test) can end."""
+    box: dict = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            call()
+            box["error"] = None
+        except BaseException as err:  # noqa: BLE001
+            box["error"] = err
+        box["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        for pid in llm.engine.runner.worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        thread.join(30)
+        pytest.fail(f"the call still blocked after {timeout:.0f} s (sp_timeout_s="
+                    f"{llm.configs[-1].sp_timeout_s}); it ended only once every rank was killed, "
+                    f"with {box.get('error')!r}")
+    return box["error"], box["elapsed"]
+
+
+def _expect_failure(llm, call, what: str, within: float) -> SequenceParallelError:
+    """``call`` fails with a ``SequenceParallelError`` naming ``what`` within ``within`` s, the
+    failed request is gone, and every later call fails at once with the same error."""
+    error, elapsed = _bounded(llm, call, within + 30)
+    assert isinstance(error, SequenceParallelError), repr(error)
     assert elapsed < within, f"the failure took {elapsed:.1f} s to surface"
-    message = str(info.value)
+    message = str(error)
     assert "sequence-parallel rank failed" in message and what in message, message
     assert not llm.engine.has_unfinished()  # the failed request was aborted
-    start = time.monotonic()  # from now on every call fails at once, with the same message
-    with pytest.raises(SequenceParallelError, match="rank failed"):
-        llm.generate({"prompt_token_ids": [7] * 20}, _greedy(2))
-    with pytest.raises(SequenceParallelError, match="rank failed"):
-        list(llm.stream({"prompt_token_ids": [7] * 20}, _greedy(2)))
-    assert time.monotonic() - start < 1.0
-    return info.value
+    for later in (lambda: llm.generate({"prompt_token_ids": [7] * 40}, _greedy(2)),
+                  lambda: list(llm.stream({"prompt_token_ids": [7] * 40}, _greedy(2)))):
+        again, elapsed = _bounded(llm, later, 30)
+        assert isinstance(again, SequenceParallelError) and str(again) == message, repr(again)
+        assert elapsed < 1.0
+    return error
 
 
 def _close_promptly(llm) -> None:
     pids = llm.engine.runner.worker_pids()
-    start = time.monotonic()
-    llm.close()
-    assert time.monotonic() - start < 15
+    error, elapsed = _bounded(llm, llm.close, 30)
+    assert error is None and elapsed < 15, (error, elapsed)
     assert _wait(lambda: all(_gone(p, zombie_is_gone=False) for p in pids), 5)
 
 
+def _failing_llm(folder: str, sp: int, **kw) -> LLM:
+    return LLM(folder, **{"block_size": BLOCK, "max_num_batched_tokens": 64, "sequence_parallel_size": sp,
+                          "sp_timeout_s": 10, **kw})
+
+
 def test_rank_killed_between_requests(folder):
-    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=2, sp_timeout_s=10)
+    llm = _failing_llm(folder, 2)
     try:
         prompt = {"prompt_token_ids": _tokens(150, seed=70)}
         llm.generate(prompt, _greedy(4))
         victim = llm.engine.runner.worker_pids()[0]
         os.kill(victim, signal.SIGKILL)
         assert _wait(lambda: _gone(victim, zombie_is_gone=True), 5)
-        _expect_failure(llm, prompt, "rank 1 exited with code -9", within=30)
+        _expect_failure(llm, lambda: llm.generate(prompt, _greedy(20)), "rank 1 exited with code -9", 30)
     finally:
         _close_promptly(llm)
 
 
-def test_rank_killed_during_a_request(folder):
-    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=3, sp_timeout_s=10)
+def test_rank_killed_between_two_steps_of_a_request(folder):
+    llm = _failing_llm(folder, 3)
     try:
         victim = llm.engine.runner.worker_pids()[1]  # rank 2
 
         def kill_after_first_chunk(done: int, total: int) -> None:
             if done == 64:
                 os.kill(victim, signal.SIGKILL)
+                _wait(lambda: _gone(victim, zombie_is_gone=True), 5)
 
         prompt = {"prompt_token_ids": _tokens(300, seed=71)}
-        _expect_failure(llm, prompt, "rank 2 exited with code -9", within=30,
-                        on_prefill_progress=kill_after_first_chunk)
+        _expect_failure(llm, lambda: llm.generate(prompt, _greedy(20), on_prefill_progress=kill_after_first_chunk),
+                        "rank 2 exited with code -9", 30)
+    finally:
+        _close_promptly(llm)
+
+
+def test_rank_killed_inside_a_step(folder):
+    """The rank dies while rank 0 is in the middle of a step's layers (between two layers'
+    exchanges of the second prefill chunk): that step raises."""
+    llm = _failing_llm(folder, 2)
+    try:
+        victim = llm.engine.runner.worker_pids()[0]
+        attention = llm.engine.runner.executor.attention
+        forward, calls = attention.forward, []
+
+        def dying_forward(layer_idx, *args, **kwargs):
+            calls.append(layer_idx)
+            if len(calls) == 4:  # the second step (two layers each), before its layer 1
+                os.kill(victim, signal.SIGKILL)
+                _wait(lambda: _gone(victim, zombie_is_gone=True), 5)
+            return forward(layer_idx, *args, **kwargs)
+
+        attention.forward = dying_forward
+        prompt = {"prompt_token_ids": _tokens(300, seed=72)}
+        _expect_failure(llm, lambda: llm.generate(prompt, _greedy(20)), "rank 1 exited with code -9", 30)
+        assert calls == [0, 1, 0, 1]
     finally:
         _close_promptly(llm)
 
 
 def test_hung_rank_trips_the_timeout(folder):
-    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=2, sp_timeout_s=3)
+    """A rank that stops answering (alive, SIGSTOP) between requests: the next step fails once
+    ``sp_timeout_s`` (3 s) has passed, not never."""
+    llm = _failing_llm(folder, 2, sp_timeout_s=3)
     victim = llm.engine.runner.worker_pids()[0]
     try:
-        llm.generate({"prompt_token_ids": _tokens(100, seed=72)}, _greedy(3))
-        os.kill(victim, signal.SIGSTOP)  # alive, silent
-        error = _expect_failure(llm, {"prompt_token_ids": _tokens(100, seed=73)}, "", within=25)
+        llm.generate({"prompt_token_ids": _tokens(100, seed=73)}, _greedy(3))
+        os.kill(victim, signal.SIGSTOP)
+        error = _expect_failure(llm, lambda: llm.generate({"prompt_token_ids": _tokens(100, seed=74)}, _greedy(20)),
+                                "", 25)
         assert "exited" not in str(error)  # nobody died: the exchange timed out
     finally:
         try:
-            os.kill(victim, signal.SIGCONT)
+            os.kill(victim, signal.SIGKILL)  # works on a stopped process; ends the hang if any
         except ProcessLookupError:
             pass
         _close_promptly(llm)
 
 
 def test_rank_killed_while_another_thread_generates(folder):
-    """The failure reaches a ``generate`` blocked in another thread, which returns."""
-    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=16, sequence_parallel_size=2,
-              sp_timeout_s=10, lookahead=False)
+    """The failure reaches a ``generate`` running in another thread, which returns."""
+    llm = _failing_llm(folder, 2, max_num_batched_tokens=16, lookahead=False)
     try:
-        result: dict = {}
         started = threading.Event()
 
-        def work() -> None:
-            try:
-                llm.generate({"prompt_token_ids": _tokens(900, seed=74)}, _greedy(100),
-                             on_prefill_progress=lambda d, t: started.set())
-                result["outcome"] = "finished"
-            except BaseException as err:  # noqa: BLE001
-                result["outcome"] = err
+        def kill_soon() -> None:
+            assert started.wait(60)
+            os.kill(llm.engine.runner.worker_pids()[0], signal.SIGKILL)
 
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        assert started.wait(60)
-        os.kill(llm.engine.runner.worker_pids()[0], signal.SIGKILL)
-        thread.join(30)
-        assert not thread.is_alive(), "generate hung after a rank died"
-        assert isinstance(result["outcome"], SequenceParallelError), result["outcome"]
-        assert "rank 1 exited with code -9" in str(result["outcome"])
+        killer = threading.Thread(target=kill_soon, daemon=True)
+        killer.start()
+        _expect_failure(llm, lambda: llm.generate({"prompt_token_ids": _tokens(900, seed=75)}, _greedy(100),
+                                                  on_prefill_progress=lambda d, t: started.set()),
+                        "rank 1 exited with code -9", 30)
+        killer.join(5)
     finally:
         _close_promptly(llm)
