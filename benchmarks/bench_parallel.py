@@ -39,14 +39,21 @@ def document_ids(tokenizer, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def predicted(world: int, tokens: int, config, itemsize: int) -> int:
-    """Cost-model bytes rank 0 sends for a prefill of ``tokens`` in chunks (``tokens`` = 1 per
-    step for decode), with the engine's own token assignment."""
-    from longctx.parallel.paged_sp import assign_tokens, exchange_bytes
+def predicted(world: int, tokens: int, config, itemsize: int, sampled: int = 1) -> int:
+    """Cost-model bytes rank 0 sends for one step of ``tokens`` tokens of one sequence, with
+    the engine's own token assignment: split by tokens, or (a small step of a row-kernel
+    model) every product split by output features."""
+    from longctx.parallel.paged_sp import assign_tokens, column_exchange_bytes, exchange_bytes
 
+    c = config
     owned = assign_tokens([tokens], world)
-    return exchange_bytes(max(len(o) for o in owned), world, config.num_attention_heads,
-                          config.num_key_value_heads, config.head_dim, itemsize, config.num_hidden_layers)
+    if len(owned[0]) == tokens:  # a small step: ColumnSplit (the fp32 CPU default)
+        q_kv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        outs = [q_kv, c.hidden_size, 2 * c.intermediate_size, c.hidden_size]
+        return column_exchange_bytes(tokens, world, outs, c.num_attention_heads, c.head_dim, itemsize,
+                                     c.num_hidden_layers, sampled, c.vocab_size)
+    return exchange_bytes(max(len(o) for o in owned), world, c.num_attention_heads,
+                          c.num_key_value_heads, c.head_dim, itemsize, c.num_hidden_layers)
 
 
 def run_one(world: int, contexts: list[int], decode_tokens: int, chunk: int) -> dict:
@@ -80,9 +87,12 @@ def run_one(world: int, contexts: list[int], decode_tokens: int, chunk: int) -> 
             "context": ctx, "prefill_s": prefill_s, "decode_ms_per_token": decode_ms, "decode_run_s": total_s,
             "prefill_bytes_sent": [r["bytes_sent"] for r in prefill_comm],
             "prefill_blocked_s": [r["blocked_s"] for r in prefill_comm],
-            "decode_bytes_sent_per_token": [r["bytes_sent"] / (decode_tokens + 1) for r in decode_comm],
+            # the decode run prefills again (same traffic as the prefill run): the rest is decode
+            "decode_bytes_sent_per_token": [(d["bytes_sent"] - p["bytes_sent"]) / decode_tokens
+                                            for d, p in zip(decode_comm, prefill_comm)],
             "decode_blocked_s": [r["blocked_s"] for r in decode_comm],
-            "model_prefill_bytes_rank0": sum(predicted(world, c, config, itemsize) for c in chunks) if world > 1 else 0,
+            "model_prefill_bytes_rank0": (sum(predicted(world, c, config, itemsize, 0) for c in chunks[:-1])
+                                          + predicted(world, chunks[-1], config, itemsize, 1)) if world > 1 else 0,
             "model_decode_bytes_per_token": predicted(world, 1, config, itemsize) if world > 1 else 0,
         })
     llm.close()

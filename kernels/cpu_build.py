@@ -17,6 +17,7 @@ kernel off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -37,14 +38,21 @@ def enabled() -> bool:
     return os.environ.get("LONGCTX_CPU_KERNEL", "1") != "0"
 
 
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    try:
+        return ctypes.CDLL("libgomp.so.1").omp_set_num_threads  # ctypes builds a class per CDLL: once
+    except (OSError, AttributeError):
+        return None
+
+
 def set_omp_threads(num: int) -> None:
     """Threads the C kernels' OpenMP runtime (the system's libgomp, not torch's own copy, so
     ``torch.set_num_threads`` does not reach it) starts in parallel regions begun by the
     calling thread. Nothing happens where that runtime is not present."""
-    try:
-        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(ctypes.c_int(num))
-    except (OSError, AttributeError):
-        pass
+    setter = _omp_set_num_threads()
+    if setter is not None:
+        setter(num)
 
 
 def _cpu_flags() -> str:

@@ -50,14 +50,16 @@ from longctx.kv.device_pool import DeviceKVPool
 from longctx.model.llama import LlamaForCausalLM
 from longctx.parallel.comm import RingComm, init_distributed
 from longctx.parallel import shm_comm
-from longctx.parallel.paged_sp import PagedSPAttention, ShardedStep, StepSeq, assign_tokens, set_threads
+from longctx.kernels import cpu_linear
+from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
+                                        set_threads)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl
 from longctx.runner import flatten_batch
 from longctx.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT = timedelta(days=365)  # a worker waits this long for the next command
+CONTROL_TIMEOUT = timedelta(days=365)  # without the board, a worker waits this long for a command
 MAX_BOARD_TOKENS = 8192  # the shared-memory board holds steps up to this size; larger go over gloo
 
 
@@ -80,6 +82,10 @@ class RankExecutor:
         self.alone_threads = min(os.cpu_count() or 1, threads * world) if device.type == "cpu" else threads
         self.config = model.config
         self.attention = PagedSPAttention(kv.layers, self.comm, kernels, model.config.head_dim)
+        # small steps split every product by output features where the model multiplies with
+        # the row kernel (its [out, in] matrices slice without a copy); else they run on rank 0
+        self.column_split = (ColumnSplit(self.comm, cpu_linear.linear)
+                             if world > 1 and model.uses_row_kernel() else None)
 
     # ------------------------------------------------------------------ a step
 
@@ -90,18 +96,15 @@ class RankExecutor:
         bs = self.kv.block_size
         flat = flatten_batch(batch, bs)
         owned = assign_tokens(flat.query_lens, self.world)
-        # a step whose tokens are all here leaves the other ranks idle through its linear
-        # layers: take their cores for those (attention, which they share, runs on ours)
-        alone = len(owned[self.rank]) == len(flat.token_ids) and self.world > 1
-        linear_threads = self.alone_threads if alone else self.threads
+        small = len(owned[0]) == len(flat.token_ids)
+        if small and self.column_split is not None:
+            return self._execute_columns(batch, flat)
+        # a small step on rank 0 alone leaves the other ranks idle through its linear layers:
+        # take their cores for those (attention, which they share, runs on ours)
+        linear_threads = self.alone_threads if small and self.rank == 0 else self.threads
         set_threads(linear_threads)  # per calling thread for the C kernels (the server steps in its own)
-        seqs, start = [], 0
-        for seq, n in zip(batch.seqs, flat.query_lens):
-            words = tuple(flat.tree_words[start:start + n]) if seq.num_draft else ()
-            seqs.append(StepSeq(start, n, seq.start_pos, tuple(seq.block_ids), words))
-            start += n
-        step = ShardedStep(seqs, owned, flat.slots, self.rank, self.world, bs, self.device,
-                           threads=(linear_threads, self.threads))
+        step = ShardedStep(self._seqs(batch, flat), owned, flat.slots, self.rank, self.world, bs,
+                           self.device, threads=(linear_threads, self.threads))
         mine = owned[self.rank]
         c = self.config
         if mine:
@@ -113,6 +116,30 @@ class RankExecutor:
                                 c.num_attention_heads, c.num_key_value_heads)
             hidden = torch.empty((0, c.hidden_size), dtype=self.kv.dtype, device=self.device)
         return self._logits(hidden, mine, owned, flat.sample_rows)
+
+    def _seqs(self, batch: ScheduledBatch, flat: Any) -> list[StepSeq]:
+        seqs, start = [], 0
+        for seq, n in zip(batch.seqs, flat.query_lens):
+            words = tuple(flat.tree_words[start:start + n]) if seq.num_draft else ()
+            seqs.append(StepSeq(start, n, seq.start_pos, tuple(seq.block_ids), words))
+            start += n
+        return seqs
+
+    def _execute_columns(self, batch: ScheduledBatch, flat: Any) -> torch.Tensor | None:
+        """A small step (decode, verification) with every product split by output features
+        over the ranks (``ColumnSplit``): every rank holds every token, reads 1/N of the
+        weights and 1/N of the KV, on its own cores."""
+        set_threads(self.threads)
+        step = ShardedStep(self._seqs(batch, flat), None, flat.slots, self.rank, self.world,
+                           self.kv.block_size, self.device, split_linear=self.column_split)
+        ids = torch.tensor(flat.token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(flat.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.attention, step)  # (T, E), the same on every rank
+        if not flat.sample_rows:
+            return torch.empty(0, self.config.vocab_size) if self.rank == 0 else None
+        rows = hidden[torch.tensor(flat.sample_rows, device=self.device)]
+        logits = self.column_split(rows, self.model.lm_head.weight)  # (rows, V)
+        return logits.float() if self.rank == 0 else None
 
     def _logits(self, hidden: torch.Tensor, mine: list[int], owned: list[list[int]],
                 rows: list[int]) -> torch.Tensor | None:
@@ -147,7 +174,7 @@ class RankExecutor:
         """This rank's traffic so far: bytes sent, seconds blocked in exchanges, calls."""
         stats = self.comm.stats
         out = {"rank": self.rank, "bytes_sent": stats.bytes_sent, "blocked_s": stats.blocked_s,
-               "num_calls": len(stats.ops)}
+               "blocked_by_kind": dict(stats.blocked), "num_calls": len(stats.ops)}
         if reset:
             self.comm.stats = type(stats)()
         return out
@@ -279,7 +306,8 @@ class _Ranks:
                 _broadcast_command(("stop", ()), self.shm_control, self.control)
             except Exception:  # noqa: BLE001 - the workers may be gone already
                 pass
-        deadline = time.monotonic() + timeout_s
+        # after a failure the survivors may sit in an exchange until their timeout: stop them now
+        deadline = time.monotonic() + (timeout_s if self.error is None else 0.0)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
@@ -395,7 +423,10 @@ def _worker_main(rank: int, world: int, init_method: str, model: Any, load: Mode
     device = init_distributed(rank, world, init_method, None, timeout_s)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # as the engine does
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # with the board a worker waits for commands there; the group carries only large ones, which
+    # rank 0 sends right after its marker, so the step's timeout applies
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if board is not None
+                             else CONTROL_TIMEOUT)
     if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
         from longctx.model.loader import load_model
 
@@ -471,7 +502,7 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
         proc.start()
     try:
         init_distributed(0, world, init_method, None, parallel.sp_timeout_s)
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
         for _ in procs:
             ready.get(timeout=parallel.sp_timeout_s)
     except BaseException:

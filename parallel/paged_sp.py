@@ -91,6 +91,17 @@ def exchange_bytes(max_owned: int, world: int, num_heads: int, num_kv_heads: int
     return num_layers * (gather + partials)
 
 
+def column_exchange_bytes(num_tokens: int, world: int, out_features: list[int], num_heads: int,
+                          head_dim: int, itemsize: int, num_layers: int, num_sampled: int = 0,
+                          vocab: int = 0) -> int:
+    """The cost model of a ``ColumnSplit`` step (every rank holds all ``num_tokens``): bytes
+    one rank sends. Per layer, each product's slice (``out_features`` of each of the layer's
+    products, split N ways) and the fp32 partials of attention go to N-1 peers; then the
+    LM head's slice for the ``num_sampled`` rows."""
+    per_layer = sum(-(-n // world) for n in out_features) * itemsize + num_heads * (head_dim + 1) * 4
+    return (world - 1) * num_tokens * (num_layers * per_layer) + (world - 1) * num_sampled * -(-vocab // world) * 4
+
+
 @dataclass(frozen=True)
 class StepSeq:
     """One sequence of the step, as plain data every rank has."""
@@ -105,13 +116,19 @@ class StepSeq:
 class ShardedStep:
     """What rank ``rank`` of ``world`` derives from one step: built once, used by every layer."""
 
-    def __init__(self, seqs: list[StepSeq], owned: list[list[int]], slots: list[int], rank: int,
+    def __init__(self, seqs: list[StepSeq], owned: list[list[int]] | None, slots: list[int], rank: int,
                  world: int, block_size: int, device: torch.device,
-                 threads: tuple[int, int] | None = None) -> None:
-        """``threads``: (outside attention, inside it) CPU threads, when they differ (a rank
+                 threads: tuple[int, int] | None = None, split_linear: Any = None) -> None:
+        """``owned``: each rank's tokens (``assign_tokens``), or None when every rank holds
+        every token (``ColumnSplit`` steps: ``split_linear`` is then the model's product).
+        ``threads``: (outside attention, inside it) CPU threads, when they differ (a rank
         that computes every token's linear layers alone may use the idle ranks' cores)."""
         self.seqs, self.rank, self.world = seqs, rank, world
         self.threads = threads if threads is not None and threads[0] != threads[1] else None
+        self.replicated = owned is None
+        self.split_linear = split_linear
+        if owned is None:
+            owned = [list(range(sum(s.num_new for s in seqs)))] * world
         self.num_tokens = sum(s.num_new for s in seqs)
         self.num_owned = [len(o) for o in owned]
         self.max_owned = max(1, max(self.num_owned))
@@ -131,14 +148,17 @@ class ShardedStep:
         self._plan_own_part(owned[rank], device)
 
     def _local_prefix(self, seq: StepSeq, block_size: int) -> tuple[list[int], int]:
-        """This rank's local block ids holding the sequence's tokens before the step, in order,
-        and how many such tokens they hold (every page full but possibly the last)."""
-        num_pages = -(-seq.start_pos // block_size)
+        """This rank's local block ids holding the sequence's tokens that every new token sees
+        in full, in order, and how many such tokens they hold (every page full but possibly the
+        last): those before the step, and a lone new token itself (its K/V is written before
+        attention runs, so it needs no part (b))."""
+        end = seq.start_pos + (seq.num_new == 1)
+        num_pages = -(-end // block_size)
         pages = [b // self.world for b in seq.block_ids[:num_pages] if b % self.world == self.rank]
         tokens = len(pages) * block_size
         last = num_pages - 1
         if pages and seq.block_ids[last] % self.world == self.rank:
-            tokens -= num_pages * block_size - seq.start_pos
+            tokens -= num_pages * block_size - end
         return pages, tokens
 
     def _plan_cached_part(self, block_size: int, device: torch.device) -> None:
@@ -170,12 +190,11 @@ class ShardedStep:
         all_visible = [(1 << s.num_new) - 1 for s, _, _ in paged for _ in range(s.num_new)]
         self.paged_words = (None if all(s.num_new == 1 for s, _, _ in paged)
                             else torch.tensor(all_visible, dtype=torch.int64, device=device))
+        self.paged_is_all = not self.dense and len(self.paged_rows) == self.num_tokens  # rows 0..T-1
 
     def _plan_own_part(self, own: list[int], device: torch.device) -> None:
-        """(b): own tokens as runs inside their sequences; lone tokens (a decode's one new
-        token) in one vectorised group."""
-        self.lone_rows: list[int] = []  # flat index of a token that sees only itself in the step
-        self.lone_at: list[int] = []  # its row among this rank's tokens
+        """(b): own tokens as runs inside their sequences (a lone new token, as in decode, has
+        none: part (a) covers it)."""
         self.runs: list[tuple[StepSeq, int, int, int]] = []  # (seq, i0, i1, row of i0 among own)
         at = {t: i for i, t in enumerate(own)}
         for seq in self.seqs:
@@ -187,14 +206,9 @@ class ShardedStep:
                 j = i
                 while j < seq.num_new and seq.start + j in at:
                     j += 1
-                if seq.num_new == 1:
-                    self.lone_rows.append(seq.start)
-                    self.lone_at.append(at[seq.start])
-                else:
+                if seq.num_new > 1:
                     self.runs.append((seq, i, j, at[seq.start + i]))
                 i = j
-        self.lone_rows_t = torch.tensor(self.lone_rows, dtype=torch.long, device=device)
-        self.lone_at_t = torch.tensor(self.lone_at, dtype=torch.long, device=device)
 
 
 def set_threads(num: int) -> None:
@@ -210,6 +224,38 @@ def _visible(seq: StepSeq, i0: int, i1: int, device: torch.device) -> torch.Tens
         words = torch.tensor(seq.tree_words[i0:i1], dtype=torch.int64, device=device)
         return (words[:, None] >> cols[None, :]) & 1 == 1
     return cols[None, :] <= torch.arange(i0, i1, device=device)[:, None]
+
+
+class ColumnSplit:
+    """A weight product shared by the ranks by output features: rank r computes its slice of
+    ``weight``'s rows (a contiguous view of the ``[out, in]`` matrix, so nothing is copied) with
+    ``linear`` (``cpu_linear.linear``'s signature: norm or SwiGLU prologue, bias, residual),
+    and the slices are all-gathered. Every rank reads 1/N of every weight: the form for steps
+    of a few tokens, whose products stream the weights (decode, verification)."""
+
+    def __init__(self, comm: RingComm, linear: Any) -> None:
+        self.comm, self.linear = comm, linear
+
+    def bounds(self, num_out: int) -> list[int]:
+        world = self.comm.world_size
+        return [num_out * r // world for r in range(world + 1)]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 residual: torch.Tensor | None = None, **prologue: Any) -> torch.Tensor:
+        cuts = self.bounds(weight.shape[0])
+        lo, hi = cuts[self.comm.rank], cuts[self.comm.rank + 1]
+        widest = max(b - a for a, b in zip(cuts, cuts[1:]))
+        part = x.new_empty((x.shape[0], widest))  # (T, widest): this rank's slice, padded
+        sliced = dict(prologue, residual=None if residual is None else residual[:, lo:hi])
+        own_bias = None if bias is None else bias[lo:hi]
+        if hi - lo == widest:
+            self.linear(x, weight[lo:hi], own_bias, out=part, **sliced)
+        else:
+            part[:, :hi - lo] = self.linear(x, weight[lo:hi], own_bias, **sliced)
+        every = self.comm.all_gather(part)  # (N, T, widest)
+        if all(b - a == widest for a, b in zip(cuts, cuts[1:])):
+            return every.permute(1, 0, 2).reshape(x.shape[0], -1)  # (T, out)
+        return torch.cat([every[r, :, :b - a] for r, (a, b) in enumerate(zip(cuts, cuts[1:]))], dim=1)
 
 
 class PagedSPAttention:
@@ -240,26 +286,41 @@ class PagedSPAttention:
     def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  step: ShardedStep) -> torch.Tensor:
         num_heads, num_kv = q.shape[1], k.shape[1]
-        mine = torch.cat([q, k, v], dim=1)  # (T_r, H + 2 Hkv, D)
-        mine = F.pad(mine, (0, 0, 0, 0, 0, step.max_owned - mine.shape[0]))
-        every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.gather_rows)  # (T, ., D)
-        q_all, k_all, v_all = every.split([num_heads, num_kv, num_kv], dim=1)
+        if step.replicated:  # every rank computed every token's q, k, v
+            q_all, k_all, v_all = q, k, v
+        else:
+            mine = torch.cat([q, k, v], dim=1)  # (T_r, H + 2 Hkv, D)
+            mine = F.pad(mine, (0, 0, 0, 0, 0, step.max_owned - mine.shape[0]))
+            every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.gather_rows)  # (T, ., D)
+            q_all, k_all, v_all = every.split([num_heads, num_kv, num_kv], dim=1)
         k_cache, v_cache = self.kv_layers[layer_idx]
         if step.write_rows.numel():
             self.kernels.write_kv(k_cache, v_cache, k_all[step.write_rows], v_all[step.write_rows],
                                   step.write_slots, **self._extra(step))
         cached_out, cached_lse = self._cached_part(q_all, k_cache, v_cache, step)
-        sent = pack_state(cached_out, cached_lse).index_select(0, step.scatter_rows)
-        received = self.comm.all_to_all(sent.view(self.comm.world_size, step.max_owned, num_heads, -1))
-        out, lse = self._own_part(q_all, k_all, v_all, q.shape[0], step)
+        if step.replicated:  # every rank needs every token's result
+            received = self.comm.all_gather(pack_state(cached_out, cached_lse))  # (N, T, H, D + 1)
+        else:
+            sent = pack_state(cached_out, cached_lse).index_select(0, step.scatter_rows)
+            received = self.comm.all_to_all(sent.view(self.comm.world_size, step.max_owned, num_heads, -1))
         parts_out, parts_lse = unpack_state(received[:, :q.shape[0]])  # (N, T_r, H, D), (N, T_r, H)
-        for r in range(self.comm.world_size):
+        if step.runs:
+            out, lse = self._own_part(q_all, k_all, v_all, q.shape[0], step)
+            first = 0
+        else:  # nothing of (b) here (decode): start from rank 0's partial
+            out, lse, first = parts_out[0].clone(), parts_lse[0].clone(), 1
+        for r in range(first, self.comm.world_size):
             merge_into(out, lse, parts_out[r], parts_lse[r])
         return out.to(q.dtype)
 
     def _cached_part(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """(a): every query of the step over this rank's pages before the step's tokens."""
+        if step.paged_rows is not None and step.paged_is_all:  # e.g. decode: one call, every query
+            o, l = self.kernels.paged_attention(q, k_cache, v_cache, step.paged_table, step.paged_lens,
+                                                step.paged_cu, scale=self.scale, tree_mask=step.paged_words,
+                                                **self._extra(step))
+            return o.float(), l
         out, lse = empty_state(q)  # (T, H, D) fp32, (T, H)
         if step.paged_rows is not None:
             o, l = self.kernels.paged_attention(q[step.paged_rows], k_cache, v_cache, step.paged_table,
@@ -278,11 +339,6 @@ class PagedSPAttention:
         """(b): this rank's queries over the new tokens of their own sequence."""
         out = torch.zeros((num_own, *q.shape[1:]), dtype=torch.float32, device=q.device)
         lse = torch.full((num_own, q.shape[1]), float("-inf"), device=q.device)
-        if step.lone_rows:  # a lone new token sees only itself: softmax weight 1
-            group = q.shape[1] // k.shape[1]
-            kk = k[step.lone_rows_t].float().repeat_interleave(group, dim=1)  # (n, H, D)
-            out[step.lone_at_t] = v[step.lone_rows_t].float().repeat_interleave(group, dim=1)
-            lse[step.lone_at_t] = (q[step.lone_rows_t].float() * kk).sum(-1) * self.scale
         for seq, i0, i1, at in step.runs:
             base = seq.start
             qs, ks, vs = q[base + i0:base + i1], k[base:base + i1], v[base:base + i1]

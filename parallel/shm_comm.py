@@ -36,7 +36,7 @@ import torch
 
 from .comm import CommStats, _nbytes
 
-SPIN_S = 50e-6  # busy-wait this long before sleeping: a peer is usually that close
+SPIN_S = 300e-6  # busy-wait this long before sleeping in steps: a peer doing the same work is that close
 IDLE_SLEEP_S = 1e-3  # longest sleep between looks, reached after ~10 ms of waiting
 
 
@@ -49,10 +49,12 @@ def supported() -> bool:
 
 
 def _wait_until(ready: Callable[[], bool], timeout_s: float, alive: Callable[[], bool], what: str) -> None:
+    """Wait for ``ready()``: spin for ``SPIN_S``, then sleep in growing steps."""
     if ready():
         return
     start = time.perf_counter()
-    while time.perf_counter() - start < SPIN_S:
+    spin_until = start + SPIN_S
+    while time.perf_counter() < spin_until:
         if ready():
             return
     sleep = 20e-6

@@ -202,16 +202,18 @@ class DecoderLayer(nn.Module):
         """The same layer for a step the row kernel takes (every step where it has its panel
         path): each norm runs inside the product that follows it, SwiGLU inside the down
         projection and each residual add inside the product before it, so the layer is four
-        kernel calls around attention."""
+        kernel calls around attention. The metadata may bring its own ``split_linear`` (same
+        signature as ``cpu_linear.linear``): sequence parallelism then has each rank compute
+        a slice of every product's output features and gather the rest."""
+        linear = getattr(attn_meta, "split_linear", None) or cpu_linear.linear
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = cpu_linear.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                norm_weight=norm1.weight, eps=norm1.eps)
+        qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
         out = attn.attend(qkv, cos, sin, backend, attn_meta)  # (T, H D)
-        x = cpu_linear.linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
-        gate_up = cpu_linear.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                    norm_weight=norm2.weight, eps=norm2.eps)  # (T, 2F)
-        return cpu_linear.linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, swiglu=True, residual=x)
+        x = linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        gate_up = linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                         norm_weight=norm2.weight, eps=norm2.eps)  # (T, 2F)
+        return linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, swiglu=True, residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
