@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Union
 
 from longctx import tasks
 from longctx.config import split_engine_kwargs
-from longctx.engine import TORCH_DTYPES, LLMEngine, RequestOutput
-from longctx.model.llama import choose_cpu_matmul
+from longctx.engine import LLMEngine, RequestOutput
 from longctx.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
@@ -45,14 +44,8 @@ class LLM:
         the N ranks, KV pages spread over them (docs/parallel.md); everything else works the
         same. ``close()`` (or the end of the interpreter) stops them."""
         self.configs = split_engine_kwargs({"model": model, **engine_kwargs})
-        load, parallel = self.configs[0], self.configs[-1]
-        if (parallel.sequence_parallel_size > 1 and load.cpu_matmul == "auto"
-                and choose_cpu_matmul("auto", TORCH_DTYPES[load.dtype]) == "onednn"):
-            # the ranks share this model's weights through shared memory, which oneDNN's
-            # packed (opaque) tensors cannot join: keep them as plain BLAS matrices
-            self.configs = (replace(load, cpu_matmul="blas"), *self.configs[1:])
         self.engine = LLMEngine(*self.configs)
-        self.sequence_parallel_size = parallel.sequence_parallel_size
+        self.sequence_parallel_size = self.configs[-1].sequence_parallel_size
         self._closed = False
         # Runs when this LLM is garbage-collected or, at the latest, at interpreter exit.
         self._atexit = weakref.finalize(self, self.engine.close)

@@ -130,6 +130,10 @@ class LLMEngine:
         self.model = load_model(load.model, dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             self.cpu_matmul = choose_cpu_matmul(load.cpu_matmul, self.dtype)
+            if self.cpu_matmul == "onednn" and load.cpu_matmul == "auto" and parallel.sequence_parallel_size > 1:
+                # the ranks share the weights through shared memory, which oneDNN's packed
+                # (opaque) tensors cannot join: keep them as plain BLAS matrices
+                self.cpu_matmul = "blas"
             if self.cpu_matmul == "kernel":
                 self.model.use_row_kernel()
             elif self.cpu_matmul == "onednn":
@@ -150,11 +154,15 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, DeviceKVPool(self.model_config, num_blocks, cache.block_size,
                                                                self.dtype, self.device), backend, self.device)
-        self.kv = self.runner.kv
-        self.pool = BlockPool(self.kv.num_blocks)
-        self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
-        self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
-                                   context_cost=self.model_config.context_cost_tokens)
+        try:
+            self.kv = self.runner.kv
+            self.pool = BlockPool(self.kv.num_blocks)
+            self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
+            self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
+                                       context_cost=self.model_config.context_cost_tokens)
+        except BaseException:
+            self._stop_runner()  # sequence-parallel ranks already started: no orphans
+            raise
         self.max_model_len = max_len
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
@@ -203,13 +211,20 @@ class LLMEngine:
         return usage
 
     def close(self) -> None:
-        """Persist the prefix cache, then stop the sequence-parallel ranks (if any)."""
+        """Persist the prefix cache, then stop the sequence-parallel ranks (if any). After a
+        rank failed nothing can be read from the ranks' pages: the cache is not persisted."""
         try:
-            self.persist_prefix_cache()
+            if getattr(self.runner, "failed", False):
+                log.warning("a sequence-parallel rank failed: the prefix cache is not persisted")
+            else:
+                self.persist_prefix_cache()
         finally:
-            shutdown = getattr(self.runner, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            self._stop_runner()
+
+    def _stop_runner(self) -> None:
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def persist_prefix_cache(self) -> int:
         """Write every cached page to the disk tier (if there is one); returns pages written."""

@@ -95,14 +95,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
-        """Compact an accepted draft branch: node ``accepted[j]`` (KV at slot ``start_pos + 1 +
-        accepted[j]``) moves to slot ``start_pos + 1 + j``, in every layer. All sources are
-        read before any destination is written."""
-        pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
-        if pairs:
-            bs = self.block_size
-            slot = lambda p: seq_block_ids[p // bs] * bs + p % bs  # noqa: E731
-            self.kv.move_slots([slot(a) for a, _ in pairs], [slot(b) for _, b in pairs])
+        self.kv.move_slots(*draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size))
+
+
+def draft_slot_moves(seq_block_ids: list[int], start_pos: int, accepted: list[int],
+                     block_size: int) -> tuple[list[int], list[int]]:
+    """Compacting an accepted draft branch: node ``accepted[j]`` (KV at position ``start_pos +
+    1 + accepted[j]``) moves to position ``start_pos + 1 + j``. Returns the (source, target)
+    slots of the nodes that move; the pool copies all sources before writing any target."""
+    def slot(p: int) -> int:
+        return seq_block_ids[p // block_size] * block_size + p % block_size
+
+    pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
+    return [slot(a) for a, _ in pairs], [slot(b) for _, b in pairs]
 
 
 def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:

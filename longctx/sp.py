@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,9 @@ from longctx.parallel.comm import RingComm, init_distributed
 from longctx.parallel import shm_comm
 from longctx.kernels import cpu_linear
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
-                                        set_threads)
+                                        local_slot, set_threads, slot_owner)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl
-from longctx.runner import flatten_batch
+from longctx.runner import draft_slot_moves, flatten_batch
 from longctx.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -67,19 +68,25 @@ class SequenceParallelError(RuntimeError):
     """A rank failed or stopped answering: the engine cannot run steps any more."""
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def rank_threads(world: int, num_threads: int) -> int:
-    return num_threads or max(1, (os.cpu_count() or 1) // world)
+    return num_threads or max(1, usable_cores() // world)
 
 
 class RankExecutor:
     """One rank's share of every command: the same code on rank 0 and on the workers."""
 
     def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, kernels: Any, rank: int,
-                 world: int, device: torch.device, threads: int, comm: Any) -> None:
+                 world: int, device: torch.device, threads: int, comm: Any, cpu_group: Any) -> None:
+        """``cpu_group``: a gloo group for moving pages, which travel as CPU tensors (the
+        default group is NCCL between GPUs)."""
         self.model, self.kv, self.rank, self.world, self.device = model, kv, rank, world, device
-        self.comm = comm
+        self.comm, self.cpu_group = comm, cpu_group
         self.threads = threads
-        self.alone_threads = min(os.cpu_count() or 1, threads * world) if device.type == "cpu" else threads
+        self.alone_threads = min(usable_cores(), threads * world) if device.type == "cpu" else threads
         self.config = model.config
         self.attention = PagedSPAttention(kv.layers, self.comm, kernels, model.config.head_dim)
         # small steps split every product by output features where the model multiplies with
@@ -176,7 +183,7 @@ class RankExecutor:
         out = {"rank": self.rank, "bytes_sent": stats.bytes_sent, "blocked_s": stats.blocked_s,
                "blocked_by_kind": dict(stats.blocked), "num_calls": len(stats.ops)}
         if reset:
-            self.comm.stats = type(stats)()
+            stats.__init__()  # in place: the shared-memory and fallback paths share it
         return out
 
     # ------------------------------------------------------------------ page moves
@@ -191,7 +198,7 @@ class RankExecutor:
         if self.rank != 0:
             local = self._mine(block_ids, self.rank)
             if local:
-                dist.send(self.kv.read_pages([b for _, b in local]), 0)
+                dist.send(self.kv.read_pages([b for _, b in local]), 0, group=self.cpu_group)
             return None
         pages = torch.empty((len(block_ids), *self.kv.page_shape), dtype=self.kv.dtype)
         for r in range(self.world):
@@ -202,7 +209,7 @@ class RankExecutor:
                 got = self.kv.read_pages([b for _, b in part])
             else:
                 got = torch.empty((len(part), *self.kv.page_shape), dtype=self.kv.dtype)
-                dist.recv(got, r)
+                dist.recv(got, r, group=self.cpu_group)
             pages[torch.tensor([i for i, _ in part])] = got
         return pages
 
@@ -212,7 +219,7 @@ class RankExecutor:
             local = self._mine(block_ids, self.rank)
             if local:
                 got = torch.empty((len(local), *self.kv.page_shape), dtype=self.kv.dtype)
-                dist.recv(got, 0)
+                dist.recv(got, 0, group=self.cpu_group)
                 self.kv.write_pages([b for _, b in local], got)
             return
         for r in range(self.world):
@@ -223,29 +230,27 @@ class RankExecutor:
             if r == 0:
                 self.kv.write_pages([b for _, b in part], chunk)
             else:
-                dist.send(chunk, r)
+                dist.send(chunk, r, group=self.cpu_group)
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy token slots ``src`` to ``dst`` (global slots) in every layer, across ranks:
         the owners of the sources contribute their rows to one all-reduce (every other row is
         zero, so the sum is exact), and the owners of the destinations write them."""
         bs, world = self.kv.block_size, self.world
-        local = lambda s: (s // bs // world) * bs + s % bs  # noqa: E731
-        owner = lambda s: (s // bs) % world  # noqa: E731
         c = self.config
         rows = torch.zeros((len(src), c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim),
                            dtype=self.kv.dtype, device=self.device)
-        have = [i for i, s in enumerate(src) if owner(s) == self.rank]
+        have = [i for i, s in enumerate(src) if slot_owner(s, bs, world) == self.rank]
         if have:
-            idx = torch.tensor([local(src[i]) for i in have], device=self.device)
+            idx = torch.tensor([local_slot(src[i], bs, world) for i in have], device=self.device)
             at = torch.tensor(have, device=self.device)
             for layer, (k, v) in enumerate(self.kv.layers):
                 rows[at, layer, 0] = k.view(-1, *k.shape[2:])[idx]
                 rows[at, layer, 1] = v.view(-1, *v.shape[2:])[idx]
         dist.all_reduce(rows)
-        put = [i for i, s in enumerate(dst) if owner(s) == self.rank]
+        put = [i for i, s in enumerate(dst) if slot_owner(s, bs, world) == self.rank]
         if put:
-            idx = torch.tensor([local(dst[i]) for i in put], device=self.device)
+            idx = torch.tensor([local_slot(dst[i], bs, world) for i in put], device=self.device)
             at = torch.tensor(put, device=self.device)
             for layer, (k, v) in enumerate(self.kv.layers):
                 k.view(-1, *k.shape[2:])[idx] = rows[at, layer, 0]
@@ -263,6 +268,18 @@ class _Ranks:
         self.procs, self.control, self.folder, self.shm_control = procs, control, folder, shm_control
         self.error: str | None = None
         self.closed = False
+        # one command at a time, from any thread (the server's engine thread, close() on exit)
+        self.lock = threading.Lock()
+
+    def run(self, command: str, args: tuple, local: Callable[[], Any]) -> Any:
+        """Send ``command`` to every worker and run rank 0's share (``local``). Any failure,
+        an interrupt included, leaves the ranks unusable: they may be mid-exchange."""
+        with self.lock:
+            self.call(command, *args)
+            try:
+                return local()
+            except BaseException as err:
+                raise self.fail(err) from err
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -276,10 +293,9 @@ class _Ranks:
             raise self.fail(err) from err
 
     def gather_reports(self, executor: "RankExecutor", reset: bool) -> list[dict]:
-        self.call("report", reset)
         reports: list = [None] * (len(self.procs) + 1)
-        mine = executor.report(reset)
-        dist.gather_object(mine, reports, dst=0, group=self.control)
+        self.run("report", (reset,), lambda: dist.gather_object(executor.report(reset), reports, dst=0,
+                                                                 group=self.control))
         return reports
 
     def check(self) -> None:
@@ -290,14 +306,20 @@ class _Ranks:
 
     def fail(self, err: BaseException) -> SequenceParallelError:
         """Describe a failed exchange (naming ranks that died) and mark the ranks unusable."""
+        if isinstance(err, SequenceParallelError):
+            return err
         time.sleep(0.2)  # a dead peer's exit code shows up a moment after its socket closes
         dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs)
                 if p.exitcode is not None]
-        what = "; ".join(dead) if dead else f"{type(err).__name__}: {err}"
+        what = "; ".join(dead) if dead else f"{type(err).__name__}: {err}".rstrip(": ")
         self.error = f"a sequence-parallel rank failed during a step ({what}); restart the engine"
         return SequenceParallelError(self.error)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self.lock:
+            self._shutdown(timeout_s)
+
+    def _shutdown(self, timeout_s: float) -> None:
         if self.closed:
             return
         self.closed = True
@@ -332,11 +354,8 @@ class ShardedKVPool:
         self.page_shape = local.page_shape
 
     def _run(self, command: str, *args: Any) -> Any:
-        self.ranks.call(command, *(a for a in args if not isinstance(a, torch.Tensor)))
-        try:
-            return getattr(self.executor, command)(*args)
-        except Exception as err:  # noqa: BLE001
-            raise self.ranks.fail(err) from err
+        plain = tuple(a for a in args if not isinstance(a, torch.Tensor))  # tensors stay on rank 0
+        return self.ranks.run(command, plain, lambda: getattr(self.executor, command)(*args))
 
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
         return self._run("read_pages", list(block_ids))
@@ -361,19 +380,17 @@ class SequenceParallelRunner:
     def worker_pids(self) -> list[int]:
         return self.ranks.pids()
 
+    @property
+    def failed(self) -> bool:
+        return self.ranks.error is not None
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        self.ranks.call("execute", batch)
-        try:
-            return self.executor.execute(batch)
-        except Exception as err:  # noqa: BLE001
-            raise self.ranks.fail(err) from err
+        return self.ranks.run("execute", (batch,), lambda: self.executor.execute(batch))
 
     def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
-        pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
-        if pairs:
-            bs = self.block_size
-            slot = lambda p: seq_block_ids[p // bs] * bs + p % bs  # noqa: E731
-            self.kv.move_slots([slot(a) for a, _ in pairs], [slot(b) for _, b in pairs])
+        src, dst = draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size)
+        if src:
+            self.kv.move_slots(src, dst)
 
     def comm_reports(self, reset: bool = False) -> list[dict]:
         """Every rank's traffic (``RankExecutor.report``), in rank order."""
@@ -413,14 +430,15 @@ def _receive_command(shm: ShmControl | None, group: Any) -> tuple:
     return message
 
 
-def _worker_main(rank: int, world: int, init_method: str, model: Any, load: ModelLoadConfig,
+def _worker_main(rank: int, world: int, init_method: str, backend: str, model: Any, load: ModelLoadConfig,
                  num_blocks: int, block_size: int, timeout_s: float, threads: int, parent: int,
                  board: ShmBoard | None, ready: Any) -> None:
     """A worker rank: join the group, then run rank 0's commands until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle (serve drains)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0's to handle (serve drains first); the
+        signal.signal(sig, signal.SIG_IGN)      # workers end on its "stop" or when it is gone
     set_threads(threads)
-    device = init_distributed(rank, world, init_method, None, timeout_s)
+    device = init_distributed(rank, world, init_method, backend, timeout_s)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # as the engine does
     # with the board a worker waits for commands there; the group carries only large ones, which
@@ -435,10 +453,12 @@ def _worker_main(rank: int, world: int, init_method: str, model: Any, load: Mode
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
     kv = DeviceKVPool(model.config, num_blocks, block_size, _dtype(load.dtype), device)
-    alive = lambda: os.getppid() == parent  # noqa: E731
+    def alive() -> bool:
+        return os.getppid() == parent
+
     comm = ShmComm(board, rank, RingComm(), timeout_s, alive) if board is not None else RingComm()
     shm_control = ShmControl(board, rank, timeout_s, alive) if board is not None else None
-    executor = RankExecutor(model, kv, kernels, rank, world, device, threads, comm)
+    executor = RankExecutor(model, kv, kernels, rank, world, device, threads, comm, control)
     ready.put(rank)
     while True:
         try:
@@ -462,11 +482,13 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def board_slot_bytes(config: Any, world: int, max_tokens: int, itemsize: int) -> int:
-    """The largest message of a step of ``max_tokens`` tokens: the all-gather of q, k, v, the
-    all-to-all of fp32 partials, or the hidden states brought to rank 0."""
-    gather = max_tokens * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * itemsize
-    partials = world * max_tokens * config.num_attention_heads * (config.head_dim + 1) * 4
-    return max(gather, partials, max_tokens * config.hidden_size * itemsize)
+    """The largest message one rank posts in a step of ``max_tokens`` tokens: the all-gather of
+    q, k, v, the all-to-all of fp32 partials (N rows of the busiest rank's tokens, at most
+    about T / N + 2N of them), or hidden states. Larger messages go over torch.distributed."""
+    rows = max_tokens + 2 * world * world
+    gather = rows * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim * itemsize
+    partials = rows * config.num_attention_heads * (config.head_dim + 1) * 4
+    return max(gather, partials, rows * config.hidden_size * itemsize)
 
 
 def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, parallel: ParallelConfig,
@@ -486,6 +508,7 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
         raise ConfigError("cpu_matmul='onednn' packs weights into opaque tensors that the ranks cannot "
                           "share: use cpu_matmul='kernel' or 'blas' with sequence_parallel_size > 1")
     threads = rank_threads(world, load.num_threads)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # a CPU engine on a GPU machine too
     board = None
     if device.type == "cpu" and shm_comm.supported():
         slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), _dtype(load.dtype).itemsize)
@@ -495,28 +518,38 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, name=f"longctx-sp-rank{rank}", daemon=True,
-                         args=(rank, world, init_method, shared, load, num_blocks, cache.block_size,
+                         args=(rank, world, init_method, backend, shared, load, num_blocks, cache.block_size,
                                parallel.sp_timeout_s, threads, os.getpid(), board, ready))
              for rank in range(1, world)]
     for proc in procs:
         proc.start()
     try:
-        init_distributed(0, world, init_method, None, parallel.sp_timeout_s)
+        init_distributed(0, world, init_method, backend, parallel.sp_timeout_s)
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
         for _ in procs:
             ready.get(timeout=parallel.sp_timeout_s)
-    except BaseException:
+    except BaseException as err:
         for proc in procs:
             proc.kill()
+            proc.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         folder.cleanup()
+        if isinstance(err, queue.Empty):
+            fates = ", ".join(f"rank {i + 1}: " + ("running" if p.exitcode == -9 else f"exit code {p.exitcode}")
+                              for i, p in enumerate(procs))
+            raise SequenceParallelError(f"the sequence-parallel ranks did not start within "
+                                        f"{parallel.sp_timeout_s:.0f} s ({fates}; see their stderr)") from None
         raise
     set_threads(threads)
-    alive = lambda: all(p.exitcode is None for p in procs)  # noqa: E731
+    def alive() -> bool:
+        return all(p.exitcode is None for p in procs)
+
     shm_control = ShmControl(board, 0, parallel.sp_timeout_s, alive) if board is not None else None
     ranks = _Ranks(procs, control, folder, shm_control)
     local = DeviceKVPool(model.config, num_blocks, cache.block_size, _dtype(load.dtype), device)
     comm = ShmComm(board, 0, RingComm(), parallel.sp_timeout_s, alive) if board is not None else RingComm()
-    executor = RankExecutor(model, local, kernels, 0, world, device, threads, comm)
+    executor = RankExecutor(model, local, kernels, 0, world, device, threads, comm, control)
     log.info("sequence parallelism: %d ranks (workers %s), %d threads each, exchanges over %s", world,
              ranks.pids(), threads, "shared memory" if board is not None else "torch.distributed")
     return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)

@@ -54,8 +54,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> torch
     """Join the group ``torchrun`` describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(f"not started by torchrun: {', '.join(missing)} unset "
-                           f"(run: torchrun --nproc-per-node N -m longctx.parallel.worker ...)")
+        raise RuntimeError(f"not started by torchrun: {', '.join(missing)} unset")
     return init_distributed(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://",
                             backend, timeout_s, int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
 
@@ -88,7 +87,7 @@ class CommStats:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _nbytes(x: torch.Tensor) -> int:
+def tensor_bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
@@ -146,7 +145,7 @@ class RingComm:
             self._works = dist.batch_isend_irecv(ops)
         else:
             self._works = [op.op(op.tensor, op.peer, op.group) for op in ops]
-        self.stats.add(_nbytes(send), ("ring", _nbytes(send), _nbytes(recv)))
+        self.stats.add(tensor_bytes(send), ("ring", tensor_bytes(send), tensor_bytes(recv)))
 
     def wait(self) -> None:
         start = time.perf_counter()
@@ -159,7 +158,7 @@ class RingComm:
         """Every rank's ``x`` stacked in rank order: [N, *x.shape] (same shape on every rank)."""
         x = x.contiguous()
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        self.stats.add((self.world_size - 1) * _nbytes(x), ("all_gather", _nbytes(x)))
+        self.stats.add((self.world_size - 1) * tensor_bytes(x), ("all_gather", tensor_bytes(x)))
         start = time.perf_counter()
         work = _all_gather_single(out, x[None], group=self.group, async_op=True)  # (1, ...) -> (N, ...)
         pending = Pending(work, out, self.stats, "all_gather")
@@ -170,7 +169,7 @@ class RingComm:
         """x [N, ...]: row j goes to rank j; returns [N, ...] with row j from rank j."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.stats.add((self.world_size - 1) * _nbytes(x) // self.world_size, ("all_to_all", _nbytes(x)))
+        self.stats.add((self.world_size - 1) * tensor_bytes(x) // self.world_size, ("all_to_all", tensor_bytes(x)))
         start = time.perf_counter()
         dist.all_to_all_single(out, x, group=self.group)
         self.stats.timed("all_to_all", start)
@@ -178,8 +177,8 @@ class RingComm:
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """``x`` from group rank ``src`` to every rank (in place; returned for convenience)."""
-        sent = (self.world_size - 1) * _nbytes(x) if self.rank == src else 0
-        self.stats.add(sent, ("broadcast", _nbytes(x), src))
+        sent = (self.world_size - 1) * tensor_bytes(x) if self.rank == src else 0
+        self.stats.add(sent, ("broadcast", tensor_bytes(x), src))
         start = time.perf_counter()
         dist.broadcast(x, self._global(src), group=self.group)
         self.stats.timed("broadcast", start)

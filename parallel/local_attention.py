@@ -1,7 +1,7 @@
 """One rank's attention of a block of queries over a block of keys, with its log-sum-exp.
 
 Owns: ``attend(q, k, v, causal, scale) -> (out, lse)`` on contiguous K/V, the building block
-of ring attention, Ulysses and sharded-KV prefix attention, on the device's fused kernel:
+of ring attention, sharded-KV and paged sequence-parallel attention, on the device's fused kernel:
 PyTorch's CPU flash kernel, or its CUDA memory-efficient kernel (both return the lse); and
 the running (out, lse) state those paths fold partial results into (``empty_state``,
 ``merge_into``).

@@ -51,6 +51,20 @@ MAX_TREE_QUERIES = 63  # the kernels' tree masks cover this many new tokens per 
 MIN_SPLIT_TOKENS = 32  # a step with fewer tokens runs whole on rank 0 (see ``assign_tokens``)
 
 
+def slot_owner(slot: int, block_size: int, world: int) -> int:
+    """The rank holding a global KV slot (block id * BS + offset): block ``b`` is on ``b % N``."""
+    return (slot // block_size) % world
+
+
+def local_slot(slot: int, block_size: int, world: int) -> int:
+    """A global slot's place in its owner's pool (block ``b`` is local block ``b // N``)."""
+    return (slot // block_size // world) * block_size + slot % block_size
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 def assign_tokens(query_lens: list[int], world: int, min_split: int = MIN_SPLIT_TOKENS) -> list[list[int]]:
     """The step's token indices (flattened over sequences) each rank computes, ascending.
 
@@ -133,17 +147,16 @@ class ShardedStep:
         self.num_owned = [len(o) for o in owned]
         self.max_owned = max(1, max(self.num_owned))
         self.kernel_cache: dict = {}  # the kernels' per-step plans (same metadata every layer)
-        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         rows = [0] * self.num_tokens  # token t -> its row in the gathered [N * max_owned] tensor
         for r, own in enumerate(owned):
             for i, t in enumerate(own):
                 rows[t] = r * self.max_owned + i
-        self.gather_rows = long(rows)
-        self.scatter_rows = long([own[i] if i < len(own) else 0
-                                  for own in owned for i in range(self.max_owned)])
-        mine = [(t, s) for t, s in enumerate(slots) if (s // block_size) % world == rank]
-        self.write_rows = long([t for t, _ in mine])
-        self.write_slots = long([(s // block_size // world) * block_size + s % block_size for _, s in mine])
+        self.gather_rows = _long(rows, device)
+        self.scatter_rows = _long([own[i] if i < len(own) else 0
+                                   for own in owned for i in range(self.max_owned)], device)
+        mine = [(t, s) for t, s in enumerate(slots) if slot_owner(s, block_size, world) == rank]
+        self.write_rows = _long([t for t, _ in mine], device)
+        self.write_slots = _long([local_slot(s, block_size, world) for _, s in mine], device)
         self._plan_cached_part(block_size, device)
         self._plan_own_part(owned[rank], device)
 

@@ -34,10 +34,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .comm import CommStats, _nbytes
+from .comm import tensor_bytes
 
 SPIN_S = 300e-6  # busy-wait this long before sleeping in steps: a peer doing the same work is that close
 IDLE_SLEEP_S = 1e-3  # longest sleep between looks, reached after ~10 ms of waiting
+LONG_IDLE_SLEEP_S = 20e-3  # ... and after a second (an idle worker waiting for a command)
 
 
 class ExchangeError(RuntimeError):
@@ -62,7 +63,8 @@ def _wait_until(ready: Callable[[], bool], timeout_s: float, alive: Callable[[],
     while not ready():
         time.sleep(sleep)
         now = time.perf_counter()
-        sleep = min(IDLE_SLEEP_S, sleep * 1.25) if now - start > 0.01 else sleep
+        if now - start > 0.01:  # a peer is computing, or nothing is asked of us: look less often
+            sleep = min(IDLE_SLEEP_S if now - start < 1.0 else LONG_IDLE_SLEEP_S, sleep * 1.25)
         if now - last_check > 0.05:
             last_check = now
             if not alive():
@@ -77,7 +79,8 @@ class ShmBoard:
 
     def __init__(self, world: int, slot_bytes: int, control_bytes: int = 1 << 22) -> None:
         self.world, self.slot_bytes = world, slot_bytes
-        # data pages are touched only as far as messages reach (torch.empty)
+        # share_memory_() moves the storage into a new shared segment: the whole board is
+        # allocated (and written) once, here
         self.data = torch.empty(2, world, slot_bytes, dtype=torch.uint8).share_memory_()
         self.flags = torch.zeros(world, dtype=torch.int64).share_memory_()
         self.control = torch.empty(control_bytes, dtype=torch.uint8).share_memory_()
@@ -92,14 +95,15 @@ class ShmComm:
                  alive: Callable[[], bool]) -> None:
         self.board, self.rank, self.world_size = board, rank, board.world
         self.fallback, self.timeout_s, self.alive = fallback, timeout_s, alive
-        self.stats = CommStats()
+        self.stats = fallback.stats  # one count for both paths
         self.flags = board.flags.numpy()
         self.gen = 0
 
     def _exchange(self, x: torch.Tensor, kind: str) -> torch.Tensor:
-        """Post ``x`` (same shape on every rank); returns the board's buffer as [N, nbytes]."""
+        """Post ``x`` (same shape on every rank); returns the board's buffer as [N, nbytes], a
+        view valid until this rank's next exchange (copy what you keep)."""
         g, flags = self.gen + 1, self.flags
-        nbytes = _nbytes(x)
+        nbytes = tensor_bytes(x)
         start = time.perf_counter()
         _wait_until(lambda: flags.min() >= g - 1, self.timeout_s, self.alive, kind)
         buf = self.board.data[g % 2]
@@ -111,18 +115,18 @@ class ShmComm:
         return buf[:, :nbytes]
 
     def all_gather(self, x: torch.Tensor, async_op: bool = False) -> torch.Tensor:
-        if async_op or _nbytes(x) > self.board.slot_bytes:
+        if async_op or tensor_bytes(x) > self.board.slot_bytes:
             return self.fallback.all_gather(x, async_op)
-        self.stats.add((self.world_size - 1) * _nbytes(x), ("all_gather", _nbytes(x)))
+        self.stats.add((self.world_size - 1) * tensor_bytes(x), ("all_gather", tensor_bytes(x)))
         raw = self._exchange(x, "all_gather")  # (N, nbytes)
         return raw.clone().view(x.dtype).view(self.world_size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, ...]: row j goes to rank j; returns [N, ...] with row j from rank j."""
-        if _nbytes(x) > self.board.slot_bytes:
+        if tensor_bytes(x) > self.board.slot_bytes:
             return self.fallback.all_to_all(x)
-        self.stats.add((self.world_size - 1) * _nbytes(x) // self.world_size, ("all_to_all", _nbytes(x)))
-        row = _nbytes(x) // self.world_size
+        self.stats.add((self.world_size - 1) * tensor_bytes(x) // self.world_size, ("all_to_all", tensor_bytes(x)))
+        row = tensor_bytes(x) // self.world_size
         raw = self._exchange(x, "all_to_all")  # (N, N * row)
         mine = raw[:, self.rank * row:(self.rank + 1) * row].clone()  # (N, row)
         return mine.view(x.dtype).view(x.shape)

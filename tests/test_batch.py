@@ -304,6 +304,15 @@ def test_two_spawned_workers_equal_one(tiny, uninterrupted, tmp_path):
     assert batch.part_paths(out) == []
 
 
+def test_sequence_parallel_job_equals_one(tiny, uninterrupted, tmp_path):
+    """``--sp 2``: one engine over two ranks runs the whole job (generate, ask, map-reduce
+    summaries, error rows) with the same results as one rank."""
+    inp, expected = uninterrupted
+    out = tmp_path / "out.jsonl"
+    _run(_batch_cmd(inp, out, tiny, "--sp", "2"))
+    assert _by_key(out) == expected
+
+
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
                     reason="torchrun is not installed next to this Python")
 def test_torchrun_two_ranks_equal_one(tiny, uninterrupted, tmp_path):

@@ -60,6 +60,8 @@ class DeviceKVPool:
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of token slots ``src`` to slots ``dst`` in every layer (slot = block *
         BS + offset); all sources are read before any destination is written."""
+        if not src:
+            return
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
         for k_cache, v_cache in self.layers:

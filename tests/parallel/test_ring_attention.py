@@ -1,4 +1,4 @@
-"""Ring attention, Ulysses, the sharded-KV decode merge and both prefix exchanges (queries
+"""Ring attention, the sharded-KV decode merge and both prefix exchanges (queries
 travel, K/V travel) in real processes (gloo on the CPU, world sizes 2 and 3) against the
 single-process reference (``kernels/reference.py``) within fp32 tolerance. One process group
 per world size runs every case (start-up costs seconds); each case is then checked as its own
