@@ -248,16 +248,21 @@ class ColumnSplit:
 
     def __init__(self, comm: RingComm, linear: Any) -> None:
         self.comm, self.linear = comm, linear
+        self._cuts: dict[int, tuple[list[int], int]] = {}
 
-    def bounds(self, num_out: int) -> list[int]:
-        world = self.comm.world_size
-        return [num_out * r // world for r in range(world + 1)]
+    def bounds(self, num_out: int) -> tuple[list[int], int]:
+        """Where each rank's slice of ``num_out`` features starts (and the last ends), and the
+        widest slice."""
+        if num_out not in self._cuts:
+            world = self.comm.world_size
+            cuts = [num_out * r // world for r in range(world + 1)]
+            self._cuts[num_out] = cuts, max(b - a for a, b in zip(cuts, cuts[1:]))
+        return self._cuts[num_out]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  residual: torch.Tensor | None = None, **prologue: Any) -> torch.Tensor:
-        cuts = self.bounds(weight.shape[0])
+        cuts, widest = self.bounds(weight.shape[0])
         lo, hi = cuts[self.comm.rank], cuts[self.comm.rank + 1]
-        widest = max(b - a for a, b in zip(cuts, cuts[1:]))
         part = x.new_empty((x.shape[0], widest))  # (T, widest): this rank's slice, padded
         sliced = dict(prologue, residual=None if residual is None else residual[:, lo:hi])
         own_bias = None if bias is None else bias[lo:hi]

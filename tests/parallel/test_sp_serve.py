@@ -16,37 +16,13 @@ import httpx
 import openai
 import psutil
 import pytest
-from test_server import ENGINE_FLAGS, ServerProcess, _metric, _sse_events, _wait_for
-from tiny_models import make_engine_checkpoint
+from test_server import (ENGINE_FLAGS, ServerProcess, _metric, _no_proxy, _sse_events, _wait_for,  # noqa: F401
+                         check_sigterm_drain,
+                         folder, slow_folder)  # fixtures shared with the one-rank server tests
 
 from longctx import LLM, SamplingParams
 
 NUM_BLOCKS = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--num-blocks") + 1])  # per rank
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_proxy():
-    """Requests go straight to 127.0.0.1, whatever proxy the environment names."""
-    with pytest.MonkeyPatch.context() as patch:
-        for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-            patch.delenv(var, raising=False)
-        yield
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-sp-serve")
-    make_engine_checkpoint(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def slow_folder(tmp_path_factory) -> str:
-    """test_server.py's bigger random model (4K window): long requests last seconds."""
-    path = tmp_path_factory.mktemp("slow-sp-serve")
-    make_engine_checkpoint(path, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -268,21 +244,5 @@ def test_sigterm_drains_then_cancels_and_exits_0(servers):
     server = servers["sigterm"]
     ranks, everything = _ranks(server), _descendants(server)
     assert len(ranks) == 1
-    url = server.url + "/v1/completions"
-    short = {"prompt": "last words", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True,
-             "stream_options": {"include_usage": True}}
-    long = {**short, "prompt": "never finishes", "max_tokens": 3000}
-    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, \
-            a.stream("POST", url, json=long) as long_response, \
-            b.stream("POST", url, json=short) as short_response:
-        long_events, short_events = _sse_events(long_response), _sse_events(short_response)
-        next(long_events), next(short_events)
-        server.proc.send_signal(signal.SIGTERM)
-        short_rest, long_rest = list(short_events), list(long_events)
-    assert server.proc.wait(30) == 0, server.output()[-3000:]
-    assert short_rest[-1] == "[DONE]"
-    assert json.loads(short_rest[-3])["choices"][0]["finish_reason"] == "length"
-    assert json.loads(short_rest[-2])["usage"]["completion_tokens"] == 40
-    assert long_rest[-1] == "[DONE]"
-    assert json.loads(long_rest[-2])["error"]["code"] == "server_shutting_down"
+    check_sigterm_drain(server)
     assert _all_gone(everything), [(p.pid, p.cmdline()) for p in everything if p.is_running()]
