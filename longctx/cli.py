@@ -47,6 +47,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_C
                                    help=help_text)
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options a parsed command line gives (``LLM(**engine_kwargs(args))``)."""
+    return _config_kwargs(args)
+
+
 def _config_kwargs(args: argparse.Namespace, classes: tuple = CONFIG_CLASSES) -> dict:
     return {f.name: getattr(args, f.name) for cls in classes for f in dataclasses.fields(cls)}
 

@@ -26,7 +26,7 @@ from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pag
 from longctx.lookahead.acceptance import accept_draft
 from longctx.lookahead.controller import LookaheadController
 from longctx.lookahead.tree import DraftTree
-from longctx.model.llama import choose_cpu_matmul
+from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
 from longctx.model.loader import load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
@@ -113,33 +113,41 @@ def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
     return best
 
 
+def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
+                  device: torch.device) -> tuple[LlamaForCausalLM, str | None]:
+    """Load the model onto ``device`` in the form its products take ("kernel", "onednn" or
+    "blas" on the CPU, None elsewhere): the same on every sequence-parallel rank."""
+    if load.num_threads:
+        torch.set_num_threads(load.num_threads)
+    if device.type == "cpu":
+        # SiLU of very negative pre-activations underflows to denormals, and x86 matmuls on
+        # denormal inputs run several times slower (measured: a 4K-token prefill 30 s -> 12 s).
+        # Flushing them to zero changes values below 1e-38 only.
+        torch.set_flush_denormal(True)
+    dtype = TORCH_DTYPES[load.dtype]
+    model = load_model(load.model, dtype=dtype, device=device)
+    if device.type != "cpu":
+        return model, None
+    cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype)
+    if cpu_matmul == "onednn" and load.cpu_matmul == "auto" and parallel.sequence_parallel_size > 1:
+        # the ranks share the weights through shared memory, which oneDNN's packed (opaque)
+        # tensors cannot join: keep them as plain BLAS matrices
+        cpu_matmul = "blas"
+    if cpu_matmul == "kernel":
+        model.use_row_kernel()
+    elif cpu_matmul == "onednn":
+        model.pack_linears_onednn()
+    return model, cpu_matmul
+
+
 class LLMEngine:
     def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
                  lookahead: LookaheadConfig = LookaheadConfig(),
                  parallel: ParallelConfig = ParallelConfig()) -> None:
-        if load.num_threads:
-            torch.set_num_threads(load.num_threads)
         self.device = torch.device(load.device)
-        if self.device.type == "cpu":
-            # SiLU of very negative pre-activations underflows to denormals, and x86 matmuls on
-            # denormal inputs run several times slower (measured: a 4K-token prefill 30 s -> 12 s).
-            # Flushing them to zero changes values below 1e-38 only.
-            torch.set_flush_denormal(True)
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
-        self.model = load_model(load.model, dtype=self.dtype, device=self.device)
-        if self.device.type == "cpu":
-            self.cpu_matmul = choose_cpu_matmul(load.cpu_matmul, self.dtype)
-            if self.cpu_matmul == "onednn" and load.cpu_matmul == "auto" and parallel.sequence_parallel_size > 1:
-                # the ranks share the weights through shared memory, which oneDNN's packed
-                # (opaque) tensors cannot join: keep them as plain BLAS matrices
-                self.cpu_matmul = "blas"
-            if self.cpu_matmul == "kernel":
-                self.model.use_row_kernel()
-            elif self.cpu_matmul == "onednn":
-                self.model.pack_linears_onednn()
-        else:
-            self.cpu_matmul = None
+        self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or self.model_config.max_position_embeddings

@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.model.llama import LlamaForCausalLM
-from longctx.parallel.comm import RingComm, init_distributed
+from longctx.parallel.comm import RingComm, init_distributed, init_from_env
 from longctx.parallel import shm_comm
 from longctx.kernels import cpu_linear
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
@@ -61,6 +61,7 @@ from longctx.scheduler import ScheduledBatch
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)  # without the board, a worker waits this long for a command
+TORCHRUN_ENV = "LONGCTX_SP_TORCHRUN"  # set by ``python -m longctx.torchrun`` on rank 0
 MAX_BOARD_TOKENS = 8192  # the shared-memory board holds steps up to this size; larger go over gloo
 
 
@@ -460,6 +461,12 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
     shm_control = ShmControl(board, rank, timeout_s, alive) if board is not None else None
     executor = RankExecutor(model, kv, kernels, rank, world, device, threads, comm, control)
     ready.put(rank)
+    serve_commands(executor, shm_control, control)
+
+
+def serve_commands(executor: RankExecutor, shm_control: ShmControl | None, control: Any) -> None:
+    """A worker's life after start-up: run rank 0's commands until "stop" (or rank 0 is gone),
+    then leave the process group."""
     while True:
         try:
             command, args = _receive_command(shm_control, control)
@@ -497,6 +504,8 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     each with ``num_blocks`` KV pages; returns rank 0's runner (its ``kv`` is the pool of all
     ranks' pages)."""
     world = parallel.sequence_parallel_size
+    if os.environ.get(TORCHRUN_ENV):
+        return _join_torchrun(model, load, cache, parallel, num_blocks, kernels, device)
     if dist.is_initialized():
         raise ConfigError("sequence_parallel_size > 1 needs its own process group, but this process "
                           "already has one (one sequence-parallel LLM per process)")
@@ -553,3 +562,46 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     log.info("sequence parallelism: %d ranks (workers %s), %d threads each, exchanges over %s", world,
              ranks.pids(), threads, "shared memory" if board is not None else "torch.distributed")
     return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)
+
+
+def _join_torchrun(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig,
+                   parallel: ParallelConfig, num_blocks: int, kernels: Any,
+                   device: torch.device) -> SequenceParallelRunner:
+    """Rank 0 under ``torchrun`` (``longctx.torchrun``): the other ranks were started by torchrun,
+    possibly on other machines, and build their model themselves; join their group, wait until
+    they are ready, and run as usual over torch.distributed (no shared-memory board)."""
+    saved = dict(item.split("=", 1) for item in os.environ[TORCHRUN_ENV].split(","))
+    world = int(saved["WORLD_SIZE"])
+    if world != parallel.sequence_parallel_size:
+        raise ConfigError(f"under torchrun, sequence_parallel_size must be the world size ({world})")
+    os.environ.update(saved)  # longctx.torchrun hid torchrun's RANK/WORLD_SIZE from the command
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_from_env(backend, parallel.sp_timeout_s)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
+    dist.barrier(group=control)  # every worker has its model and pages
+    threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
+    set_threads(threads)
+    ranks = _Ranks([], control, tempfile.TemporaryDirectory(prefix="longctx-sp-"), None)
+    local = DeviceKVPool(model.config, num_blocks, cache.block_size, _dtype(load.dtype), device)
+    executor = RankExecutor(model, local, kernels, 0, world, device, threads, RingComm(), control)
+    log.info("sequence parallelism under torchrun: %d ranks over torch.distributed (%s)", world, backend)
+    return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)
+
+
+def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: ParallelConfig,
+                    model: LlamaForCausalLM, device: torch.device, rank: int, world: int) -> None:
+    """A rank other than 0 under ``torchrun``: join the group, serve rank 0's commands."""
+    from longctx.attention import select_backend
+    from longctx.kv.device_pool import num_blocks_for
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_from_env(backend, parallel.sp_timeout_s)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
+    set_threads(threads)
+    kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
+    kv = DeviceKVPool(model.config, num_blocks_for(model.config, cache, _dtype(load.dtype)), cache.block_size,
+                      _dtype(load.dtype), device)
+    executor = RankExecutor(model, kv, kernels, rank, world, device, threads, RingComm(), control)
+    dist.barrier(group=control)
+    serve_commands(executor, None, control)
