@@ -78,9 +78,11 @@ def test_prefix_hits_on_host_and_disk_tiers_and_streaming(reference, world, tmp_
     pages = 150 // world
     with LLM(num_blocks=pages, disk_cache_dir=str(tmp_path), sequence_parallel_size=world) as llm:
         assert token_ids(llm, [first]) == expected[:1]
-        assert token_ids(llm, [second]) == expected[1:2]  # evicts the first document to the host tier
+        assert token_ids(llm, [second]) == expected[1:2]  # evicts pages of the first to the host tier
         assert token_ids(llm, [first]) == expected[:1]
-        assert llm.cache_stats().hit_tokens["host"] >= 5000
+        hits = llm.cache_stats().hit_tokens
+        # the first document's 93 full pages (5,952 tokens) come back from the device and host
+        assert hits["host"] > 0 and hits["device"] + hits["host"] == 5952, hits
         streamed = list(llm.stream(first, GREEDY))
         assert [t for d in streamed for t in d.token_ids] == expected[0]
         assert "".join(d.text for d in streamed) == llm.get_tokenizer().decode(expected[0], skip_special_tokens=True)
