@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # what a failed or refused build raises; kernel modules catch these and fall back
@@ -44,6 +46,14 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
         return ctypes.CDLL("libgomp.so.1").omp_set_num_threads  # ctypes builds a class per CDLL: once
     except (OSError, AttributeError):
         return None
+
+
+def set_cpu_threads(num: int) -> None:
+    """Threads for torch and for the C kernels' OpenMP runtime (a separate one), from the
+    calling thread on. Unchanged counts cost nothing (torch rebuilds its pool on a change)."""
+    if torch.get_num_threads() != num:
+        torch.set_num_threads(num)
+    set_omp_threads(num)
 
 
 def set_omp_threads(num: int) -> None:

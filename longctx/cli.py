@@ -47,12 +47,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_C
                                    help=help_text)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine options a parsed command line gives (``LLM(**engine_kwargs(args))``)."""
-    return _config_kwargs(args)
-
-
-def _config_kwargs(args: argparse.Namespace, classes: tuple = CONFIG_CLASSES) -> dict:
+def config_kwargs(args: argparse.Namespace, classes: tuple = CONFIG_CLASSES) -> dict:
+    """The options of ``classes`` a parsed command line gives (default: the engine's, as in
+    ``LLM(**config_kwargs(args))``)."""
     return {f.name: getattr(args, f.name) for cls in classes for f in dataclasses.fields(cls)}
 
 
@@ -155,7 +152,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from longctx.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    llm = LLM(**_config_kwargs(args))
+    llm = LLM(**config_kwargs(args))
     tokenizer = llm.get_tokenizer()
     doc_ids = tokenizer.encode(text, add_special_tokens=False)
     if args.max_prompt_tokens:
@@ -196,8 +193,8 @@ def _sampling_defaults(args: argparse.Namespace) -> dict:
 def cmd_batch(args: argparse.Namespace) -> int:
     from longctx.batch import run_batch, summary_line
 
-    job = BatchJob(args.input, args.output, BatchConfig(**_config_kwargs(args, (BatchConfig,))),
-                   _config_kwargs(args), _sampling_defaults(args))
+    job = BatchJob(args.input, args.output, BatchConfig(**config_kwargs(args, (BatchConfig,))),
+                   config_kwargs(args), _sampling_defaults(args))
     start = time.perf_counter()
     run_batch(job)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 holds the merged output
@@ -209,7 +206,7 @@ def _task_llm(args: argparse.Namespace):
     from longctx.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return LLM(**_config_kwargs(args))
+    return LLM(**config_kwargs(args))
 
 
 def _task_params(args: argparse.Namespace) -> SamplingParams:
@@ -277,10 +274,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model not in (args.model_tag, ModelLoadConfig.model):
             raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    server_config = ServerConfig(**_config_kwargs(args, (ServerConfig,)))
+    server_config = ServerConfig(**config_kwargs(args, (ServerConfig,)))
     from longctx.server.launch import run_server
 
-    return run_server(server_config, _config_kwargs(args))
+    return run_server(server_config, config_kwargs(args))
 
 
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "batch": cmd_batch,

@@ -27,7 +27,7 @@ from longctx.lookahead.acceptance import accept_draft
 from longctx.lookahead.controller import LookaheadController
 from longctx.lookahead.tree import DraftTree
 from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
-from longctx.model.loader import load_model, model_fingerprint, resolve_model
+from longctx.model.loader import TORCH_DTYPES, load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
 from longctx.sampling import make_generator, sample
@@ -36,7 +36,6 @@ from longctx.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass

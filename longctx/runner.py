@@ -37,6 +37,8 @@ class StepInputs:
 
 
 def flatten_batch(batch: ScheduledBatch, block_size: int) -> StepInputs:
+    """The step's tokens in order, with their positions (a draft node's: the last token's plus
+    its depth), KV slots, tree-mask words and the rows that need logits."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []

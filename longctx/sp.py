@@ -49,12 +49,13 @@ import torch.multiprocessing as mp
 from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.model.llama import LlamaForCausalLM
+from longctx.model.loader import TORCH_DTYPES
 from longctx.parallel.comm import RingComm, init_distributed, init_from_env
-from longctx.parallel import shm_comm
 from longctx.kernels import cpu_linear
+from longctx.kernels.cpu_build import set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
-                                        local_slot, set_threads, slot_owner)
-from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl
+                                        local_slot, slot_owner)
+from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
 from longctx.runner import draft_slot_moves, flatten_batch
 from longctx.scheduler import ScheduledBatch
 
@@ -110,7 +111,7 @@ class RankExecutor:
         # a small step on rank 0 alone leaves the other ranks idle through its linear layers:
         # take their cores for those (attention, which they share, runs on ours)
         linear_threads = self.alone_threads if small and self.rank == 0 else self.threads
-        set_threads(linear_threads)  # per calling thread for the C kernels (the server steps in its own)
+        set_cpu_threads(linear_threads)  # per calling thread for the C kernels (the server steps in its own)
         step = ShardedStep(self._seqs(batch, flat), owned, flat.slots, self.rank, self.world, bs,
                            self.device, threads=(linear_threads, self.threads))
         mine = owned[self.rank]
@@ -137,7 +138,7 @@ class RankExecutor:
         """A small step (decode, verification) with every product split by output features
         over the ranks (``ColumnSplit``): every rank holds every token, reads 1/N of the
         weights and 1/N of the KV, on its own cores."""
-        set_threads(self.threads)
+        set_cpu_threads(self.threads)
         step = ShardedStep(self._seqs(batch, flat), None, flat.slots, self.rank, self.world,
                            self.kv.block_size, self.device, split_linear=self.column_split)
         ids = torch.tensor(flat.token_ids, dtype=torch.long, device=self.device)
@@ -153,6 +154,8 @@ class RankExecutor:
                 rows: list[int]) -> torch.Tensor | None:
         """Bring the sampling rows' hidden states to rank 0 (one gather, skipped when they are
         all there already) and compute their logits there."""
+        if not rows:  # no token of the step samples (a prefill chunk mid-prompt)
+            return torch.empty(0, self.config.vocab_size) if self.rank == 0 else None
         where = {t: (r, i) for r, own in enumerate(owned) for i, t in enumerate(own)}
         if all(where[t][0] == 0 for t in rows):
             if self.rank != 0:
@@ -174,8 +177,6 @@ class RankExecutor:
                 for i, t in enumerate(t for t in own if t in wanted):
                     slot[t] = r * width + i
             picked = gathered.flatten(0, 1)[torch.tensor([slot[t] for t in rows], device=self.device)]
-        if not rows:
-            return torch.empty(0, self.config.vocab_size)
         return self.model.compute_logits(picked)
 
     def report(self, reset: bool = False) -> dict:
@@ -438,7 +439,7 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0's to handle (serve drains first); the
         signal.signal(sig, signal.SIG_IGN)      # workers end on its "stop" or when it is gone
-    set_threads(threads)
+    set_cpu_threads(threads)
     device = init_distributed(rank, world, init_method, backend, timeout_s)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # as the engine does
@@ -449,11 +450,11 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
     if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
         from longctx.model.loader import load_model
 
-        model = load_model(model, dtype=_dtype(load.dtype), device=device)
+        model = load_model(model, dtype=TORCH_DTYPES[load.dtype], device=device)
     from longctx.attention import select_backend
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
-    kv = DeviceKVPool(model.config, num_blocks, block_size, _dtype(load.dtype), device)
+    kv = DeviceKVPool(model.config, num_blocks, block_size, TORCH_DTYPES[load.dtype], device)
     def alive() -> bool:
         return os.getppid() == parent
 
@@ -482,10 +483,6 @@ def serve_commands(executor: RankExecutor, shm_control: ShmControl | None, contr
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def board_slot_bytes(config: Any, world: int, max_tokens: int, itemsize: int) -> int:
@@ -519,8 +516,8 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     threads = rank_threads(world, load.num_threads)
     backend = "nccl" if device.type == "cuda" else "gloo"  # a CPU engine on a GPU machine too
     board = None
-    if device.type == "cpu" and shm_comm.supported():
-        slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), _dtype(load.dtype).itemsize)
+    if device.type == "cpu" and board_supported():
+        slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), TORCH_DTYPES[load.dtype].itemsize)
         board = ShmBoard(world, slot)
     folder = tempfile.TemporaryDirectory(prefix="longctx-sp-")
     init_method = f"file://{os.path.join(folder.name, 'rendezvous')}"
@@ -550,13 +547,13 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
             raise SequenceParallelError(f"the sequence-parallel ranks did not start within "
                                         f"{parallel.sp_timeout_s:.0f} s ({fates}; see their stderr)") from None
         raise
-    set_threads(threads)
+    set_cpu_threads(threads)
     def alive() -> bool:
         return all(p.exitcode is None for p in procs)
 
     shm_control = ShmControl(board, 0, parallel.sp_timeout_s, alive) if board is not None else None
     ranks = _Ranks(procs, control, folder, shm_control)
-    local = DeviceKVPool(model.config, num_blocks, cache.block_size, _dtype(load.dtype), device)
+    local = DeviceKVPool(model.config, num_blocks, cache.block_size, TORCH_DTYPES[load.dtype], device)
     comm = ShmComm(board, 0, RingComm(), parallel.sp_timeout_s, alive) if board is not None else RingComm()
     executor = RankExecutor(model, local, kernels, 0, world, device, threads, comm, control)
     log.info("sequence parallelism: %d ranks (workers %s), %d threads each, exchanges over %s", world,
@@ -580,9 +577,9 @@ def _join_torchrun(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheC
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
     dist.barrier(group=control)  # every worker has its model and pages
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
-    set_threads(threads)
+    set_cpu_threads(threads)
     ranks = _Ranks([], control, tempfile.TemporaryDirectory(prefix="longctx-sp-"), None)
-    local = DeviceKVPool(model.config, num_blocks, cache.block_size, _dtype(load.dtype), device)
+    local = DeviceKVPool(model.config, num_blocks, cache.block_size, TORCH_DTYPES[load.dtype], device)
     executor = RankExecutor(model, local, kernels, 0, world, device, threads, RingComm(), control)
     log.info("sequence parallelism under torchrun: %d ranks over torch.distributed (%s)", world, backend)
     return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)
@@ -598,10 +595,10 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
     init_from_env(backend, parallel.sp_timeout_s)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
-    set_threads(threads)
+    set_cpu_threads(threads)
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
-    kv = DeviceKVPool(model.config, num_blocks_for(model.config, cache, _dtype(load.dtype)), cache.block_size,
-                      _dtype(load.dtype), device)
+    kv = DeviceKVPool(model.config, num_blocks_for(model.config, cache, TORCH_DTYPES[load.dtype]), cache.block_size,
+                      TORCH_DTYPES[load.dtype], device)
     executor = RankExecutor(model, kv, kernels, rank, world, device, threads, RingComm(), control)
     dist.barrier(group=control)
     serve_commands(executor, None, control)

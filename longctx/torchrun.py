@@ -50,7 +50,7 @@ def _worker(argv: list[str], rank: int, world: int) -> int:
     from longctx.engine import prepare_model
 
     args, _ = cli.build_parser().parse_known_args(argv)
-    load, cache, _, _, parallel = split_engine_kwargs({**cli.engine_kwargs(args), "sequence_parallel_size": world})
+    load, cache, _, _, parallel = split_engine_kwargs({**cli.config_kwargs(args), "sequence_parallel_size": world})
     device = torch.device(load.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

