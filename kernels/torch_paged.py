@@ -251,9 +251,16 @@ class _StepPlan:
     it once per step instead of once each."""
 
     def __init__(self, block_table: torch.Tensor, context_lens: torch.Tensor,
-                 cu_seqlens_q: torch.Tensor) -> None:
-        self.tables, self.ctx_lens = block_table.tolist(), context_lens.tolist()
-        self.cu = cu_seqlens_q.tolist()
+                 cu_seqlens_q: torch.Tensor, host: tuple | None = None) -> None:
+        if host is not None:  # the runner's own lists: (block table rows, context lens, query lens)
+            tables, ctx_lens, q_lens = host
+            self.tables, self.ctx_lens = tables, list(ctx_lens)
+            self.cu = [0]
+            for n in q_lens:
+                self.cu.append(self.cu[-1] + n)
+        else:
+            self.tables, self.ctx_lens = block_table.tolist(), context_lens.tolist()
+            self.cu = cu_seqlens_q.tolist()
         self.kernel_blocks: dict[tuple[int, int, int], cpu_decode.Blocks] = {}
         self.causal_words: dict[int, torch.Tensor] = {}
 
@@ -286,7 +293,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     plan = step_cache.get("torch_paged.plan") if step_cache is not None else None
     if plan is None:
-        plan = _StepPlan(block_table, context_lens, cu_seqlens_q)
+        plan = _StepPlan(block_table, context_lens, cu_seqlens_q,
+                         step_cache.get("host") if step_cache is not None else None)
         if step_cache is not None:
             step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu

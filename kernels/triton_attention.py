@@ -433,8 +433,11 @@ def _sequence_extents(context_lens, cu_seqlens_q) -> tuple[int, int]:
 
 def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, *,
                            scale: float | None = None, tree_mask: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_attention with an optional forced split count (tests and benchmarks)."""
+                           num_splits: int | None = None,
+                           extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention with an optional forced split count (tests and benchmarks).
+    ``extents``: (max query length, max context length) when the caller knows them on the
+    host (the engine's runner does); else they are read from the device (one sync)."""
     _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, tree_mask)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
@@ -445,7 +448,7 @@ def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_se
                      device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out, lse
-    max_q_len, max_ctx_len = _sequence_extents(context_lens, cu_seqlens_q)
+    max_q_len, max_ctx_len = extents if extents is not None else _sequence_extents(context_lens, cu_seqlens_q)
     if tree_mask is not None and max_q_len > MAX_TREE_TOKENS:
         raise ValueError(f"tree masks support at most {MAX_TREE_TOKENS} new tokens per "
                          f"sequence, got {max_q_len}")
@@ -496,18 +499,24 @@ def _launch_merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: to
 # ---------------------------------------------------------------------------------------------
 
 
+TAKES_EXTENTS = True  # paged_attention accepts extents=(max q len, max context len)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
-                    tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tree_mask: torch.Tensor | None = None,
+                    extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
 
     q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
     context_lens [B] (cached + new tokens); cu_seqlens_q [B + 1]; tree_mask int64 [T] or None.
+    ``extents``: (max query length, max context length) from the host, so the launch never
+    reads the device (the engine passes them; without them one sync reads them).
     Returns out [T, H, D] (dtype of q) and lse fp32 [T, H].
     """
     return launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
-                                  scale=scale, tree_mask=tree_mask)
+                                  scale=scale, tree_mask=tree_mask, extents=extents)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -57,7 +57,7 @@ class LLM:
 
     def cache_stats(self):
         """``PrefixCacheStats``: prompt tokens seen, prefilled, and served per cache tier."""
-        return self.engine.cache_stats()
+        return self.engine.cache_stats(wait_for_disk=True)
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached pages on the device and host tiers (the disk tier stays)."""

@@ -38,6 +38,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T] int64
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits, or None (causal)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (K, V)
+    # host numbers the runner already has, so no layer reads them back from the device
+    max_query_len: int | None = None
+    max_context_len: int | None = None
+    max_position: int | None = None  # 1 + the largest position in the step (RoPE tables)
+    cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: context offsets (flash-attn varlen)
+    host_block_table: list[list[int]] | None = None
     # what a kernels module derives from this metadata once and reuses in every layer
     step_cache: dict = field(default_factory=dict)
 
@@ -64,7 +70,11 @@ class PagedAttentionBackend:
             return dense_causal(q, k, v, meta.query_lens, self.scale)
         k_cache, v_cache = meta.kv_caches[layer_idx]
         extra = {"step_cache": meta.step_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
+        if not meta.step_cache and meta.host_block_table is not None:
+            meta.step_cache["host"] = (meta.host_block_table, meta.context_lens, meta.query_lens)
         self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **extra)
+        if getattr(self.kernels, "TAKES_EXTENTS", False) and meta.max_query_len is not None:
+            extra["extents"] = (meta.max_query_len, meta.max_context_len)
         out, _ = self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
             scale=self.scale, tree_mask=meta.tree_mask, **extra)
@@ -72,9 +82,12 @@ class PagedAttentionBackend:
 
 
 class FlashAttnBackend(PagedAttentionBackend):
-    """flash-attn's ``flash_attn_with_kvcache`` for pure decode steps (one new token per
-    sequence, no tree mask, block size a multiple of 256, as flash-attn's paged KV requires);
-    every other step goes to the Triton kernels."""
+    """flash-attn over the paged KV (pages of a multiple of 256 tokens, as its paged API
+    requires; the engine picks 256 when this backend runs): after the step's K/V are written to
+    their slots, decode steps (one new token per sequence) use ``flash_attn_with_kvcache`` and
+    prefill chunks ``flash_attn_varlen_func`` with the block table (causal, aligned to the
+    bottom right: a chunk sees the cached prefix). Steps with a tree mask (lookahead verify),
+    float32 and pages of other sizes go to the Triton kernels."""
 
     def __init__(self, head_dim: int, triton_kernels: Any, flash_attn: Any) -> None:
         super().__init__(head_dim, triton_kernels, "flash-attn+triton")
@@ -82,17 +95,20 @@ class FlashAttnBackend(PagedAttentionBackend):
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        decode_only = (meta.kv_caches is not None and meta.tree_mask is None
-                       and all(n == 1 for n in meta.query_lens)
-                       and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
-        if not decode_only:
+        usable = (meta.kv_caches is not None and meta.tree_mask is None and q.dtype != torch.float32
+                  and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
+        if not usable:
             return super().forward(layer_idx, q, k, v, meta)
         k_cache, v_cache = meta.kv_caches[layer_idx]
-        cached = meta.context_lens_t - 1  # the new token is appended by flash-attn itself
-        out = self.flash_attn.flash_attn_with_kvcache(
-            q[:, None], k_cache, v_cache, k=k[:, None], v=v[:, None], cache_seqlens=cached,
-            block_table=meta.block_table, softmax_scale=self.scale, causal=True)
-        return out[:, 0]
+        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            out = self.flash_attn.flash_attn_with_kvcache(
+                q[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens_t,
+                block_table=meta.block_table, softmax_scale=self.scale, causal=True)
+            return out[:, 0]
+        return self.flash_attn.flash_attn_varlen_func(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_query_len,
+            meta.max_context_len, softmax_scale=self.scale, causal=True, block_table=meta.block_table)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
@@ -110,21 +126,29 @@ def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: 
     return out
 
 
-def select_backend(device: torch.device | str, head_dim: int, prefer: str = "auto") -> PagedAttentionBackend:
-    """The attention implementation for ``device``: on CUDA flash-attn (decode) + Triton when
-    flash-attn is installed, else Triton; on the CPU the torch path. ``prefer`` forces one of
-    ``torch``, ``triton``, ``flash-attn``."""
+def flash_attn_available() -> bool:
+    """flash-attn is installed (it only ever is beside CUDA)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(device: torch.device | str, head_dim: int, prefer: str = "auto",
+                   dtype: torch.dtype = torch.float32) -> PagedAttentionBackend:
+    """The attention implementation for ``device``: on CUDA flash-attn (prefill and decode) +
+    Triton (lookahead verify steps, and what flash-attn cannot take) when flash-attn is
+    installed and the dtype is 16-bit, else Triton; on the CPU the torch path. ``prefer``
+    forces one of ``torch``, ``triton``, ``flash-attn``."""
     device = torch.device(device)
     if prefer == "torch" or (prefer == "auto" and device.type != "cuda"):
         return PagedAttentionBackend(head_dim, torch_paged, "torch")
     from longctx.kernels import triton_attention
 
-    if prefer in ("auto", "flash-attn"):
-        try:
-            import flash_attn
-        except ImportError:
-            if prefer == "flash-attn":
-                raise
-        else:
-            return FlashAttnBackend(head_dim, triton_attention, flash_attn)
+    if prefer == "flash-attn" and dtype == torch.float32:
+        raise ValueError("flash-attn computes in float16/bfloat16 only: use dtype='bfloat16' "
+                         "(or attention_backend='triton' for float32)")
+    if prefer == "flash-attn" or (prefer == "auto" and dtype != torch.float32 and flash_attn_available()):
+        import flash_attn
+
+        return FlashAttnBackend(head_dim, triton_attention, flash_attn)
     return PagedAttentionBackend(head_dim, triton_attention, "triton")

@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
+DEFAULT_HOST_CACHE_GB = 2.0
+DEFAULT_KV_CACHE_GB = 1.0  # the KV pool on the CPU (on a GPU: sized from free memory)
+DEFAULT_BLOCK_SIZE = 64
+FLASH_ATTN_BLOCK_SIZE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
 
 
 class ConfigError(ValueError):
@@ -27,7 +31,8 @@ def _check(ok: bool, message: str) -> None:
 @dataclass(frozen=True)
 class ModelLoadConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "alias, HF folder or .gguf file"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16 "
+                                                         "(auto: bfloat16 on CUDA, float32 on the CPU)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, cuda:N"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: leave as is)"})
     attention_backend: str = field(
@@ -36,6 +41,9 @@ class ModelLoadConfig:
         default="auto", metadata={"help": "auto | kernel | onednn | blas: the CPU weight products "
                                           "(auto: for float32 the C row kernel where it builds, "
                                           "else oneDNN pre-packed, else BLAS; BLAS for bf16/fp16)"})
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "on CUDA, run decode steps eagerly instead of replaying "
+                                         "CUDA graphs captured at start-up"})
 
     def __post_init__(self) -> None:
         _check(self.cpu_matmul in CPU_MATMULS,
@@ -44,7 +52,7 @@ class ModelLoadConfig:
                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                f"got {self.attention_backend!r}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _check(self.cpu_matmul not in ("kernel", "onednn") or self.dtype == "float32",
+        _check(self.cpu_matmul not in ("kernel", "onednn") or self.dtype in ("float32", "auto"),
                f"cpu_matmul={self.cpu_matmul!r} is for float32 models, got dtype={self.dtype!r} "
                "(use cpu_matmul='auto' or 'blas')")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
@@ -52,23 +60,44 @@ class ModelLoadConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = field(default=64, metadata={"help": "tokens per KV page"})
-    kv_cache_gb: float = field(default=1.0, metadata={"help": "memory budget for the KV pool (GiB)"})
+    block_size: int | None = field(
+        default=None, metadata={"help": "tokens per KV page (default: 64; 256 when flash-attn runs)"})
+    kv_cache_gb: float | None = field(
+        default=None, metadata={"help": "memory budget for the KV pool (GiB; default: 1 on the CPU, "
+                                        "on a GPU gpu_memory_utilization of its memory less the model's)"})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "share of the GPU's memory the engine may use (weights, "
+                                       "activations and the KV pool) when kv_cache_gb is not given"})
     num_blocks: int = field(default=0, metadata={"help": "exact KV pool size in pages (overrides kv_cache_gb)"})
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV pages of earlier requests' common prefixes"})
-    host_cache_gb: float = field(
-        default=2.0, metadata={"help": "host (CPU) tier for pages evicted from the device (GiB; 0: none)"})
+    host_cache_gb: float | None = field(
+        default=None, metadata={"help": "host (CPU) tier for pages evicted from the device (GiB; 0: none; "
+                                        "default: 2 beside a GPU, none when the device is the CPU)"})
     disk_cache_dir: str = field(
         default="", metadata={"help": "folder for the disk tier; pages persist across restarts ('': none)"})
     disk_cache_gb: float = field(default=20.0, metadata={"help": "disk tier budget (GiB)"})
 
+    def host_tier_gb(self, device_type: str) -> float:
+        """The host tier's budget: as given, else 2 GiB beside a GPU and none when the KV pool
+        is itself in CPU memory (a second copy in the same RAM buys nothing; an explicit size
+        still builds one, which the tests use to run the tier's logic on the CPU)."""
+        if self.host_cache_gb is not None:
+            return float(self.host_cache_gb)
+        return 0.0 if device_type == "cpu" else DEFAULT_HOST_CACHE_GB
+
     def __post_init__(self) -> None:
-        _check(1 <= self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
+        _check(self.block_size is None or (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024
+                                           and self.block_size & (self.block_size - 1) == 0),
                f"block_size must be a power of two in [1, 1024], got {self.block_size}")
-        _check(self.kv_cache_gb > 0, f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        _check(self.kv_cache_gb is None or self.kv_cache_gb > 0,
+               f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
-        _check(self.host_cache_gb >= 0, f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
+        _check(self.host_cache_gb is None or (isinstance(self.host_cache_gb, (int, float))
+                                              and self.host_cache_gb >= 0),
+               f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         _check(self.disk_cache_gb > 0, f"disk_cache_gb must be positive, got {self.disk_cache_gb}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
@@ -137,6 +166,23 @@ class ParallelConfig:
 
 
 CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig, ParallelConfig)
+FLAG_TYPES = {"block_size": int}  # fields whose default None means "auto" and whose value is not a float
+
+
+def resolve_auto(load: ModelLoadConfig, cache: CacheConfig, device_type: str,
+                 flash_attn: bool) -> tuple[ModelLoadConfig, CacheConfig]:
+    """The "auto" choices made concrete for a device: the dtype (bfloat16 on CUDA, float32 on
+    the CPU) and the page size (256 when flash-attn will run: on CUDA, installed, a 16-bit
+    dtype and a backend that allows it; else 64). ``kv_cache_gb`` stays None on CUDA (the
+    engine sizes the pool from free memory) and becomes 1 GiB elsewhere."""
+    from dataclasses import replace
+
+    dtype = load.dtype if load.dtype != "auto" else ("bfloat16" if device_type == "cuda" else "float32")
+    uses_flash = (flash_attn and device_type == "cuda" and dtype != "float32"
+                  and load.attention_backend in ("auto", "flash-attn"))
+    block = cache.block_size or (FLASH_ATTN_BLOCK_SIZE if uses_flash else DEFAULT_BLOCK_SIZE)
+    kv = cache.kv_cache_gb if cache.kv_cache_gb is not None or device_type == "cuda" else DEFAULT_KV_CACHE_GB
+    return replace(load, dtype=dtype), replace(cache, block_size=block, kv_cache_gb=kv)
 
 
 def split_engine_kwargs(kwargs: dict[str, Any]) -> tuple[ModelLoadConfig, CacheConfig, SchedulerConfig,

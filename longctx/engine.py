@@ -8,6 +8,7 @@ Never: parsing user input (``longctx.api`` and the CLI do that) or choosing what
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -15,26 +16,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longctx.attention import select_backend
+from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
-from longctx.config import CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig, SchedulerConfig
-from longctx.kv.device_pool import DeviceKVPool, bytes_per_block, num_blocks_for
+from longctx.cuda_graphs import DecodeGraphs
+from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
+                            SchedulerConfig, resolve_auto)
+from longctx.detokenizer import Detokenizer, make_detokenizer
+from longctx.kv.device_pool import DeviceKVPool, bytes_per_block, num_blocks_for, profile_kv_cache_gb
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.host_pool import HostKVPool
+from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
-from longctx.lookahead.acceptance import accept_draft
+from longctx.lookahead.acceptance import accept_tokens
 from longctx.lookahead.controller import LookaheadController
 from longctx.lookahead.tree import DraftTree
 from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
 from longctx.model.loader import TORCH_DTYPES, load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
-from longctx.sampling import make_generator, sample
+from longctx.runner import SeqResult
+from longctx.sampling import SeqSampling
 from longctx.sampling_params import SamplingParams
 from longctx.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler
 
 log = logging.getLogger(__name__)
+
+DISK_WAIT_S = 0.05  # a step with nothing to run waits this long for a disk read to finish
 
 
 
@@ -64,6 +72,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None  # per token: its own and the top ones
 
 
 @dataclass
@@ -87,17 +96,19 @@ class StepUpdate:
     num_prompt_tokens: int
     finished: bool
     finish_reason: str | None
+    new_logprobs: list[dict[int, float]] | None = None  # per new token, when the request asked
 
 
 @dataclass
 class _Tracked:
     request: Request
     prompt: str | None
-    generator: torch.Generator | None
     metrics: RequestMetrics
     text: str = ""
     num_sent: int = 0  # characters of ``text`` already handed out as ``new_text``
+    detok: Detokenizer | None = None  # the output's text, token by token (made on the first)
     stop_ids: frozenset[int] = frozenset()
+    logprobs: list[dict[int, float]] | None = None  # per output token, when asked
 
 
 def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
@@ -144,14 +155,22 @@ class LLMEngine:
                  lookahead: LookaheadConfig = LookaheadConfig(),
                  parallel: ParallelConfig = ParallelConfig()) -> None:
         self.device = torch.device(load.device)
+        load, cache = resolve_auto(load, cache, self.device.type, flash_attn_available())
+        if cache.kv_cache_gb is None and parallel.sequence_parallel_size > 1:
+            cache = dataclasses.replace(cache, kv_cache_gb=DEFAULT_KV_CACHE_GB)  # the same on every rank
+        self.load_config, self.cache_config = load, cache
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or self.model_config.max_position_embeddings
+        backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
+                                 self.dtype)
+        if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
+            cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=profile_kv_cache_gb(
+                self.model, backend, self.device, sched.max_num_batched_tokens, cache.gpu_memory_utilization))
         num_blocks = num_blocks_for(self.model_config, cache, self.dtype)  # per rank
-        backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend)
         self.sequence_parallel_size = parallel.sequence_parallel_size
         if parallel.sequence_parallel_size > 1:
             from longctx import sp
@@ -164,6 +183,7 @@ class LLMEngine:
         try:
             self.kv = self.runner.kv
             self.pool = BlockPool(self.kv.num_blocks)
+            self.kv_mover: KVMover | None = None
             self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
             self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
                                        context_cost=self.model_config.context_cost_tokens)
@@ -171,15 +191,27 @@ class LLMEngine:
             self._stop_runner()  # sequence-parallel ranks already started: no orphans
             raise
         self.max_model_len = max_len
+        if (self.device.type == "cuda" and not load.enforce_eager and parallel.sequence_parallel_size == 1
+                and self.model_config.rope_scaling.rope_type != "dynamic"):  # dynamic RoPE: tables per length
+            self.capture_decode_graphs(sched.max_num_seqs, capture=True)
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
+    def capture_decode_graphs(self, max_batch: int, capture: bool = True) -> DecodeGraphs:
+        """Reserve a scratch page for padded rows and (on CUDA) capture decode steps' graphs.
+        ``capture=False`` runs the same padded path eagerly (how the CPU tests check it)."""
+        scratch = self.pool.allocate(1)[0]  # never released: padded rows write here
+        graphs = DecodeGraphs(self.runner, max_batch, self.max_model_len, scratch, capture)
+        graphs.capture()
+        self.runner.graphs = graphs
+        return graphs
+
     def _build_prefix_cache(self, cache: CacheConfig, path) -> PrefixCache:
         page_bytes = bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        host_pages = host_tier_pages(cache.host_cache_gb, page_bytes)
+        host_pages = host_tier_pages(cache.host_tier_gb(torch.device(self.kv.device).type), page_bytes)
         host = HostKVPool(self.kv, host_pages) if host_pages else None
         disk = None
         if cache.disk_cache_dir:
@@ -188,13 +220,16 @@ class LLMEngine:
             disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), shape, self.dtype)
         tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
         key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype))
+        self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)
         return PrefixCache(tree, self.pool, self.kv, host, disk, key)
 
     # ------------------------------------------------------------------ prefix cache
 
-    def cache_stats(self) -> PrefixCacheStats:
+    def cache_stats(self, wait_for_disk: bool = False) -> PrefixCacheStats:
         """Prompt tokens seen, prefilled, and served from each cache tier, so far."""
         sched, pc = self.scheduler, self.prefix_cache
+        if wait_for_disk and self.kv_mover is not None:
+            self.kv_mover.flush()  # queued disk writes count once written (the server never waits)
         stats = PrefixCacheStats(sched.num_prompt_tokens, sched.num_computed_prompt_tokens)
         if pc is not None:
             stats.hit_tokens = dict(pc.hit_tokens)
@@ -225,6 +260,8 @@ class LLMEngine:
                 log.warning("a sequence-parallel rank failed: the prefix cache is not persisted")
             else:
                 self.persist_prefix_cache()
+                if self.kv_mover is not None:
+                    self.kv_mover.close()
         finally:
             self._stop_runner()
 
@@ -235,13 +272,23 @@ class LLMEngine:
 
     def persist_prefix_cache(self) -> int:
         """Write every cached page to the disk tier (if there is one); returns pages written."""
-        return self.prefix_cache.persist() if self.prefix_cache is not None else 0
+        if self.prefix_cache is None:
+            return 0
+        self.run_pending_kv_orders()
+        return self.prefix_cache.persist()
+
+    def run_pending_kv_orders(self) -> None:
+        """Carry out, now, copies the prefix store planned outside a step (a direct
+        ``prefix_cache.make_room``), and wait for the disk thread's queue."""
+        self.runner.apply_kv_orders(self.prefix_cache.take_orders())
+        self.kv_mover.flush()
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached page from the device and host tiers (the disk tier is kept)."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("cannot clear the prefix cache while requests are running")
         if self.prefix_cache is not None:
+            self.run_pending_kv_orders()
             self.prefix_cache.clear()
 
     # ------------------------------------------------------------------ requests
@@ -257,8 +304,9 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         self.scheduler.add(request)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        self._tracked[request_id] = _Tracked(request, prompt, make_generator(params),
-                                             RequestMetrics(time.perf_counter()), stop_ids=stop_ids)
+        self._tracked[request_id] = _Tracked(request, prompt, RequestMetrics(time.perf_counter()),
+                                             stop_ids=stop_ids,
+                                             logprobs=[] if params.logprobs is not None else None)
         if self.lookahead is not None:
             self.lookahead.add(request_id, request.prompt_token_ids, shared=params.greedy)
         return request_id
@@ -267,6 +315,7 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None and tracked.request.status != RequestStatus.FINISHED:
             self.scheduler.finish(tracked.request, "abort")
+        self.runner.forget(request_id)
         if self.lookahead is not None:
             self.lookahead.finish(request_id)
 
@@ -277,7 +326,8 @@ class LLMEngine:
         t = self._tracked[request_id]
         req = t.request
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids,
-                             [CompletionOutput(0, t.text, list(req.output_token_ids), req.finish_reason)],
+                             [CompletionOutput(0, t.text, list(req.output_token_ids), req.finish_reason,
+                                               None if t.logprobs is None else list(t.logprobs))],
                              req.status == RequestStatus.FINISHED, t.metrics)
 
     def release(self, request_id: str) -> RequestOutput:
@@ -289,35 +339,57 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[StepUpdate]:
+        self._finish_disk_loads()
         if self.lookahead is not None:
             self._propose_drafts()
         batch = self.scheduler.schedule()
+        for load in batch.disk_loads:  # read on the disk thread; the requests wait meanwhile
+            self.kv_mover.submit_read(load)
         if not batch.seqs:
-            if self.scheduler.has_unfinished():
+            self.runner.apply_kv_orders(batch.kv_orders)
+            if self.scheduler.loading:  # only requests waiting for disk pages: wait for one
+                self._finish_disk_loads(wait=DISK_WAIT_S)
+            elif self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any request (KV pool too small?)")
             return []
         now = time.perf_counter()
         for seq in batch.seqs:
             m = self._tracked[seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        logits = self.runner.execute(batch)
-        self.scheduler.advance(batch)
         sampling = [s for s in batch.seqs if s.sample]
-        starts = list(itertools.accumulate((1 + s.num_draft for s in sampling), initial=0))
-        plain = [(s, i) for s, i in zip(sampling, starts) if not s.num_draft]
-        tracked = [self._tracked[s.request_id] for s, _ in plain]
-        tokens = sample(logits[[i for _, i in plain]], [t.request.params for t in tracked],
-                        [t.generator for t in tracked]) if plain else []
+        results = self.runner.run(batch, [self._sampling(s) for s in sampling])
+        self.scheduler.advance(batch)
         now = time.perf_counter()
         updates = {s.request_id: self._progress(self._tracked[s.request_id]) for s in batch.seqs}
-        for (seq, _), token in zip(plain, tokens):
-            updates[seq.request_id] = self._commit(seq, [token], now)
-        for seq, start in zip(sampling, starts):
+        for seq, result in zip(sampling, results):
             if seq.num_draft:
-                updates[seq.request_id] = self._verify(seq, logits[start:start + 1 + seq.num_draft], now)
+                updates[seq.request_id] = self._verify(seq, result, now)
+            else:
+                updates[seq.request_id] = self._commit(seq, result.tokens, now, rows=[0], result=result)
+        for rid, update in updates.items():
+            if update.finished:
+                self.runner.forget(rid)
         return list(updates.values())
 
+    def _sampling(self, seq: ScheduledSeq) -> SeqSampling:
+        """What the runner's sampler needs of ``seq``'s request (plain data, no ``Request``)."""
+        req = self._tracked[seq.request_id].request
+        return SeqSampling(seq.request_id, req.params, len(req.output_token_ids),
+                           tuple(seq.token_ids[1:]) if seq.num_draft else (), seq.draft_parents,
+                           req.prompt_token_ids, req.output_token_ids)
+
     # ------------------------------------------------------------------ lookahead
+
+    def _finish_disk_loads(self, wait: float = 0.0) -> None:
+        """Requests whose disk pages the disk thread has read: write the good pages into
+        their blocks and hand the requests back to the scheduler."""
+        if self.kv_mover is None or not self.scheduler.loading:
+            return
+        for load in self.kv_mover.completed_reads(wait):
+            if not self.scheduler.is_loading(load.request_id):
+                continue  # aborted meanwhile: its blocks are gone, nothing is written
+            self.kv_mover.write_pages(list(load.device_ids[:len(load.pages)]), load.pages)
+            self.scheduler.finish_disk_load(load)
 
     def _propose_drafts(self) -> None:
         for req in self.scheduler.running:
@@ -329,30 +401,41 @@ class LLMEngine:
             tree = self.lookahead.propose(req.request_id, room)
             req.draft_token_ids, req.draft_parents = tree.token_ids, tree.parents
 
-    def _verify(self, seq: ScheduledSeq, logits: torch.Tensor, now: float) -> StepUpdate:
-        """Judge the draft of ``seq``, commit the accepted tokens and the bonus token, and move
-        the accepted branch's KV next to the last token."""
+    def _verify(self, seq: ScheduledSeq, sampled: SeqResult, now: float) -> StepUpdate:
+        """Judge the draft of ``seq`` by the tokens sampled for its rows, commit the accepted
+        tokens and the bonus token, and move the accepted branch's KV next to the last token."""
         t = self._tracked[seq.request_id]
         tree = DraftTree(seq.token_ids[1:], list(seq.draft_parents))
-        result = accept_draft(logits, tree, t.request.params, t.generator)
+        result = accept_tokens(tree, sampled.tokens)
         m = t.metrics
         m.num_verify_steps += 1
         m.num_draft_tokens += len(tree)
         m.num_accepted_tokens += result.num_accepted
         update = self._commit(seq, result.tokens, now, num_drafted=len(tree),
-                              num_accepted=result.num_accepted)
+                              num_accepted=result.num_accepted, rows=result.kept_queries,
+                              result=sampled)
         if not update.finished:
             self.runner.move_draft_kv(seq.block_ids, seq.start_pos, result.accepted_nodes)
             self.scheduler.accept_draft(seq.request_id, result.num_accepted)
         return update
 
     def _commit(self, seq: ScheduledSeq, tokens: list[int], now: float, num_drafted: int = 0,
-                num_accepted: int = 0) -> StepUpdate:
-        """Append ``tokens`` in order until one finishes the request; one update for all."""
+                num_accepted: int = 0, rows: list[int] = (), result: SeqResult | None = None) -> StepUpdate:
+        """Append ``tokens`` in order until one finishes the request; one update for all.
+        ``rows``: the sampler's row of each token (for its log-probabilities)."""
         t = self._tracked[seq.request_id]
+        tokens = tokens[:len(rows)] if rows else tokens
         parts = [self._append(t, token, now) for token in tokens[:1]]
         while not parts[-1].finished and len(parts) < len(tokens):
             parts.append(self._append(t, tokens[len(parts)], now))
+        new_logprobs = None
+        if t.logprobs is not None and result is not None and result.logprobs is not None:
+            new_logprobs = []
+            for row, token in zip(rows, tokens[:len(parts)]):
+                entry = dict(zip(result.top_ids[row], result.top_logprobs[row]))
+                entry[token] = result.logprobs[row]
+                new_logprobs.append(entry)
+            t.logprobs.extend(new_logprobs)
         if self.lookahead is not None:
             committed = [u.new_token_ids[0] for u in parts]
             self.lookahead.commit(seq.request_id, committed, num_drafted, min(num_accepted, len(committed)))
@@ -361,7 +444,7 @@ class LLMEngine:
         last = parts[-1]
         return StepUpdate(last.request_id, [u.new_token_ids[0] for u in parts],
                           "".join(u.new_text for u in parts), last.num_computed_tokens,
-                          last.num_prompt_tokens, last.finished, last.finish_reason)
+                          last.num_prompt_tokens, last.finished, last.finish_reason, new_logprobs)
 
     def _progress(self, t: _Tracked) -> StepUpdate:
         req = t.request
@@ -375,7 +458,11 @@ class LLMEngine:
         m.first_token_time = m.first_token_time or now
         m.token_times.append(now)
         old_text = t.text
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        if t.detok is None or len(t.detok.token_ids) != len(req.output_token_ids) - 1:
+            t.detok = make_detokenizer(self.tokenizer, req.output_token_ids[:-1])
+        # == tokenizer.decode(req.output_token_ids, skip_special_tokens=True), at a cost per
+        # token that does not grow with the output
+        text = t.detok.add(token)
         reason = None
         if token in t.stop_ids:
             reason = "stop"

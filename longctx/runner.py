@@ -19,7 +19,9 @@ import torch
 
 from longctx.attention import AttentionMetadata
 from longctx.kv.device_pool import DeviceKVPool
+from longctx.kv.mover import KVMover
 from longctx.model.llama import LlamaForCausalLM
+from longctx.sampling import PenaltyState, Sampler, SeqSampling, sampling_rows
 from longctx.scheduler import ScheduledBatch
 
 
@@ -65,36 +67,158 @@ def flatten_batch(batch: ScheduledBatch, block_size: int) -> StepInputs:
                       [s.start_pos + len(s.token_ids) for s in batch.seqs], words, rows)
 
 
-class ModelRunner:
+@dataclass
+class SeqResult:
+    """What a step sampled for one sampling sequence: a token per row (root first, then one
+    per draft node), and, when asked, the chosen tokens' log-probabilities and the top ones."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class InputPacker:
+    """A step's integer inputs in one host buffer (pinned when the device is CUDA), copied to
+    the device in one non-blocking upload and sliced there: ids, positions, slots, the query
+    start offsets, context lengths, the block table and the tree mask. ``uploads`` and
+    ``downloads`` count the copies (tests hold the step to one of each)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
+        self._host: torch.Tensor | None = None
+        self.uploads = self.downloads = 0
+
+    def host_buffer(self, size: int) -> torch.Tensor:
+        if self._host is None or self._host.numel() < size:
+            self._host = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=self.pin)
+        return self._host[:size]
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        self.uploads += 1
+        if self.device.type == "cpu":
+            return host.clone()  # the step's tensors must not alias a buffer the next step reuses
+        return host.to(self.device, non_blocking=True)
+
+    def download(self, values: torch.Tensor) -> list:
+        self.downloads += 1
+        return values.tolist()
+
+    def pack(self, step: StepInputs, table: list[list[int]]) -> dict[str, torch.Tensor | None]:
+        """The device tensors of ``step``: ids, positions, slots, cu_seqlens_q, context_lens,
+        block_table (int32 [B, W]), tree_mask (or None) and rows (the tokens to sample)."""
+        num_seqs = len(step.query_lens)
+        width = len(table[0]) if table else 0
+        parts = {"ids": step.token_ids, "positions": step.positions, "slots": step.slots,
+                 "cu_seqlens_q": list(accumulate(step.query_lens, initial=0)),
+                 "cu_seqlens_k": list(accumulate(step.context_lens, initial=0)),
+                 "context_lens": step.context_lens,
+                 "block_table": [b for row in table for b in row], "rows": step.sample_rows}
+        if step.tree_words is not None:
+            parts["tree_mask"] = step.tree_words
+        sizes = [len(p) for p in parts.values()]
+        host = self.host_buffer(sum(sizes))
+        host.copy_(torch.tensor([x for part in parts.values() for x in part], dtype=torch.int64))
+        out: dict[str, torch.Tensor | None] = dict(zip(parts, torch.split(self.upload(host), sizes)))
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_table"):  # int32 inputs
+            out[name] = out[name].to(torch.int32)
+        out["block_table"] = out["block_table"].view(num_seqs, width)
+        out.setdefault("tree_mask", None)
+        return out
+
+
+class SamplingRunner:
+    """``run(batch, seqs) -> tokens``: the forward (``execute``) and the batched device sampler,
+    with one device-to-host copy of the sampled tokens. Shared by the single-device runner and
+    the sequence-parallel one (whose rank 0 holds the logits)."""
+
+    sampler: Sampler
+    penalties: PenaltyState
+    packer: InputPacker
+    kv_mover: KVMover | None = None  # executes the prefix store's tier copies
+
+    def apply_kv_orders(self, orders: list) -> None:
+        """Carry out a step's KV tier copies (before its forward, in order)."""
+        if orders:
+            self.kv_mover.execute(orders)
+
+    def run(self, batch: ScheduledBatch, seqs: list[SeqSampling]) -> list[SeqResult]:
+        """Run ``batch``'s KV tier copies, compute it, and sample ``seqs`` (its sampling
+        sequences, in batch order)."""
+        self.apply_kv_orders(batch.kv_orders)
+        logits = self.execute(batch)
+        if not seqs:
+            return []
+        result = self.sampler.sample(logits, sampling_rows(seqs, self.penalties))
+        if result.logprobs is None:
+            tokens = self.packer.download(result.tokens)
+            extra = None
+        else:  # logprobs asked: pack them with the tokens into one copy
+            k = result.top_ids.shape[1]
+            packed = torch.cat([result.tokens[:, None].double(), result.logprobs[:, None].double(),
+                                result.top_ids.double(), result.top_logprobs.double()], dim=1)
+            rows = self.packer.download(packed)
+            tokens = [int(r[0]) for r in rows]
+            extra = [(r[1], [int(x) for x in r[2:2 + k]], r[2 + k:]) for r in rows]
+        out, start = [], 0
+        for s in seqs:
+            end = start + s.num_rows
+            res = SeqResult(tokens[start:end])
+            if extra is not None and s.params.logprobs is not None:
+                n = s.params.logprobs
+                res.logprobs = [e[0] for e in extra[start:end]]
+                res.top_ids = [e[1][:n] for e in extra[start:end]]
+                res.top_logprobs = [e[2][:n] for e in extra[start:end]]
+            out.append(res)
+            start = end
+        return out
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop what the sampler kept for it."""
+        self.penalties.forget(request_id)
+
+
+class ModelRunner(SamplingRunner):
     def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, backend, device: torch.device) -> None:
-        self.model, self.kv, self.backend, self.device = model, kv, backend, device
+        self.model, self.kv, self.backend, self.device = model, kv, backend, torch.device(device)
         self.block_size = kv.block_size
+        self.packer = InputPacker(self.device)
+        self.sampler = Sampler(upload=self.packer.upload)
+        self.penalties = PenaltyState(model.config.vocab_size, self.device)
+        self.graphs = None  # a ``cuda_graphs.DecodeGraphs`` replays decode steps when set
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         step = flatten_batch(batch, self.block_size)
         width = max(len(s.block_ids) for s in batch.seqs)
         table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
-        dev = self.device
+        t = self.packer.pack(step, table)
         meta = AttentionMetadata(
-            query_lens=step.query_lens, context_lens=step.context_lens,
-            cu_seqlens_q=torch.tensor(list(accumulate(step.query_lens, initial=0)), dtype=torch.int32, device=dev),
-            context_lens_t=torch.tensor(step.context_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(step.slots, dtype=torch.int64, device=dev),
-            tree_mask=None if step.tree_words is None else torch.tensor(step.tree_words, dtype=torch.int64, device=dev),
-            kv_caches=self.kv.layers)
-        return (torch.tensor(step.token_ids, dtype=torch.long, device=dev),
-                torch.tensor(step.positions, dtype=torch.long, device=dev), meta, step.sample_rows)
+            query_lens=step.query_lens, context_lens=step.context_lens, cu_seqlens_q=t["cu_seqlens_q"],
+            context_lens_t=t["context_lens"], block_table=t["block_table"], slot_mapping=t["slots"],
+            tree_mask=t["tree_mask"], cu_seqlens_k=t["cu_seqlens_k"],
+            kv_caches=self.kv.layers, max_query_len=max(step.query_lens),
+            max_context_len=max(step.context_lens), max_position=max(step.positions) + 1,
+            host_block_table=table)
+        return t["ids"], t["positions"], meta, (step.sample_rows, t["rows"])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits (fp32) for the seqs of ``batch`` that sample, in order: one row each, or
         ``1 + num_draft`` rows for a seq with a draft tree."""
-        input_ids, positions, meta, rows = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        input_ids, positions, meta, (rows, rows_t) = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.backend, meta)  # (T, E)
         if not rows:
-            return torch.empty(0, self.model.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            return torch.empty(0, self.model.config.vocab_size, device=hidden.device)
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous: a view
+            return self.model.compute_logits(hidden[rows[0]:rows[0] + len(rows)])
+        return self.model.compute_logits(hidden.index_select(0, rows_t))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, seqs: list[SeqSampling]) -> list[SeqResult]:
+        return super().run(batch, seqs)
 
     def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
         self.kv.move_slots(*draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size))

@@ -20,6 +20,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (HF's rule)
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for a token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this per earlier occurrence in the output
+    min_p: float = 0.0  # drop tokens with probability < min_p * the most likely token's
+    logprobs: int | None = None  # return the chosen token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +54,19 @@ class SamplingParams:
              f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop must be non-empty strings, got {self.stop!r}"),
+            (_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}"),
+            (_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (_number(self.min_p) and 0 <= self.min_p <= 1,
+             f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (self.logprobs is None or _count(self.logprobs),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or _count(self.prompt_logprobs),
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+             f"got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -56,3 +75,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_LOGPROBS

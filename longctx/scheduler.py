@@ -74,6 +74,7 @@ MAX_SKIPS = 4  # admissions that may overtake a waiting request before it goes f
 
 class RequestStatus(Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted with a prefix on disk: waits for its pages to be read
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -101,6 +102,8 @@ class Request:
     num_skips: int = 0  # times a later request was admitted first
     draft_token_ids: list[int] = field(default_factory=list)  # lookahead draft for the next step
     draft_parents: list[int] = field(default_factory=list)  # -1: the last token; else a draft node
+    disk_load: Any = None  # while LOADING: the prefix store's ``DiskLoad`` of its pages
+    disk_tried: bool = False  # its disk pages were read once: the disk is not probed again
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +140,8 @@ class ScheduledSeq:
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
     preempted: list[str]
+    kv_orders: list = field(default_factory=list)  # tier copies to run before the forward, in order
+    disk_loads: list = field(default_factory=list)  # disk reads to start (requests now LOADING)
 
     @property
     def num_tokens(self) -> int:
@@ -213,6 +218,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self.loading: dict[str, Request] = {}  # waiting for prefix pages from disk
+        self._new_loads: list = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
@@ -251,12 +258,15 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status == RequestStatus.LOADING:
+            del self.loading[request.request_id]
+            request.disk_load = None
         self._free_blocks(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ------------------------------------------------------------------ one step
 
@@ -286,7 +296,9 @@ class Scheduler:
         seqs = list(step.scheduled.values())
         if any(len(s.token_ids) > MAX_VERIFY_TOKENS for s in seqs if not s.num_draft):
             seqs = [self._without_draft(s) for s in seqs]
-        return ScheduledBatch(seqs=seqs, preempted=step.preempted)
+        orders = self.cache.take_orders() if self.cache is not None else []
+        loads, self._new_loads = self._new_loads, []
+        return ScheduledBatch(seqs=seqs, preempted=step.preempted, kv_orders=orders, disk_loads=loads)
 
     def _schedule_running(self, req: Request, step: "_Step") -> None:
         if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
@@ -321,6 +333,12 @@ class Scheduler:
             if whole_only and uncached > step.chunk(uncached, cached):
                 break
             self._attach_prefix(req)
+            if req.disk_load is not None:  # its pages come from disk first: it waits for them
+                self.waiting.remove(req)
+                req.status = RequestStatus.LOADING
+                self.loading[req.request_id] = req
+                self._new_loads.append(req.disk_load)
+                continue
             num_new = step.chunk(req.num_pending, req.num_computed_tokens)
             if num_new == 0:  # latency mode: this step's prefill work is spent
                 self._free_blocks(req)
@@ -366,11 +384,34 @@ class Scheduler:
         if self.cache is None or req.num_computed_tokens:
             return
         hit = self.cache.acquire(req.token_slice(0, req.num_tokens), req.cache_salt,
-                                 req.num_tokens - 1)
+                                 req.num_tokens - 1, req.request_id, use_disk=not req.disk_tried)
         req.cache_node, req.block_ids = hit.node, hit.block_ids
         req.num_computed_tokens, req.num_indexed_pages = hit.num_tokens, len(hit.block_ids)
         if not req.num_preemptions and not req.output_token_ids:
             req.num_cached_tokens = hit.num_tokens
+        if hit.disk_load is not None:
+            req.disk_load = hit.disk_load
+            req.block_ids = hit.block_ids + list(hit.disk_load.device_ids)
+
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self.loading
+
+    def finish_disk_load(self, load: Any) -> None:
+        """The pages of ``load`` were read (``load.pages``, up to the first bad one) and
+        written into their blocks: index them, and put the request back at the head of the
+        waiting queue with its prefix computed."""
+        req = self.loading.pop(load.request_id)
+        num_prefix = req.num_computed_tokens // self.block_size
+        req.cache_node, ids = self.cache.finish_disk_load(
+            req.token_slice(0, req.num_tokens), req.cache_salt, req.cache_node,
+            req.block_ids[:num_prefix], load)
+        req.block_ids, req.disk_load, req.disk_tried = ids, None, True
+        req.num_indexed_pages = len(ids)
+        req.num_computed_tokens = len(ids) * self.block_size
+        if not req.num_preemptions and not req.output_token_ids:
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def _index_pages(self, req: Request) -> None:
         """Hand the request's newly completed full pages to the prefix cache."""

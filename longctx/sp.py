@@ -56,7 +56,8 @@ from longctx.kernels.cpu_build import set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
                                         local_slot, slot_owner)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
-from longctx.runner import draft_slot_moves, flatten_batch
+from longctx.runner import InputPacker, SamplingRunner, draft_slot_moves, flatten_batch
+from longctx.sampling import PenaltyState, Sampler
 from longctx.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -369,12 +370,17 @@ class ShardedKVPool:
         self._run("move_slots", list(src), list(dst))
 
 
-class SequenceParallelRunner:
-    """Rank 0's runner: ``execute(batch) -> logits`` and ``move_draft_kv``, like
-    ``ModelRunner``, with every step shared by the ranks."""
+class SequenceParallelRunner(SamplingRunner):
+    """Rank 0's runner: ``run(batch, seqs) -> tokens``, ``execute(batch) -> logits`` and
+    ``move_draft_kv``, like ``ModelRunner``, with every step shared by the ranks (rank 0 holds
+    the logits and samples them)."""
 
     def __init__(self, executor: RankExecutor, kv: ShardedKVPool, ranks: _Ranks) -> None:
         self.executor, self.kv, self.ranks = executor, kv, ranks
+        device = kv.device
+        self.packer = InputPacker(device)
+        self.sampler = Sampler(upload=self.packer.upload)
+        self.penalties = PenaltyState(executor.model.config.vocab_size, device)
         self.block_size = kv.block_size
         self.world_size = kv.world
         self.backend = executor.attention

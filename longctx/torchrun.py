@@ -46,12 +46,16 @@ def _worker(argv: list[str], rank: int, world: int) -> int:
     import torch
 
     from longctx import cli
-    from longctx.config import split_engine_kwargs
+    from longctx.attention import flash_attn_available
+    from longctx.config import DEFAULT_KV_CACHE_GB, resolve_auto, split_engine_kwargs
     from longctx.engine import prepare_model
 
     args, _ = cli.build_parser().parse_known_args(argv)
     load, cache, _, _, parallel = split_engine_kwargs({**cli.config_kwargs(args), "sequence_parallel_size": world})
     device = torch.device(load.device)
+    load, cache = resolve_auto(load, cache, device.type, flash_attn_available())  # as rank 0's engine
+    if cache.kv_cache_gb is None:
+        cache = dataclasses.replace(cache, kv_cache_gb=DEFAULT_KV_CACHE_GB)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         load = dataclasses.replace(load, device=str(device))

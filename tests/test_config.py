@@ -9,20 +9,51 @@ import json
 import pytest
 
 from longctx.config import (CacheConfig, ConfigError, LookaheadConfig, ModelLoadConfig, ParallelConfig,
-                            SchedulerConfig,
-                            split_engine_kwargs)
+                            SchedulerConfig, resolve_auto, split_engine_kwargs)
+from longctx.kv.device_pool import kv_budget_bytes
 from longctx.model.config import ModelConfig, RopeScaling, UnsupportedModelError
 
 # ---------------------------------------------------------------------------- engine configs
 
 
 def test_engine_config_defaults():
-    assert ModelLoadConfig() == ModelLoadConfig(model="smollm2-135m", dtype="float32",
+    assert ModelLoadConfig() == ModelLoadConfig(model="smollm2-135m", dtype="auto",
                                                 device="cpu", num_threads=0,
-                                                attention_backend="auto")
-    assert CacheConfig() == CacheConfig(block_size=64, kv_cache_gb=1.0, num_blocks=0)
+                                                attention_backend="auto", enforce_eager=False)
+    assert CacheConfig() == CacheConfig(block_size=None, kv_cache_gb=None, num_blocks=0,
+                                        host_cache_gb=None, gpu_memory_utilization=0.9)
     assert SchedulerConfig() == SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64,
                                                 max_model_len=0)
+
+
+@pytest.mark.parametrize("device,flash,dtype,block,kv", [
+    ("cpu", False, "float32", 64, 1.0),
+    ("cpu", True, "float32", 64, 1.0),  # flash-attn never runs on the CPU
+    ("cuda", False, "bfloat16", 64, None),  # Triton; the KV pool sized from free GPU memory
+    ("cuda", True, "bfloat16", 256, None),  # flash-attn's paged KV wants pages of 256
+])
+def test_auto_choices_per_device(device, flash, dtype, block, kv):
+    load, cache = resolve_auto(ModelLoadConfig(), CacheConfig(), device, flash)
+    assert (load.dtype, cache.block_size, cache.kv_cache_gb) == (dtype, block, kv)
+
+
+def test_explicit_choices_win_over_auto():
+    load, cache = resolve_auto(ModelLoadConfig(dtype="float32"), CacheConfig(block_size=16, kv_cache_gb=3.0),
+                               "cuda", True)
+    assert (load.dtype, cache.block_size, cache.kv_cache_gb) == ("float32", 16, 3.0)
+    # float32 on CUDA: no flash-attn, so the default page size stays 64
+    assert resolve_auto(ModelLoadConfig(dtype="float32"), CacheConfig(), "cuda", True)[1].block_size == 64
+    assert CacheConfig().host_tier_gb("cpu") == 0.0 and CacheConfig().host_tier_gb("cuda") == 2.0
+    assert CacheConfig(host_cache_gb=0.5).host_tier_gb("cpu") == 0.5
+
+
+def test_kv_budget_on_a_gpu_follows_vllms_rule():
+    gib = 1 << 30
+    # 80 GiB card, 75 free after loading 5 GiB; a full step peaks 2 GiB above what is allocated
+    assert kv_budget_bytes(80 * gib, 75 * gib, 5 * gib, 7 * gib, 0.9) == 72 * gib - 5 * gib - 2 * gib
+    # another process holds 10 GiB: less for us
+    assert kv_budget_bytes(80 * gib, 65 * gib, 5 * gib, 7 * gib, 0.9) == 72 * gib - 15 * gib - 2 * gib
+    assert kv_budget_bytes(80 * gib, 5 * gib, 5 * gib, 7 * gib, 0.5) < 0  # nothing left: the engine says so
 
 
 def test_config_error_is_a_value_error():
@@ -51,8 +82,8 @@ def test_model_load_config_accepts_known_attention_backends(backend):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(attention_backend="flash_attn"), "attention_backend must be one of auto, torch, "
                                            "triton, flash-attn, got 'flash_attn'"),
-    (dict(dtype="int8"), "dtype must be one of float32, bfloat16, float16, got 'int8'"),
-    (dict(dtype="fp16"), "dtype must be one of float32, bfloat16, float16, got 'fp16'"),
+    (dict(dtype="int8"), "dtype must be one of auto, float32, bfloat16, float16, got 'int8'"),
+    (dict(dtype="fp16"), "dtype must be one of auto, float32, bfloat16, float16, got 'fp16'"),
     (dict(num_threads=-1), "num_threads must be >= 0, got -1"),
 ])
 def test_model_load_config_errors(kwargs, message):

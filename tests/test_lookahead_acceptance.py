@@ -1,7 +1,8 @@
-"""Acceptance: greedy exact cases and equality with plain greedy decoding; the sampled rule
-replayed against hand-computed thresholds; and chi-square tests, over many seeds on a tiny
-vocabulary, that the first two tokens of lookahead sampling follow plain sampling's joint
-distribution, with the same test failing two deliberately wrong rules. Plus LookaheadStats.
+"""Acceptance: greedy exact cases and equality with plain greedy decoding; the sampled rule (one
+seeded pick per verify row, then a walk down the tree) giving exactly plain sampling's tokens at
+the same output positions; and chi-square tests, over many seeds on a tiny vocabulary, that the
+first two tokens of lookahead sampling follow plain sampling's joint distribution, with the same
+test failing deliberately wrong rules. Plus LookaheadStats.
 
 The "model" is a trigram table: the logits after a prefix depend on its last two tokens, so a
 row computed for the wrong path (e.g. the parent's) gives a different distribution.
@@ -9,6 +10,7 @@ row computed for the wrong path (e.g. the parent's) gives a different distributi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longctx.lookahead.acceptance import Acceptance, accept_draft, try_children
+from longctx.lookahead.acceptance import Acceptance, accept_draft, accept_tokens
 from longctx.lookahead.drafter import Drafter, DrafterConfig
 from longctx.lookahead.stats import LookaheadStats, LookaheadStatsTracker
 from longctx.lookahead.tree import ROOT, DraftTree
@@ -75,15 +77,18 @@ def test_greedy_ties_take_the_first_maximum_like_plain_sampling():
     logits = torch.tensor([[0.0, 3.0, 3.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     assert accept_draft(logits, DraftTree([2], [ROOT]), GREEDY).tokens == [1]
     assert accept_draft(logits, DraftTree([1], [ROOT]), GREEDY).tokens == [1, 0]
-    assert sample(logits[:1], [GREEDY], [None]) == [1]
+    assert sample(logits[:1], [GREEDY]) == [1]
 
 
 def test_empty_draft_is_plain_decoding():
     logits = one_hot_rows([4])
     assert accept_draft(logits, DraftTree.empty(), GREEDY) == Acceptance([], [4])
-    sampled = accept_draft(logits, DraftTree.empty(), SamplingParams(top_k=1, seed=0),
-                           torch.Generator().manual_seed(0))
+    sampled = accept_draft(logits, DraftTree.empty(), SamplingParams(top_k=1, seed=0), position=9)
     assert sampled == Acceptance([], [4])
+    flat = SamplingParams(seed=5)
+    for position in range(20):
+        assert accept_draft(torch.zeros(1, 8), DraftTree.empty(), flat, position).tokens == sample(
+            torch.zeros(1, 8), [flat], [position])
 
 
 @pytest.mark.parametrize("logits,message", [
@@ -96,23 +101,43 @@ def test_bad_verify_logits_are_rejected(logits, message):
         accept_draft(logits, TREE, GREEDY)
 
 
+# ---------------------------------------------------------------------------- the walk
+
+
+@pytest.mark.parametrize("row_tokens,accepted,tokens", [
+    ([5, 0, 0, 6, 7, 1, 0], [2, 3, 4], [5, 6, 7, 1]),
+    ([3, 4, 2, 0, 0, 0, 0], [0, 1], [3, 4, 2]),
+    ([2, 0, 0, 0, 0, 0, 6], [5], [2, 6]),
+    ([1, 4, 4, 4, 4, 4, 4], [], [1]),
+    ([3, 7, 2, 6, 7, 1, 0], [0], [3, 7]),  # row 1 picks 7: not a child of node 0
+])
+def test_accept_tokens_walks_the_picks(row_tokens, accepted, tokens):
+    assert accept_tokens(TREE, row_tokens) == Acceptance(accepted, tokens)
+
+
+def test_accept_tokens_needs_one_pick_per_row():
+    with pytest.raises(ValueError, match=r"one picked token per verify row \(7\), got 6"):
+        accept_tokens(TREE, [0] * 6)
+    assert accept_tokens(DraftTree.empty(), [3]) == Acceptance([], [3])
+
+
 def plain_tokens(model: TrigramModel, prompt: list[int], params: SamplingParams,
-                 gen: torch.Generator | None, num_tokens: int) -> list[int]:
+                 num_tokens: int) -> list[int]:
+    """Plain decoding: output position ``i`` sampled alone from its row."""
     tokens = list(prompt)
-    for _ in range(num_tokens):
-        tokens += sample(model.logits(tokens)[None], [params], [gen])
+    for position in range(num_tokens):
+        tokens += sample(model.logits(tokens)[None], [params], [position])
     return tokens[len(prompt):]
 
 
 def lookahead_tokens(model: TrigramModel, prompt: list[int], params: SamplingParams,
-                     gen: torch.Generator | None, num_tokens: int, draft_for,
-                     accept=accept_draft) -> list[int]:
-    """Generate with drafts from ``draft_for(prefix)`` judged by ``accept``; the first
-    ``num_tokens`` emitted."""
+                     num_tokens: int, draft_for, accept=accept_draft) -> list[int]:
+    """Generate with drafts from ``draft_for(prefix)`` judged by ``accept`` (given the output
+    position of the root's token); the first ``num_tokens`` emitted."""
     tokens = list(prompt)
     while len(tokens) < len(prompt) + num_tokens:
         tree = draft_for(tokens)
-        tokens += accept(model.verify_logits(tokens, tree), tree, params, gen).tokens
+        tokens += accept(model.verify_logits(tokens, tree), tree, params, len(tokens) - len(prompt)).tokens
     return tokens[len(prompt):len(prompt) + num_tokens]
 
 
@@ -143,57 +168,84 @@ def draft_policies(draw):
        draft_policies())
 def test_greedy_lookahead_equals_plain_greedy(model_seed, prompt, draft_for):
     model = TrigramModel(model_seed)
-    assert lookahead_tokens(model, prompt, GREEDY, None, 16, draft_for) == plain_tokens(
-        model, prompt, GREEDY, None, 16)
+    assert lookahead_tokens(model, prompt, GREEDY, 16, draft_for) == plain_tokens(
+        model, prompt, GREEDY, 16)
 
 
 # ---------------------------------------------------------------------------- sampled: exact
 
+SAMPLING = [SamplingParams(), SamplingParams(temperature=0.8, top_k=4),
+            SamplingParams(temperature=1.3, top_p=0.7), SamplingParams(temperature=1.1, min_p=0.1)]
+SAMPLING_IDS = ["t1", "t0.8-k4", "t1.3-p0.7", "t1.1-minp0.1"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10_000), st.lists(st.integers(0, V - 1), min_size=2, max_size=8),
+       draft_policies(), st.sampled_from(SAMPLING), st.integers(-2**40, 2**40))
+def test_seeded_lookahead_emits_plain_samplings_tokens(model_seed, prompt, draft_for, params, seed):
+    # Not just the same distribution: the same tokens, since row by row the verify pass draws
+    # with the noise of (seed, output position), as plain decoding does at that position.
+    model = TrigramModel(model_seed, spread=1.0)  # flatter: drafts are often rejected
+    params = dataclasses.replace(params, seed=seed)
+    assert lookahead_tokens(model, prompt, params, 16, draft_for) == plain_tokens(
+        model, prompt, params, 16)
+
+
+def test_each_verify_row_draws_plain_samplings_token_at_its_position():
+    # A chain of 5 draft tokens: row d is output position ``position + d``; its pick is plain
+    # sampling's token for that row alone at that position, whatever the draft says.
+    model, params = TrigramModel(3, spread=0.5), SamplingParams(seed=21, temperature=1.5)
+    prefix = [0, 1, 2]
+    for position in (0, 7, 123):
+        tree = DraftTree.chain([1, 2, 3, 4, 5])
+        logits = model.verify_logits(prefix, tree)
+        picks = sample(logits, [params] * 6, [position + d for d in range(6)])
+        alone = [sample(logits[d:d + 1], [params], [position + d])[0] for d in range(6)]
+        assert picks == alone
+        assert accept_draft(logits, tree, params, position) == accept_tokens(tree, picks)
+
+
 P = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
 
 
-def replayed_uniforms(gen: torch.Generator, count: int) -> list[float]:
-    """The next ``count`` uniforms ``gen`` will give ``try_children``, without consuming them."""
-    copy = torch.Generator().manual_seed(0)
-    copy.set_state(gen.get_state())
-    return [float(torch.rand((), dtype=torch.float64, generator=copy)) for _ in range(count)]
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_sampled_rule_against_hand_computed_thresholds(seed):
-    # Children 1 then 0: accept 1 iff u1 < 0.3; else accept 0 iff u2 < 0.5 / 0.7; else the
-    # residual holds only token 2 (token 3 has p = 0).
-    gen = torch.Generator().manual_seed(seed)
-    u1, u2 = replayed_uniforms(gen, 2)
-    chosen, residual = try_children(P, [1, 0], gen)
-    if u1 < 0.3:
-        assert chosen == 0 and torch.equal(residual, P)
-    elif u2 < 0.5 / 0.7:
-        assert chosen == 1 and residual.tolist() == [0.5, 0.0, 0.2, 0.0]
-    else:
-        assert chosen is None and residual.tolist() == [0.0, 0.0, 0.2, 0.0]
-
-
-def test_hand_computed_thresholds_cover_every_outcome():
-    outcomes = [try_children(P, [1, 0], torch.Generator().manual_seed(s))[0] for s in range(40)]
-    assert set(outcomes) == {0, 1, None}
-
-
 def test_zero_probability_children_are_never_accepted_and_certain_ones_always():
-    for seed in range(50):
-        gen = torch.Generator().manual_seed(seed)
-        assert try_children(P, [3], gen)[0] is None
-        assert try_children(P, [3, 2, 1, 0], gen)[0] in (1, 2, 3)
-        assert try_children(torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64), [2, 0, 1],
-                            gen)[0] == 2
+    logits = P.log().float()[None]  # token 3 has probability exactly 0
+    certain = torch.tensor([[-math.inf, 0.0, -math.inf]])
+    for seed in range(150):
+        params = SamplingParams(seed=seed)
+        assert accept_draft(logits.expand(2, -1), DraftTree([3], [ROOT]), params).accepted_nodes == []
+        result = accept_draft(logits.expand(5, -1), DraftTree([3, 2, 1, 0], [ROOT] * 4), params, seed)
+        assert len(result.accepted_nodes) == 1 and result.accepted_nodes[0] in (1, 2, 3)
+        assert accept_draft(certain.expand(4, -1), DraftTree([2, 0, 1], [ROOT] * 3), params,
+                            seed).accepted_nodes == [2]
+
+
+def test_filtered_out_children_are_never_accepted():
+    # top_k=2 leaves tokens 0 and 1 of P: a child carrying token 2 (p = 0.2 before the filter)
+    # is never accepted, and the bonus is never token 2 either.
+    logits = P.log().float()[None].expand(2, -1)
+    results = [accept_draft(logits, DraftTree([2], [ROOT]), SamplingParams(seed=s, top_k=2))
+               for s in range(300)]
+    assert all(r.accepted_nodes == [] for r in results)
+    assert {r.bonus_token for r in results} == {0, 1}
+
+
+def test_children_are_accepted_with_their_probability():
+    # Children 1 and 0 of P: the root's pick is 1 with p 0.3, 0 with p 0.5, else 2 (the
+    # bonus). Over 1500 seeds each frequency is within 4 standard deviations.
+    logits = P.log().float()[None].expand(3, -1)
+    tree = DraftTree([1, 0], [ROOT, ROOT])
+    outcomes = [accept_draft(logits, tree, SamplingParams(seed=s)) for s in range(1500)]
+    for nodes, p in (([0], 0.3), ([1], 0.5), ([], 0.2)):
+        count = sum(r.accepted_nodes == nodes for r in outcomes)
+        assert abs(count - 1500 * p) < 4 * math.sqrt(1500 * p * (1 - p)), (nodes, count)
+    assert {r.bonus_token for r in outcomes if not r.accepted_nodes} == {2}
 
 
 def test_bonus_never_repeats_a_rejected_sibling():
     logits = torch.tensor([[0.0, 0.0, 0.0, -30.0]])  # p ~ 1/3, 1/3, 1/3, 0
     tree = DraftTree([0, 1], [ROOT, ROOT])
-    params = SamplingParams(seed=3)
-    gen = torch.Generator().manual_seed(3)
-    results = [accept_draft(logits.expand(3, 4), tree, params, gen) for _ in range(300)]
+    results = [accept_draft(logits.expand(3, 4), tree, SamplingParams(seed=s), 4) for s in range(300)]
     rejected_both = [r for r in results if not r.accepted_nodes]
     assert len(rejected_both) > 50
     assert {r.bonus_token for r in rejected_both} == {2}
@@ -205,8 +257,7 @@ def test_sampled_walk_uses_each_nodes_own_row():
     argmaxes = [3, 1, 4, 1, 5]
     tree = DraftTree.chain(argmaxes[:4])
     params = SamplingParams(top_k=1, temperature=0.9, seed=0)
-    result = accept_draft(one_hot_rows(argmaxes), tree, params, torch.Generator().manual_seed(0))
-    assert result == Acceptance([0, 1, 2, 3], argmaxes)
+    assert accept_draft(one_hot_rows(argmaxes), tree, params) == Acceptance([0, 1, 2, 3], argmaxes)
 
 
 # ---------------------------------------------------------------------------- chi-square
@@ -264,10 +315,9 @@ def goodness_of_fit(counts: torch.Tensor, expected_probs: torch.Tensor) -> float
 def first_two_counts(model: TrigramModel, prompt: list[int], params: SamplingParams,
                      draft_for, num_seeds: int, accept=accept_draft) -> torch.Tensor:
     counts = torch.zeros(V, V)
-    gen = torch.Generator()
     for seed in range(num_seeds):
-        gen.manual_seed(seed)
-        x1, x2 = lookahead_tokens(model, prompt, params, gen, 2, draft_for, accept)
+        seeded = dataclasses.replace(params, seed=seed)
+        x1, x2 = lookahead_tokens(model, prompt, seeded, 2, draft_for, accept)
         counts[x1, x2] += 1
     return counts
 
@@ -308,13 +358,11 @@ def from_drafter(prefix: list[int]) -> DraftTree:
     return Drafter(DrafterConfig(max_context=2), prefix).propose(6, 3)
 
 
-SAMPLING = [SamplingParams(), SamplingParams(temperature=0.8, top_k=4),
-            SamplingParams(temperature=1.3, top_p=0.7)]
 NUM_SEEDS = 1500
 
 
 @pytest.mark.parametrize("draft_for", [likely_chain, unlikely_first, every_token, from_drafter])
-@pytest.mark.parametrize("params", SAMPLING, ids=["t1", "t0.8-k4", "t1.3-p0.7"])
+@pytest.mark.parametrize("params", SAMPLING, ids=SAMPLING_IDS)
 def test_first_two_tokens_follow_plain_sampling(params, draft_for):
     counts = first_two_counts(MODEL, PROMPT, params, draft_for, NUM_SEEDS)
     assert goodness_of_fit(counts, joint_target(MODEL, PROMPT, params)) > 1e-3
@@ -322,16 +370,19 @@ def test_first_two_tokens_follow_plain_sampling(params, draft_for):
 
 def test_plain_sampling_passes_the_same_check():
     counts = torch.zeros(V, V)
-    gen = torch.Generator()
     for seed in range(NUM_SEEDS):
-        gen.manual_seed(seed)
-        x1, x2 = plain_tokens(MODEL, PROMPT, SAMPLING[1], gen, 2)
+        x1, x2 = plain_tokens(MODEL, PROMPT, dataclasses.replace(SAMPLING[1], seed=seed), 2)
         counts[x1, x2] += 1
     assert goodness_of_fit(counts, joint_target(MODEL, PROMPT, SAMPLING[1])) > 1e-3
 
 
-def accept_always(logits, tree, params, gen) -> Acceptance:
+def _generator(params: SamplingParams, position: int) -> torch.Generator:
+    return torch.Generator().manual_seed(params.seed * 1000 + position)
+
+
+def accept_always(logits, tree, params, position) -> Acceptance:
     """Wrong: trusts the first child at every node."""
+    gen = _generator(params, position)
     node, accepted = ROOT, []
     while tree.children(node):
         node = tree.children(node)[0]
@@ -340,9 +391,10 @@ def accept_always(logits, tree, params, gen) -> Acceptance:
     return Acceptance(accepted, [tree.token_ids[n] for n in accepted] + [bonus])
 
 
-def resample_from_p(logits, tree, params, gen) -> Acceptance:
+def resample_from_p(logits, tree, params, position) -> Acceptance:
     """Wrong, the classic slip: accept each child with p(x) and, all rejected, sample the
     bonus from p itself instead of the residual."""
+    gen = _generator(params, position)
     node, accepted = ROOT, []
     while True:
         probs = filtered_probs(logits[node + 1], params)
@@ -355,11 +407,43 @@ def resample_from_p(logits, tree, params, gen) -> Acceptance:
         accepted.append(node)
 
 
-@pytest.mark.parametrize("wrong_rule", [accept_always, resample_from_p])
+def parents_row(logits, tree, params, position) -> Acceptance:
+    """Wrong: every node's pick drawn from its parent's row (one row late)."""
+    rows = torch.cat([logits[:1], logits[[p + 1 for p in tree.parents]]])
+    return accept_draft(rows, tree, params, position)
+
+
+def one_noise_for_all_rows(logits, tree, params, position) -> Acceptance:
+    """Wrong: every row drawn at the root's position, so a node and its parent share noise."""
+    picks = sample(logits, [params] * logits.shape[0], [position] * logits.shape[0])
+    return accept_tokens(tree, picks)
+
+
+@pytest.mark.parametrize("wrong_rule", [accept_always, resample_from_p, parents_row])
 def test_the_check_detects_a_wrong_rule(wrong_rule):
     params = SAMPLING[0]
     counts = first_two_counts(MODEL, PROMPT, params, unlikely_first, NUM_SEEDS, wrong_rule)
     assert goodness_of_fit(counts, joint_target(MODEL, PROMPT, params)) < 1e-6
+
+
+def likely_chain_of(model: TrigramModel):
+    def draft(prefix: list[int]) -> DraftTree:
+        chain = []
+        for _ in range(4):
+            chain.append(int(torch.argmax(model.logits(prefix + chain))))
+        return DraftTree.chain(chain)
+    return draft
+
+
+def test_exact_equality_detects_rows_sharing_noise():
+    # Drawing every row of a verify at the root's position keeps each token's distribution
+    # given its prefix, but not plain sampling's tokens: the exact test above catches it.
+    params = SamplingParams(seed=8)
+    model = TrigramModel(5, spread=0.5)
+    plain = plain_tokens(model, PROMPT, params, 32)
+    assert lookahead_tokens(model, PROMPT, params, 32, likely_chain_of(model)) == plain
+    assert lookahead_tokens(model, PROMPT, params, 32, likely_chain_of(model),
+                            one_noise_for_all_rows) != plain
 
 
 # ---------------------------------------------------------------------------- stats

@@ -108,7 +108,7 @@ def test_device_hit_equals_cold_run(folder, cold):
 
 
 def test_host_hit_after_device_eviction_equals_cold_run(folder, cold):
-    llm = _llm(folder, num_blocks=20)  # the document (13 pages) and another (13) don't both fit
+    llm = _llm(folder, num_blocks=20, host_cache_gb=2.0)  # the document (13 pages) and another (13) don't both fit
     assert _ids(llm, DOC) == cold["doc"]
     _ids(llm, _tokens(200, seed=9))  # pushes the document's pages to the host tier
     cache = llm.engine.prefix_cache
@@ -185,6 +185,7 @@ def test_host_eviction_writes_to_disk_and_hits_from_there(folder, cold, tmp_path
     _ids(llm, DOC)
     _ids(llm, _tokens(200, seed=9))
     _ids(llm, _tokens(200, seed=10))
+    llm.engine.kv_mover.flush()  # disk writes run on the disk thread
     assert llm.engine.prefix_cache.disk.num_written > 0
     assert _ids(llm, DOC + QUESTION) == cold["question"]
     assert llm.cache_stats().hit_tokens["disk"] > 0

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.model
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-OPTIONS = {"block_size": 64, "max_num_batched_tokens": 2048}
+OPTIONS = {"block_size": 64, "max_num_batched_tokens": 2048, "host_cache_gb": 2.0}  # a host tier on the CPU too
 
 
 def _run(llm, prompt):

@@ -1,5 +1,8 @@
 """SamplingParams validation, and sampling: filtered probabilities computed by hand, greedy rows,
-seeded reproducibility, and sampled frequencies against the filtered distribution."""
+seeded reproducibility (a seeded row's token depends only on its seed, its output position and
+its distribution, never on the rest of the batch), sampled frequencies against the filtered
+distribution (and the check's power against a wrong one), and the log-probabilities returned.
+Penalties and min-p against hand-computed values are in test_penalties.py."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import math
 import pytest
 import torch
 
-from longctx.sampling import filtered_probs, make_generator, sample
-from longctx.sampling_params import SamplingParams
+from longctx.sampling import (Sampler, SamplingRows, exponential_noise, filtered_probs,
+                              penalty_rows, position_seed, sample)
+from longctx.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # ---------------------------------------------------------------------------- SamplingParams
 
@@ -21,6 +25,18 @@ def test_defaults_follow_vllm():
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.include_stop_str_in_output) == (
         (), (), False, False)
     assert p.greedy is False
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p) == (1.0, 0.0, 0.0, 0.0)
+    assert (p.logprobs, p.prompt_logprobs) == (None, None)
+    assert p.has_penalties is False
+
+
+@pytest.mark.parametrize("kwargs,penalised", [
+    (dict(repetition_penalty=1.0), False), (dict(repetition_penalty=1.1), True),
+    (dict(repetition_penalty=0.9), True), (dict(presence_penalty=0.5), True),
+    (dict(frequency_penalty=-0.5), True), (dict(min_p=0.2), False), (dict(logprobs=3), False),
+])
+def test_has_penalties(kwargs, penalised):
+    assert SamplingParams(**kwargs).has_penalties is penalised
 
 
 def test_temperature_zero_is_greedy():
@@ -54,6 +70,11 @@ def test_top_k_minus_one_means_off():
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=0), dict(top_p=1.0), dict(top_p=1e-3), dict(top_k=0), dict(top_k=1),
     dict(max_tokens=1), dict(seed=0), dict(seed=-5), dict(stop=("x",)),
+    dict(repetition_penalty=1e-3), dict(repetition_penalty=1), dict(repetition_penalty=5.0),
+    dict(presence_penalty=-2), dict(presence_penalty=2.0), dict(presence_penalty=0.5),
+    dict(frequency_penalty=-2.0), dict(frequency_penalty=2), dict(min_p=0), dict(min_p=1.0),
+    dict(min_p=0.05), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(prompt_logprobs=0),
+    dict(prompt_logprobs=MAX_LOGPROBS),
 ])
 def test_boundary_values_are_accepted(kwargs):
     p = SamplingParams(**kwargs)
@@ -68,6 +89,17 @@ def test_boundary_values_are_accepted(kwargs):
     ("top_k", -2), ("top_k", 2.5),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", None),
     ("seed", 1.5), ("seed", "7"),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", "1.2"),
+    ("repetition_penalty", None), ("repetition_penalty", True), ("repetition_penalty", float("nan")),
+    ("presence_penalty", 2.01), ("presence_penalty", -2.5), ("presence_penalty", "0.5"),
+    ("presence_penalty", None), ("presence_penalty", float("nan")),
+    ("frequency_penalty", 3), ("frequency_penalty", -2.01), ("frequency_penalty", False),
+    ("frequency_penalty", float("nan")),
+    ("min_p", -0.1), ("min_p", 1.5), ("min_p", "0.1"), ("min_p", None), ("min_p", float("nan")),
+    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0), ("logprobs", True),
+    ("logprobs", "3"),
+    ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", 1.0),
+    ("prompt_logprobs", False),
 ])
 def test_bad_number_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be ") as info:
@@ -204,11 +236,21 @@ def test_filtered_probs_are_fp32_for_any_logit_dtype(dtype):
     assert float(probs.sum()) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_min_p_applies_after_top_p():
+    # FIVE under top_p=0.8 keeps 0.4, 0.3, 0.15 (renormalised /0.85); min_p=0.5 then drops what
+    # is under half the most likely token's probability: 0.15 < 0.2. min_p is a ratio to the
+    # maximum, so renormalising first does not move the cut.
+    probs = filtered_probs(logits_of(FIVE), SamplingParams(top_p=0.8, min_p=0.5))
+    assert_probs(probs, [0, 4 / 7, 0, 3 / 7, 0])
+    assert_probs(filtered_probs(logits_of(FIVE), SamplingParams(min_p=0.2)),  # floor 0.08
+                 [0.1 / 0.95, 0.4 / 0.95, 0, 0.3 / 0.95, 0.15 / 0.95])
+    assert_probs(filtered_probs(logits_of(FIVE), SamplingParams(min_p=0.3)),  # floor 0.12
+                 [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85])
+
+
 # ---------------------------------------------------------------------------- sample
 
-
-def test_make_generator_is_none_for_greedy():
-    assert make_generator(SamplingParams(temperature=0.0, seed=3)) is None
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_all_greedy_batch_is_argmax():
@@ -216,46 +258,58 @@ def test_all_greedy_batch_is_argmax():
                            [5.0, 4.0, 3.0, 2.0],
                            [0.0, 0.0, 0.0, 7.0],
                            [1.0, 3.0, 3.0, 0.0]])  # a tie: the first maximum
-    greedy = SamplingParams(temperature=0.0)
-    tokens = sample(logits, [greedy] * 4, [None] * 4)
+    tokens = sample(logits, [GREEDY] * 4)
     assert tokens == [1, 0, 3, 1]
     assert all(type(t) is int for t in tokens)
+
+
+def test_greedy_ignores_seed_and_position():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 0.0]])
+    for position in (0, 1, 17):
+        assert sample(logits, [SamplingParams(temperature=0.0, seed=position)], [position]) == [1]
 
 
 def test_mixed_batch_greedy_rows_use_argmax():
     logits = torch.tensor([[0.0, 1.0, 5.0, 0.0],
                            [3.0, 0.0, 1.0, 9.0],
                            [0.0, 0.0, 0.0, 0.0]])
-    greedy = SamplingParams(temperature=0.0)
     top1 = SamplingParams(top_k=1, temperature=1e3, seed=0)  # only the argmax survives
-    params = [greedy, top1, greedy]
-    gens = [make_generator(p) for p in params]
-    assert gens[0] is None and gens[2] is None
-    assert sample(logits, params, gens) == [2, 3, 0]
+    assert sample(logits, [GREEDY, top1, GREEDY]) == [2, 3, 0]
 
 
 def test_mixed_batch_samples_the_non_greedy_rows():
     # Row 0 is greedy (argmax 3); row 1 keeps only token 0 under top_p (it holds > 0.99 of the
-    # mass); row 2 is flat and seeded, so the batch takes the per-row path.
+    # mass); row 2 is flat and seeded, sampled at a new position every time.
     logits = torch.tensor([[0.0, 0.0, 0.0, 9.0],
                            [20.0, 0.0, 0.0, 0.0],
                            [0.0, 0.0, 0.0, 0.0]])
-    greedy = SamplingParams(temperature=0.0)
     peaked = SamplingParams(top_p=0.5, seed=1)
     flat = SamplingParams(seed=4)
-    gens = [None, make_generator(peaked), make_generator(flat)]
-    rows = [sample(logits, [greedy, peaked, flat], gens) for _ in range(40)]
+    rows = [sample(logits, [GREEDY, peaked, flat], [i, i, i]) for i in range(40)]
     assert all(r[:2] == [3, 0] for r in rows)
     assert {r[2] for r in rows} == {0, 1, 2, 3}
 
 
-def draw(params: SamplingParams, logits: torch.Tensor, n: int,
-         gen: torch.Generator | None = None) -> list[int]:
-    gen = gen if gen is not None else make_generator(params)
-    return sample(logits.expand(n, -1), [params] * n, [gen] * n)
+def test_rows_and_params_must_agree():
+    with pytest.raises(ValueError, match="3 logits rows for 2 sampling rows"):
+        Sampler().sample(torch.zeros(3, 4), SamplingRows.of([GREEDY, GREEDY]))
+
+
+def draw(params: SamplingParams, logits: torch.Tensor, n: int, start: int = 0) -> list[int]:
+    """``n`` tokens from ``logits``: one row per output position ``start .. start + n - 1``."""
+    return sample(logits.expand(n, -1), [params] * n, list(range(start, start + n)))
 
 
 FLAT = torch.zeros(50)
+
+
+def test_position_seed_is_a_fixed_63_bit_mix():
+    seeds = {position_seed(s, i) for s in range(-3, 30) for i in range(30)}
+    assert len(seeds) == 33 * 30  # distinct for distinct (seed, position) pairs
+    assert all(0 <= x < 1 << 63 for x in seeds)
+    assert position_seed(7, 3) == position_seed(7, 3)
+    assert position_seed(7, 3) != position_seed(3, 7)
+    assert 0 <= position_seed(2**64 - 1, 10**9) < 1 << 63  # huge seeds are fine too
 
 
 def test_same_seed_reproduces_tokens():
@@ -272,49 +326,101 @@ def test_different_seeds_differ():
     assert sum(x == y for x, y in zip(a, b)) < 20  # ~4 expected at 1/50 per draw
 
 
-def test_unseeded_generators_differ():
+def test_positions_of_one_seed_are_independent_draws():
+    # Position i + 1 is not position i's draw shifted or repeated.
+    p = SamplingParams(seed=77)
+    a, b = draw(p, FLAT, 200, start=0), draw(p, FLAT, 200, start=1)
+    assert a[1:] == b[:-1]
+    assert sum(x == y for x, y in zip(a, b)) < 20
+    assert sum(x == y for x, y in zip(a, a[1:])) < 20
+
+
+def test_unseeded_draws_differ():
     p = SamplingParams()
     assert draw(p, FLAT, 200) != draw(p, FLAT, 200)
 
 
+def test_sampler_generator_makes_unseeded_rows_reproducible():
+    rows = SamplingRows.of([SamplingParams()] * 200)
+    a = Sampler(torch.Generator().manual_seed(5)).sample(FLAT.expand(200, -1), rows).tokens
+    b = Sampler(torch.Generator().manual_seed(5)).sample(FLAT.expand(200, -1), rows).tokens
+    assert torch.equal(a, b) and len(set(a.tolist())) > 20
+
+
 def test_seeded_row_is_independent_of_the_rest_of_the_batch():
     seeded = SamplingParams(seed=99, top_p=0.9)
-    other = SamplingParams(seed=5)
-    alone, gen_alone = [], make_generator(seeded)
-    for _ in range(50):
-        alone += sample(FLAT[None], [seeded], [gen_alone])
+    alone = [sample(FLAT[None], [seeded], [i])[0] for i in range(50)]
+    assert len(set(alone)) > 10
+    other = SamplingParams(seed=5, top_k=3, temperature=0.5)
+    unseeded = SamplingParams(min_p=0.5)
+    penalised = SamplingParams(seed=5, repetition_penalty=1.5)
     mixed = []
-    gen_seeded, gen_other = make_generator(seeded), make_generator(other)
-    greedy = SamplingParams(temperature=0.0)
     for i in range(50):
-        batch = torch.stack([FLAT, FLAT, torch.arange(50.0)])
-        params = [other, seeded, greedy] if i % 2 else [seeded, other, greedy]
-        gens = [gen_other, gen_seeded, None] if i % 2 else [gen_seeded, gen_other, None]
-        tokens = sample(batch, params, gens)
-        assert tokens[2] == 49
-        mixed.append(tokens[1] if i % 2 else tokens[0])
+        batch = torch.stack([FLAT, FLAT, torch.arange(50.0), torch.randn(50), FLAT])
+        params = [other, seeded, GREEDY, unseeded, penalised]
+        positions = [i + 3, i, 0, 7, i]
+        order = [1, 0, 2, 4, 3] if i % 2 else [0, 1, 2, 3, 4]  # the seeded row moves around
+        tokens = sample(batch[order], [params[j] for j in order], [positions[j] for j in order])
+        assert tokens[order.index(2)] == 49
+        mixed.append(tokens[order.index(1)])
     assert mixed == alone
+
+
+def test_exponential_noise_of_a_seeded_row_depends_on_seed_and_position_only():
+    p = SamplingParams(seed=3)
+    rows = SamplingRows.of([SamplingParams(), p, p], [9, 4, 5])
+    noise = exponential_noise(rows, (3, 8), torch.device("cpu"))
+    alone = exponential_noise(SamplingRows.of([p], [4]), (1, 8), torch.device("cpu"))
+    assert torch.equal(noise[1], alone[0])
+    assert not torch.equal(noise[1], noise[2])
+    assert bool((noise > 0).all())
 
 
 # Chi-square critical values at significance 0.001, by degrees of freedom (no scipy needed).
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467}
 
 
-@pytest.mark.parametrize("params,num_draws", [
+def assert_frequencies(tokens: list[int], expected: torch.Tensor) -> None:
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(expected)).double()
+    assert int(counts.sum()) == len(tokens)
+    allowed = expected > 0
+    assert counts[~allowed].sum() == 0, "sampled a filtered-out token"
+    exp_counts = expected[allowed] * len(tokens)
+    chi2 = float(((counts[allowed] - exp_counts) ** 2 / exp_counts).sum())
+    assert chi2 < CHI2_999[int(allowed.sum()) - 1], (chi2, counts.tolist(), exp_counts.tolist())
+
+
+FREQUENCY_CASES = [
     (SamplingParams(seed=11, top_p=0.8), 20_000),
     (SamplingParams(seed=12, temperature=0.7), 10_000),
     (SamplingParams(seed=13, top_k=3, temperature=1.5), 10_000),
-])
+    (SamplingParams(seed=14, min_p=0.3, temperature=1.2), 10_000),
+]
+
+
+@pytest.mark.parametrize("params,num_draws", FREQUENCY_CASES)
 def test_sampled_frequencies_match_filtered_probs(params, num_draws):
+    # One seed, num_draws output positions: each position's draw is an exact sample.
     logits = logits_of(FIVE)
-    expected = filtered_probs(logits, params).double()
-    counts = torch.bincount(torch.tensor(draw(params, logits, num_draws)), minlength=5).double()
-    assert int(counts.sum()) == num_draws
-    allowed = expected > 0
-    assert counts[~allowed].sum() == 0, "sampled a filtered-out token"
-    exp_counts = expected[allowed] * num_draws
-    chi2 = float(((counts[allowed] - exp_counts) ** 2 / exp_counts).sum())
-    assert chi2 < CHI2_999[int(allowed.sum()) - 1], (chi2, counts.tolist(), exp_counts.tolist())
+    assert_frequencies(draw(params, logits, num_draws), filtered_probs(logits, params).double())
+
+
+@pytest.mark.parametrize("params,num_draws", FREQUENCY_CASES)
+def test_seed_by_seed_frequencies_match_filtered_probs(params, num_draws):
+    # One position, num_draws seeds: what a run of many seeded requests sees.
+    logits = logits_of(FIVE)
+    tokens = [sample(logits[None], [dataclasses.replace(params, seed=s)], [3])[0]
+              for s in range(num_draws // 4)]
+    assert_frequencies(tokens, filtered_probs(logits, params).double())
+
+
+@pytest.mark.parametrize("params,num_draws", FREQUENCY_CASES)
+def test_unseeded_batched_frequencies_match_filtered_probs(params, num_draws):
+    logits = logits_of(FIVE)
+    unseeded = dataclasses.replace(params, seed=None)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    tokens = sampler.sample(logits.expand(num_draws, -1), SamplingRows.of([unseeded] * num_draws)).tokens
+    assert_frequencies(tokens.tolist(), filtered_probs(logits, params).double())
 
 
 def test_frequency_check_rejects_the_wrong_distribution():
@@ -328,3 +434,43 @@ def test_frequency_check_rejects_the_wrong_distribution():
     exp_counts = wrong[kept] * 20_000
     chi2 = float(((counts[kept] - exp_counts) ** 2 / exp_counts).sum())
     assert chi2 > CHI2_999[2]
+    # ... and a distribution off by a temperature of 0.8 instead of 0.7 fails it too.
+    tokens = draw(SamplingParams(seed=12, temperature=0.8), logits, 10_000)
+    with pytest.raises(AssertionError):
+        assert_frequencies(tokens, filtered_probs(logits, SamplingParams(temperature=0.7)).double())
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def test_no_logprobs_unless_asked():
+    result = Sampler().sample(torch.randn(2, 6), SamplingRows.of([GREEDY, SamplingParams(seed=1)]))
+    assert result.logprobs is None and result.top_ids is None
+    assert set(result.to_host().host) == {"tokens"}
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0, 0.5],
+                           [3.0, 0.0, 0.0, 0.0, 0.0]])
+    # Row 0 greedy with a penalty on token 1 (which was the argmax): the chosen token is 2,
+    # but the reported log-probabilities are the model's, before the penalty.
+    params = [SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=4.0),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    rows = SamplingRows.of(params, [0, 0], penalty_rows([[1], []], [[], []], 5, "cpu"))
+    result = Sampler().sample(logits, rows).to_host()
+    raw = torch.log_softmax(logits, dim=-1)
+    assert result.host["tokens"] == [2, 0]
+    assert rows.num_logprobs == 3 and rows.want_logprobs
+    torch.testing.assert_close(torch.tensor(result.host["logprobs"]), raw[[0, 1], [2, 0]])
+    assert result.host["top_ids"][0] == [1, 2, 4]
+    assert result.host["top_ids"][1][0] == 0  # then three tied tokens, in any order
+    torch.testing.assert_close(torch.tensor(result.host["top_logprobs"][0]), raw[0, [1, 2, 4]])
+    assert all(lp <= 0 for row in result.host["top_logprobs"] for lp in row)
+
+
+def test_zero_logprobs_gives_only_the_chosen_token():
+    rows = SamplingRows.of([SamplingParams(temperature=0.0, logprobs=0), GREEDY])
+    assert rows.want_logprobs and rows.num_logprobs == 0
+    result = Sampler().sample(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), rows)
+    assert result.top_ids.shape == (2, 0)
+    torch.testing.assert_close(result.logprobs, torch.log_softmax(torch.tensor([1.0, 0.0]), 0)[[0, 0]])

@@ -252,6 +252,92 @@ def test_concurrent_streams_each_equal_their_solo_run(server, llm, folder):
     assert _metric(server.url, 'longctx_kv_pages_used{tier="device"}') == 0
 
 
+def test_penalties_and_min_p_equal_llm_generate(server, llm, folder):
+    client = server.client()
+    fields = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4, "min_p": 0.05}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **fields)
+    expected = llm.generate("Hello there", params)[0].outputs[0].text
+    assert expected != llm.generate("Hello there", _greedy(24))[0].outputs[0].text  # they matter
+    out = client.completions.create(model=folder, prompt="Hello there", max_tokens=24, temperature=0,
+                                    presence_penalty=0.5, frequency_penalty=0.4,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05})
+    assert out.choices[0].text == expected
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, **fields)
+    out = client.completions.create(model=folder, prompt="Hello there", max_tokens=24, temperature=0.8,
+                                    seed=5, presence_penalty=0.5, frequency_penalty=0.4,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05})
+    assert out.choices[0].text == llm.generate("Hello there", sampled)[0].outputs[0].text
+
+
+def _check_top(chosen: str, logprob: float, top: list[tuple[str, float]]) -> None:
+    """A greedy token's entry: a log-probability, the top list most likely first, the chosen
+    token first in it."""
+    assert logprob <= 0
+    values = [lp for _, lp in top]
+    assert values == sorted(values, reverse=True)
+    assert chosen in [t for t, _ in top]
+    assert top[0] == (chosen, logprob)
+
+
+def test_chat_logprobs_with_the_openai_client(server, llm, folder):
+    client = server.client()
+    messages = [{"role": "user", "content": "Say something."}]
+    out = client.chat.completions.create(model=folder, messages=messages, max_completion_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 12
+    expected = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                 logprobs=3))[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    for item, token_id, entry in zip(content, expected.token_ids, expected.logprobs):
+        assert item.token == tokenizer.decode([token_id])
+        assert bytes(item.bytes) == item.token.encode("utf-8")
+        assert len(item.top_logprobs) == 3
+        _check_top(item.token, item.logprob, [(t.token, t.logprob) for t in item.top_logprobs])
+        assert item.logprob == pytest.approx(entry[token_id], abs=1e-4)
+    # streamed: the same entries, spread over the chunks
+    chunks = list(client.chat.completions.create(model=folder, messages=messages, max_completion_tokens=12,
+                                                 temperature=0, logprobs=True, top_logprobs=3, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs
+                for item in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+    # logprobs without top_logprobs: the chosen tokens only; not asked: none
+    out = client.chat.completions.create(model=folder, messages=messages, max_completion_tokens=4,
+                                         temperature=0, logprobs=True)
+    assert all(item.top_logprobs == [] and item.logprob <= 0 for item in out.choices[0].logprobs.content)
+    out = client.chat.completions.create(model=folder, messages=messages, max_completion_tokens=4)
+    assert out.choices[0].logprobs is None
+
+
+def test_completion_logprobs_with_the_openai_client(server, folder):
+    client = server.client()
+    out = client.completions.create(model=folder, prompt="Hello there", max_tokens=10, temperature=0,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3  # the top 2, and the chosen token if not among them
+        _check_top(token, logprob, list(top.items()))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    # sampled: the chosen token need not be on top, but it is always in the dict
+    out = client.completions.create(model=folder, prompt="Hello there", max_tokens=10, temperature=1.0,
+                                    seed=3, logprobs=1, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and top[token] == logprob and max(top.values()) >= logprob
+    # streamed: offsets continue across chunks
+    chunks = list(client.completions.create(model=folder, prompt="Hello there", max_tokens=10, temperature=0,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    whole = client.completions.create(model=folder, prompt="Hello there", max_tokens=10, temperature=0,
+                                      logprobs=2, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert [t for s in streamed for t in s.tokens] == whole.tokens
+    assert [o for s in streamed for o in s.text_offset] == whole.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == whole.token_logprobs
+
+
 # ---------------------------------------------------------------------- robustness
 
 
@@ -293,7 +379,17 @@ BAD_REQUESTS = [
     ("completions", {"max_tokens": 4}, 400, "prompt", "required"),
     ("completions", {"prompt": "x", "n": 2}, 400, "n", "only n=1"),
     ("completions", {"prompt": "x", "stop": 7}, 400, "stop", "stop must be"),
-    ("completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
+    ("completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", "valid integer"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "not supported"),
+    ("completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty",
+     "less than or equal to 2"),
+    ("completions", {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty",
+     "greater than or equal to -2"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ("completions", {"prompt": "x", "repetition_penalty": "1.2"}, 400, "repetition_penalty", "valid number"),
+    ("completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream: true"),
     ("completions", {"prompt": "x" * 2000}, 400, "prompt", "2000 tokens"),
@@ -306,6 +402,12 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", "required"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      400, "max_completion_tokens", "greater than or equal to 1"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "needs logprobs: true"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400,
+     "logprobs", "valid boolean"),
 ]
 
 

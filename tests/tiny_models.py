@@ -158,3 +158,8 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
         for _ in range(num_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def random_tokens(n: int, seed: int, low: int = 3, high: int = 150) -> list[int]:
+    """``n`` token ids in [low, high) from a seeded generator (prompts for the tiny models)."""
+    return torch.randint(low, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -31,6 +31,42 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -
     return max(1, int(cache.kv_cache_gb * (1 << 30)) // bytes_per_block(model, cache.block_size, dtype))
 
 
+def kv_budget_bytes(total: int, free: int, allocated: int, peak_allocated: int,
+                    utilization: float) -> int:
+    """The KV pool's share of a GPU, as vLLM sizes it: ``utilization`` of the device's memory,
+    less what is in use now (weights, the allocator's cache, other processes: ``total -
+    free``) and less the activation peak a full step adds on top of what is allocated now."""
+    in_use = total - free
+    activation_peak = max(0, peak_allocated - allocated)
+    return int(total * utilization) - in_use - activation_peak
+
+
+def profile_kv_cache_gb(model, backend, device: torch.device, max_tokens: int,
+                        utilization: float) -> float:
+    """Run one step of ``max_tokens`` tokens (no KV) to see the activation peak, then size the
+    KV pool from what is left of the device (``kv_budget_bytes``), in GiB."""
+    from longctx.attention import AttentionMetadata
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    allocated = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+    positions = torch.arange(max_tokens, device=device)
+    hidden = model(ids, positions, backend, AttentionMetadata.dense([max_tokens], device))
+    model.compute_logits(hidden[-min(max_tokens, 256):])
+    del hidden
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = kv_budget_bytes(total, free, allocated, peak, utilization)
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} of "
+                         f"{total / 2**30:.1f} GiB free after loading the model, activations peak at "
+                         f"{(peak - allocated) / 2**30:.2f} GiB; raise gpu_memory_utilization "
+                         f"({utilization}) or give kv_cache_gb")
+    return budget / (1 << 30)
+
+
 class DeviceKVPool:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class DiskKVStore:
         self.misses: Counter[str] = Counter()  # reason -> count
         self.num_written = self.num_read = 0
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recent first
+        self._pending: OrderedDict[str, torch.Tensor] = OrderedDict()  # put, not yet written
+        self._lock = threading.RLock()  # the engine's thread and the disk thread share the index
         self._scan()
 
     def _scan(self) -> None:
@@ -64,7 +67,8 @@ class DiskKVStore:
 
     @property
     def num_pages(self) -> int:
-        return len(self._sizes)
+        with self._lock:
+            return len(self._sizes) + sum(k not in self._sizes for k in self._pending)
 
     @property
     def num_bytes(self) -> int:
@@ -74,15 +78,40 @@ class DiskKVStore:
         return self.folder / key[:2] / f"{key}{SUFFIX}"
 
     def contains(self, key: str) -> bool:
-        return key in self._sizes or self.path(key).exists()
+        with self._lock:
+            if key in self._sizes or key in self._pending:
+                return True
+        return self.path(key).exists()
+
+    def put(self, key: str, page: torch.Tensor) -> None:
+        """Queue one page for writing (``flush`` writes it); readable and ``contains`` at once.
+        ``page`` must not change afterwards (the mover hands over a copy)."""
+        if tuple(page.shape) != self.page_shape or page.dtype != self.dtype:
+            raise ValueError(f"page of shape {tuple(page.shape)} {page.dtype} does not match the "
+                             f"store's {self.page_shape} {self.dtype}")
+        with self._lock:
+            if key not in self._sizes:
+                self._pending[key] = page
+
+    def flush(self) -> None:
+        """Write every queued page (the disk thread calls this; so does ``close``)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                key, page = next(iter(self._pending.items()))
+            self.write(key, page)
+            with self._lock:
+                self._pending.pop(key, None)
 
     # ------------------------------------------------------------------ write
 
     def write(self, key: str, page: torch.Tensor) -> None:
         """Store one page ``[L, 2, BS, Hkv, D]`` under ``key`` (nothing if it is there)."""
-        if key in self._sizes:
-            self._sizes.move_to_end(key)
-            return
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+                return
         if tuple(page.shape) != self.page_shape or page.dtype != self.dtype:
             raise ValueError(f"page of shape {tuple(page.shape)} {page.dtype} does not match the "
                              f"store's {self.page_shape} {self.dtype}")
@@ -97,9 +126,10 @@ class DiskKVStore:
             f.write(MAGIC + struct.pack("<I", len(header)) + header)
             f.write(payload)
         os.replace(tmp, path)
-        self._sizes[key] = path.stat().st_size
-        self.num_written += 1
-        self._enforce_budget()
+        with self._lock:
+            self._sizes[key] = path.stat().st_size
+            self.num_written += 1
+            self._enforce_budget()
 
     def _enforce_budget(self) -> None:
         total = self.num_bytes
@@ -112,6 +142,10 @@ class DiskKVStore:
 
     def read(self, key: str) -> torch.Tensor | None:
         """The page stored under ``key``, or None (a miss, logged with its reason)."""
+        with self._lock:
+            queued = self._pending.get(key)
+        if queued is not None:
+            return queued.clone()
         path = self.path(key)
         try:
             data = path.read_bytes()
@@ -124,9 +158,10 @@ class DiskKVStore:
             return self._miss(key, reason, remove=True)
         start = len(MAGIC) + 4 + struct.unpack_from("<I", data, len(MAGIC))[0]
         page = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)
-        self._sizes[key] = len(data)
-        self._sizes.move_to_end(key)
-        self.num_read += 1
+        with self._lock:
+            self._sizes[key] = len(data)
+            self._sizes.move_to_end(key)
+            self.num_read += 1
         return page.view(self.dtype).reshape(self.page_shape)
 
     def _check(self, key: str, data: bytes) -> str | None:
@@ -152,9 +187,10 @@ class DiskKVStore:
 
     def _miss(self, key: str, reason: str, remove: bool) -> None:
         kind = reason.split(" ")[0]
-        self.misses[kind] += 1
         log.warning("disk KV cache miss for page %s: %s", key[:16], reason)
-        self._sizes.pop(key, None)
+        with self._lock:
+            self.misses[kind] += 1
+            self._sizes.pop(key, None)
         if remove:
             self.path(key).unlink(missing_ok=True)
         return None

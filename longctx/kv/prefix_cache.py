@@ -22,6 +22,13 @@ The disk tier sits outside the tree's own tiers: pages dropped from the host tie
 to files named by their chained prefix hash, and a lookup that runs past the tree's match
 probes the folder for the next pages' hashes. A new process with the same folder therefore
 hits without any index, and a bad file ends the hit there (a miss, never wrong KV).
+
+No bytes move here. Every copy is planned as an order (``longctx.kv.mover``) and queued in
+``orders``, in the order the tree's bookkeeping assumes; the scheduler hands them to the
+runner with the step, which executes them before the step's forward. A disk hit is planned
+as a ``DiskLoad`` into blocks reserved for the request (not yet in the tree): the request
+waits until the background thread has read them, then ``finish_disk_load`` indexes the
+pages that were good and gives back the blocks of the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import PrefixMatch, RadixTree, TreeNode, page_hashes
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.kv.disk_store import DiskKVStore
-from longctx.kv.host_pool import HostKVPool, device_pages, store_device_page
+from longctx.kv.host_pool import HostKVPool, device_pages
+from longctx.kv.mover import DiskLoad, DiskSave, HostLoad, HostSave, KVOrder
 
 
 @dataclass
@@ -42,8 +50,9 @@ class CacheHit:
 
     node: TreeNode | None  # locked for the request; ``release`` it when done
     block_ids: list[int]  # its prefix's device blocks; the request holds one reference each
-    num_tokens: int
+    num_tokens: int  # tokens those blocks hold now (the disk load's pages not counted)
     tier_tokens: dict[str, int] = field(default_factory=dict)  # tier name -> tokens from it
+    disk_load: DiskLoad | None = None  # pages to read from disk into blocks after block_ids
 
 
 @dataclass
@@ -67,6 +76,11 @@ class PrefixCache:
         self.extra_key = extra_key
         self.page_size = tree.page_size
         self.hit_tokens = {"device": 0, "host": 0, "disk": 0}
+        self.orders: list[KVOrder] = []  # planned copies, for the runner to execute in order
+
+    def take_orders(self) -> list[KVOrder]:
+        orders, self.orders = self.orders, []
+        return orders
 
     def key(self, salt: str | None) -> Hashable:
         return self.extra_key if salt is None else (self.extra_key, salt)
@@ -77,9 +91,12 @@ class PrefixCache:
         """Tokens of ``tokens`` the tree has (any tier), without using them: for ordering."""
         return self.tree.match_prefix(tokens, self.key(salt), record=False).num_tokens
 
-    def acquire(self, tokens: Sequence[int], salt: str | None, max_tokens: int) -> CacheHit:
+    def acquire(self, tokens: Sequence[int], salt: str | None, max_tokens: int,
+                request_id: str = "", use_disk: bool = True) -> CacheHit:
         """The longest cached prefix of ``tokens`` of at most ``max_tokens`` tokens, on the
-        device, locked, with one block reference per page for the request."""
+        device (host pages: with their load orders queued), locked, with one block reference
+        per page for the request; pages found on disk past it come as ``disk_load``, into
+        blocks the request holds too."""
         key, ps = self.key(salt), self.page_size
         num_pages = min(max_tokens, len(tokens)) // ps
         if num_pages == 0:
@@ -92,17 +109,15 @@ class PrefixCache:
         ids = self._load(match)
         if len(ids) > len(match.device_ids):
             tiers["host"] = (len(ids) - len(match.device_ids)) * ps
-        if self.disk is not None and len(ids) == len(match.pages) < num_pages:
-            prev = node.page_hashes[-1] if node is not None else ""
-            disk_ids = self._read_disk(tokens[len(ids) * ps:num_pages * ps], key, prev)
-            if disk_ids:
-                tiers["disk"] = len(disk_ids) * ps
-                ids += disk_ids
-                node = self._relock(self.tree.insert(tokens[:len(ids) * ps], key, ids).node, node)
         self.pool.share(ids)
         for tier, count in tiers.items():
             self.hit_tokens[tier] += count
-        return CacheHit(node, ids, len(ids) * ps, {t: n for t, n in tiers.items() if n})
+        hit = CacheHit(node, ids, len(ids) * ps, {t: n for t, n in tiers.items() if n})
+        if use_disk and self.disk is not None and len(ids) == len(match.pages) < num_pages:
+            prev = node.page_hashes[-1] if node is not None else ""
+            hit.disk_load = self._plan_disk_read(tokens[len(ids) * ps:num_pages * ps], key, prev,
+                                                 request_id)
+        return hit
 
     def _load(self, match: PrefixMatch) -> list[int]:
         """Device ids of the match's pages, loading host pages first; only the leading device
@@ -113,24 +128,42 @@ class PrefixCache:
         if not self.ensure_free(len(sources)):
             return match.device_ids
         new_ids = self.pool.allocate(len(sources))
-        self.host_kv.load(sources, new_ids)
+        self.orders.append(HostLoad(tuple(sources), tuple(new_ids)))
         self.pool.release(self.tree.load_to_device(match, new_ids))
         return [i for n in self.tree.path(match.last_node) for i in n.device_ids]
 
-    def _read_disk(self, tokens: Sequence[int], key: Hashable, prev_hash: str) -> list[int]:
-        """Pages continuing a prefix read from disk into fresh device blocks, up to the first
-        page that is missing or bad."""
+    def _plan_disk_read(self, tokens: Sequence[int], key: Hashable, prev_hash: str,
+                        request_id: str) -> DiskLoad | None:
+        """The pages continuing a prefix that the disk tier has (by name; their files are read
+        and checked later, off the scheduler), each with a fresh device block the request
+        holds."""
+        keys: list[str] = []
         ids: list[int] = []
         for page_key in page_hashes(tokens, key, self.page_size, prev_hash):
             if not self.disk.contains(page_key) or not self.ensure_free(1):
                 break
-            page = self.disk.read(page_key)
-            if page is None:
-                break
-            block = self.pool.allocate(1)[0]
-            store_device_page(self.device_kv, block, page)
-            ids.append(block)
-        return ids
+            keys.append(page_key)
+            ids.append(self.pool.allocate(1)[0])  # one by one: ensure_free may evict in between
+        if not keys:
+            return None
+        return DiskLoad(request_id, tuple(keys), tuple(ids))
+
+    def finish_disk_load(self, tokens: Sequence[int], salt: str | None, node: TreeNode | None,
+                         block_ids: list[int], load: DiskLoad) -> tuple[TreeNode | None, list[int]]:
+        """Index the pages ``load`` read (its blocks follow ``block_ids``, the request's prefix
+        so far) and give back the blocks of pages that were missing or bad. Returns the
+        request's lock node and its blocks, now ``block_ids`` plus the good pages'."""
+        good = len(load.pages)
+        bad = list(load.device_ids[good:])
+        if bad:
+            self.pool.release(bad)
+        if not good:
+            return node, list(block_ids)
+        ids = list(block_ids) + list(load.device_ids[:good])
+        result = self.tree.insert(tokens[:len(ids) * self.page_size], self.key(salt), ids)
+        self.pool.share(result.owned)
+        self.hit_tokens["disk"] += good * self.page_size
+        return self._relock(result.node, node), ids
 
     # ------------------------------------------------------------------ inserts and locks
 
@@ -172,16 +205,20 @@ class PrefixCache:
                 self._evict_host(short)
         for move in self.tree.evict_device(num_blocks):
             if move.write_back:
-                self.host_kv.write_back(list(move.source_ids), list(move.target_ids))
+                self.orders.append(HostSave(tuple(move.source_ids), tuple(move.target_ids)))
             elif move.drops and self.disk is not None:  # no room on the host: straight to disk
-                self._write_disk(move.node.page_hashes, device_pages(self.device_kv, list(move.source_ids)))
+                self._plan_disk_write(move.node.page_hashes, move.source_ids, "device")
             self.pool.release(self.tree.commit(move))
 
     def _evict_host(self, num_pages: int) -> None:
         for move in self.tree.evict_host(num_pages):
             if self.disk is not None:
-                self._write_disk(move.node.page_hashes, self.host_kv.pages(list(move.source_ids)))
+                self._plan_disk_write(move.node.page_hashes, move.source_ids, "host")
             self.tree.commit(move)
+
+    def _plan_disk_write(self, keys: Sequence[str], page_ids: Sequence[int], tier: str) -> None:
+        keys = tuple(keys)[:len(page_ids)]
+        self.orders.append(DiskSave(keys, tuple(page_ids), tier))
 
     def _write_disk(self, keys: Sequence[str], pages) -> None:
         for page_key, page in zip(keys, pages):
@@ -190,9 +227,13 @@ class PrefixCache:
     # ------------------------------------------------------------------ whole-store operations
 
     def persist(self) -> int:
-        """Write every cached page not yet on disk to the disk tier; returns pages written."""
+        """Write every cached page not yet on disk to the disk tier; returns pages written.
+        The queued orders must have been executed (the engine does so first)."""
         if self.disk is None:
             return 0
+        if self.orders:
+            raise RuntimeError("persist() with KV orders not yet executed")
+        self.disk.flush()
         before = self.disk.num_written
         for node in list(self.tree.nodes()):
             todo = [i for i, k in enumerate(node.page_hashes) if not self.disk.contains(k)]

@@ -10,26 +10,21 @@ nodes (node ``i`` is query ``i + 1``), so ``logits`` is ``[n + 1, V]``: row 0 is
 next-token distribution after the committed sequence, row ``i + 1`` the distribution after the
 committed sequence followed by the tokens of the path root .. node ``i``.
 
-Greedy (temperature 0). From the root, follow the child whose token is the row's argmax; stop
-at a node with no such child, whose argmax is the bonus token. Every committed token is the
-argmax after the tokens before it: exactly what plain greedy decoding emits.
+One token per row. The sampler (``longctx.sampling``) picks a token for every row exactly as
+plain decoding would at that position (greedy: the argmax; sampled: one draw from the row's
+processed distribution ``p``, seeded by the request's seed and the output position). From the
+root, follow the child whose token is the row's pick; stop at a node with no such child: its
+pick is the bonus token. So the rows are sampled in one batched pass on the device, and the
+walk needs only the picked tokens on the host.
 
-Sampled (temperature > 0). ``p`` is a row's processed distribution (``filtered_probs``:
-temperature, top-k, top-p, as plain sampling uses). The draft is deterministic (one token per
-child, q = one-hot), so speculative sampling's rule "accept x with probability
-min(1, p(x) / q(x)), else sample from norm(max(p - q, 0))" becomes, for children
-``x1 .. xm`` tried in order with a residual ``r`` that starts as ``p``::
-
-    accept x_j with probability r(x_j) / sum(r)        (one uniform u_j: u_j * sum(r) < r(x_j))
-    on rejection set r(x_j) = 0                          (renormalising is implicit)
-    all rejected: the bonus token is sampled from r      (p without the rejected tokens)
-
-Then P(emit x_1) = p(x_1); P(emit x_2) = (1 - p(x_1)) * p(x_2) / (1 - p(x_1)) = p(x_2); and
-any other token y is emitted with probability (1 - sum p(x_j)) * p(y) / (1 - sum p(x_j)) =
-p(y). An accepted child continues the walk with its own row, the target's conditional
-distribution, so by induction every committed token is distributed exactly as in plain
-sampling. A token with p = 0 (filtered out) is never accepted. Random draws, in order: one
-uniform per child tried (stopping at the first accepted), one multinomial draw for the bonus.
+Why this is lossless. Every committed token is the pick of the row after exactly the tokens
+before it, a draw from that row's distribution: what plain sampling emits at that position.
+A draft child is accepted with probability ``p(child)`` (the pick equals it), siblings
+together with ``sum p(children)``, the same as speculative sampling's rule for deterministic
+drafts (accept ``x`` with ``min(1, p(x)/q(x))``, ``q`` one-hot, and on rejection sample from
+the residual ``p`` without ``x``); the bonus after a rejection is a draw from ``p`` given it
+is none of the children, which is that residual. With a seed the committed tokens are even
+the same tokens plain sampling draws, whether or not lookahead runs.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from longctx.lookahead.tree import ROOT, DraftTree
-from longctx.sampling import filtered_probs
+from longctx.sampling import sample
 from longctx.sampling_params import SamplingParams
 
 
@@ -62,15 +57,29 @@ class Acceptance:
         return [0] + [node + 1 for node in self.accepted_nodes]
 
 
+def accept_tokens(tree: DraftTree, row_tokens: list[int]) -> Acceptance:
+    """Walk ``tree`` with the token picked for each verify row (``[len(tree) + 1]``: root,
+    then node ``i`` at ``i + 1``)."""
+    if len(row_tokens) != len(tree) + 1:
+        raise ValueError(f"need one picked token per verify row ({len(tree) + 1}), got {len(row_tokens)}")
+    node, accepted = ROOT, []
+    while True:
+        pick = row_tokens[node + 1]
+        matching = [c for c in tree.children(node) if tree.token_ids[c] == pick]
+        if not matching:
+            return Acceptance(accepted, [tree.token_ids[n] for n in accepted] + [pick])
+        node = matching[0]
+        accepted.append(node)
+
+
 def accept_draft(logits: torch.Tensor, tree: DraftTree, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Acceptance:
+                 position: int = 0) -> Acceptance:
     """Judge ``tree`` against its verify ``logits`` [len(tree) + 1, V] (rows as the module
-    docstring says). Greedy params ignore ``generator``; sampled params draw from it (None:
-    torch's global generator, as ``sample`` does)."""
+    docstring says); the root's token is output position ``position``."""
     _check_verify_logits(logits, tree)
-    if params.greedy:
-        return _accept_greedy(logits, tree)
-    return _accept_sampled(logits, tree, params, generator)
+    positions = [position + d for d in [0, *tree.depths()]]
+    picks = sample(logits, [params] * logits.shape[0], positions)
+    return accept_tokens(tree, picks)
 
 
 def _check_verify_logits(logits: torch.Tensor, tree: DraftTree) -> None:
@@ -81,49 +90,3 @@ def _check_verify_logits(logits: torch.Tensor, tree: DraftTree) -> None:
         raise ValueError(f"draft token {max(tree.token_ids)} is outside the vocabulary of "
                          f"{logits.shape[1]} logits")
 
-
-def _accept_greedy(logits: torch.Tensor, tree: DraftTree) -> Acceptance:
-    argmax = logits.argmax(dim=-1).tolist()  # per row, first maximum on ties (as ``sample``)
-    node, accepted = ROOT, []
-    while True:
-        target = argmax[node + 1]
-        matching = [c for c in tree.children(node) if tree.token_ids[c] == target]
-        if not matching:
-            return _acceptance(tree, accepted, target)
-        node = matching[0]
-        accepted.append(node)
-
-
-def _accept_sampled(logits: torch.Tensor, tree: DraftTree, params: SamplingParams,
-                    generator: torch.Generator | None) -> Acceptance:
-    node, accepted = ROOT, []
-    while True:
-        probs = filtered_probs(logits[node + 1], params).to("cpu", torch.float64)
-        children = tree.children(node)
-        chosen, residual = try_children(probs, [tree.token_ids[c] for c in children], generator)
-        if chosen is None:
-            bonus = int(torch.multinomial(residual, 1, generator=generator))
-            return _acceptance(tree, accepted, bonus)
-        node = children[chosen]
-        accepted.append(node)
-
-
-def try_children(probs: torch.Tensor, child_tokens: list[int],
-                 generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
-    """Speculative sampling at one node for deterministic drafts ``child_tokens`` (distinct).
-
-    ``probs`` [V] is the target distribution (float64). Returns the index of the accepted
-    child, or None with the residual (``probs`` without the rejected tokens, unnormalised)
-    that the bonus token must be sampled from.
-    """
-    residual = probs.clone()
-    for i, token in enumerate(child_tokens):
-        uniform = torch.rand((), dtype=torch.float64, generator=generator)
-        if uniform * residual.sum() < residual[token]:
-            return i, residual
-        residual[token] = 0.0
-    return None, residual
-
-
-def _acceptance(tree: DraftTree, accepted: list[int], bonus: int) -> Acceptance:
-    return Acceptance(accepted, [tree.token_ids[n] for n in accepted] + [bonus])

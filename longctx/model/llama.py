@@ -277,7 +277,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any,
                 attn_meta: Any) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, E] (after the last norm)."""
-        cos, sin = self.rotary_for(input_ids.device).cos_sin(positions)  # (T, D/2) each
+        cos, sin = self.rotary_for(input_ids.device).cos_sin(
+            positions, getattr(attn_meta, "max_position", None))  # (T, D/2) each
         x = self.embed_tokens(input_ids)  # (T, E)
         for layer in self.layers:
             x = layer(x, cos, sin, backend, attn_meta)

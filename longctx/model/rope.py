@@ -101,9 +101,11 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * inv_freq[None, :]  # (P, D/2), fp32 as in HF
         return (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D/2] (fp32) for positions [T]."""
-        max_pos = int(positions.max()) + 1 if positions.numel() else 0
+    def cos_sin(self, positions: torch.Tensor, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D/2] (fp32) for positions [T]. ``max_pos`` (1 + the largest position),
+        when the caller knows it on the host, saves reading it from the device."""
+        if max_pos is None:
+            max_pos = int(positions.max()) + 1 if positions.numel() else 0
         if self.dynamic and max_pos > self.config.max_position_embeddings:
             inv_freq, scale = inv_freq_for(self.config, max_pos)
             return self._tables(inv_freq, positions.cpu(), scale, positions.device)

@@ -8,6 +8,9 @@ the engine directly (only the engine thread does), or loading anything a client 
 Every check runs before a request reaches the engine, in this order: API key and body size
 (the gate), field validation (400), model name (404), unsupported fields (400), prompt and
 length checks (400), capacity (429).
+
+Log-probabilities come with each ``StepUpdate`` (``new_logprobs``: one ``{token id: logprob}``
+entry per new token, for requests that asked); the routes turn them into OpenAI's shapes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from longctx.server.engine_loop import (EngineLoop, EngineUnavailableError, Queu
 from longctx.server.errors import APIError, bad_request, install_error_handlers
 from longctx.server.gate import RequestGate
 from longctx.server.protocol import (ChatCompletionRequest, ChatShape, CompletionRequest,
-                                     CompletionShape, GenerationRequest, usage)
+                                     CompletionShape, GenerationRequest, TokenLogprob, usage)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -191,15 +194,19 @@ class OpenAIRoutes:
             params = body.sampling_params(max_tokens)
         except ValueError as err:
             raise bad_request(str(err)) from err
-        shape = shape_cls(f"{shape_cls.id_prefix}-{uuid.uuid4().hex}", self.model_name)
+        shape = shape_cls(f"{shape_cls.id_prefix}-{uuid.uuid4().hex}", self.model_name, params.logprobs)
         handle = self._submit(shape.request_id, prompt_ids, params, arrival)
+
+        def close() -> None:
+            handle.close()
+
         if body.stream:
-            return EventStreamResponse(self._events(handle, shape, body.include_usage),
-                                       on_close=handle.close)
+            return EventStreamResponse(self._events(handle, shape, body.include_usage, close),
+                                       on_close=close)
         try:
             return await _unless_disconnected(request, self._whole(handle, shape))
         finally:
-            handle.close()
+            close()
 
     def _submit(self, request_id: str, prompt_ids: list[int], params: Any, arrival: float) -> RequestHandle:
         try:
@@ -212,30 +219,41 @@ class OpenAIRoutes:
             raise APIError(503, str(err), type="server_error", code="engine_unavailable") from err
 
     async def _whole(self, handle: RequestHandle, shape: CompletionShape) -> Response:
-        parts, num_tokens = [], 0
+        parts, num_tokens, ids, entries = [], 0, [], []
         try:
             while True:
                 update = await handle.next()
                 parts.append(update.new_text)
                 num_tokens += len(update.new_token_ids)
+                if shape.num_logprobs is not None:
+                    ids += update.new_token_ids
+                    entries += update.new_logprobs or []
                 if update.finished:
                     break
         except Exception as err:  # noqa: BLE001 - mapped to an HTTP error
             raise _engine_error(err) from err
         use = usage(handle.num_prompt_tokens, num_tokens)
-        return JSONResponse(shape.response("".join(parts), update.finish_reason, use))
+        logprobs = await self._token_logprobs(ids, entries) if shape.num_logprobs is not None else None
+        return JSONResponse(shape.response("".join(parts), update.finish_reason, use, logprobs))
 
-    async def _events(self, handle: RequestHandle, shape: CompletionShape,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, handle: RequestHandle, shape: CompletionShape, include_usage: bool,
+                      close: Callable[[], None]) -> AsyncIterator[str]:
         try:
             for chunk in shape.opening_chunks():
                 yield _sse(chunk)
-            num_tokens = 0
+            num_tokens, ids, entries = 0, [], []  # ids, entries: logprobs not sent yet
             while True:
                 update = await handle.next()
                 num_tokens += len(update.new_token_ids)
+                if shape.num_logprobs is not None:
+                    ids += update.new_token_ids
+                    entries += update.new_logprobs or []
                 if update.new_text or update.finished:
-                    yield _sse(shape.chunk(update.new_text, update.finish_reason, include_usage))
+                    logprobs = None
+                    if shape.num_logprobs is not None:
+                        logprobs = await self._token_logprobs(ids, entries)
+                        ids, entries = [], []
+                    yield _sse(shape.chunk(update.new_text, update.finish_reason, include_usage, logprobs))
                 if update.finished:
                     break
             if include_usage:
@@ -243,8 +261,24 @@ class OpenAIRoutes:
         except Exception as err:  # noqa: BLE001 - the status line is sent: say it in the stream
             yield _sse(_engine_error(err).body())
         finally:
-            handle.close()
+            close()
         yield "data: [DONE]\n\n"
+
+    async def _token_logprobs(self, ids: list[int], entries: list[dict[int, float]]) -> list[TokenLogprob]:
+        """The engine's per-token entries ({token id: logprob}, the chosen token among them)
+        with token texts (decoded on the tokenizer's thread), top entries most likely first."""
+        def build() -> list[TokenLogprob]:
+            out = []
+            for token, entry in zip(ids, entries):
+                top = sorted(entry.items(), key=lambda item: -item[1])
+                out.append(TokenLogprob(self._token_text(token), entry[token],
+                                        tuple((self._token_text(t), lp) for t, lp in top)))
+            return out
+
+        return await self._off_loop(build)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
 
 class EventStreamResponse(StreamingResponse):

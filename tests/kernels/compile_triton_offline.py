@@ -2,17 +2,26 @@
 
 The interpreter runs kernel bodies through numpy and so misses what only the compiler checks:
 globals that are not constexpr, dot operand shapes and dtypes, types that change across a loop.
-This script compiles the tile configurations ``plan_launch`` picks on CUDA, with the argument
-specialisations a real launch gets (unit strides as constants, 16-divisible pointers and
-strides), and prints one line per kernel. Run it without TRITON_INTERPRET:
+This script compiles every tile configuration ``plan_launch`` can pick on CUDA (head dims 64,
+128 and 256; decode, lookahead verify with a tree and prefill chunks; fp16 and bf16, plus the
+fp32 path), with the argument specialisations a real launch gets (unit strides as constants,
+16-divisible pointers and strides), reads each kernel's register count and local memory (spills)
+from its cubin with the bundled cuobjdump, and prints one line per kernel. Run it without TRITON_INTERPRET:
 
-    python tests/kernels/compile_triton_offline.py [sm ...]      (default: 80 90)
+    python tests/kernels/compile_triton_offline.py [--all] [sm ...]      (default: 80 90)
+
+Without ``--all`` one case of each kind (decode, verify, prefill, fp32) is compiled: what the
+default test run checks; ``--all`` is the whole table (the ``slow`` test, and docs/kernels.md).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -44,16 +53,41 @@ def compile_kernel(kernel, types: dict[str, str], constants: dict, arch: int, nu
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def attention_configs():
-    """(dtype, group, head_dim, max_q_len, tree) cases: decode, verify with a tree, prefill."""
-    yield torch.float16, 4, 128, 1, False
-    yield torch.bfloat16, 3, 96, 7, True
-    yield torch.bfloat16, 8, 128, 2048, False
-    yield torch.float32, 4, 128, 1, False
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_attention(arch: int) -> None:
-    for dtype, group, head_dim, max_q_len, tree in attention_configs():
+def registers_and_spills(compiled) -> tuple[int, int]:
+    """(registers per thread, local-memory bytes per thread: spills and stack) of a compiled
+    kernel, read from its cubin with the bundled cuobjdump."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        done = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(cubin)],
+                              capture_output=True, text=True, check=True)
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", done.stdout)
+    return int(usage.group(1)), int(usage.group(2)) + int(usage.group(3))
+
+
+QUICK = {(torch.float16, 128, 1), (torch.bfloat16, 64, 9), (torch.bfloat16, 128, 2048),
+         (torch.float32, 128, 1)}  # one of each kind, for the default test run
+
+
+def attention_configs(everything: bool = True):
+    """(dtype, group, head_dim, max_q_len, tree): every variant the planner can pick. Decode
+    (q_len 1), lookahead verify (q_len up to 63 with a tree) and prefill chunks (2,048), for
+    head dims 64, 128 and 256, in fp16 and bf16; fp32 (no tensor cores) for decode and verify.
+    Group sizes follow common models (Llama-3 8B: 4; SmolLM2-135M: 3; 8)."""
+    cases = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim, group in ((64, 3), (128, 4), (256, 8)):
+            cases += [(dtype, group, head_dim, 1, False), (dtype, group, head_dim, 9, True),
+                      (dtype, group, head_dim, 63, True), (dtype, group, head_dim, 2048, False)]
+    cases += [(torch.float32, 4, 128, 1, False), (torch.float32, 3, 64, 9, True)]
+    return [c for c in cases if everything or (c[0], c[2], c[3]) in QUICK]
+
+
+def compile_attention(arch: int, everything: bool) -> None:
+    for dtype, group, head_dim, max_q_len, tree in attention_configs(everything):
         plan = ta.plan_launch(num_tokens=max_q_len, num_seqs=1, num_kv_heads=2, group=group,
                               head_dim=head_dim, max_q_len=max_q_len, max_ctx_len=4096,
                               dtype=dtype, device=torch.device("cuda"), num_splits=1)
@@ -68,10 +102,12 @@ def compile_attention(arch: int) -> None:
                          BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
                          PAGE_SIZE=16, HAS_TREE=tree, DOT_DTYPE=dot_dtype,
                          DOT_PRECISION=precision)
-        compile_kernel(ta._paged_attention_kernel, types, constants, arch, plan.num_warps,
-                       plan.num_stages)
+        compiled = compile_kernel(ta._paged_attention_kernel, types, constants, arch, plan.num_warps,
+                                  plan.num_stages)
+        regs, spills = registers_and_spills(compiled)
         print(f"sm_{arch} paged_attention {elem} G={group} D={head_dim} q_len={max_q_len} "
-              f"tree={tree} BLOCK_M={plan.block_m} BLOCK_N={plan.block_n}: ok")
+              f"tree={tree} BLOCK_M={plan.block_m} BLOCK_N={plan.block_n} warps={plan.num_warps} "
+              f"registers={regs} local_bytes={spills}: ok")
 
 
 def compile_small_kernels(arch: int) -> None:
@@ -89,14 +125,15 @@ def compile_small_kernels(arch: int) -> None:
     print(f"sm_{arch} merge_splits, merge_states, write_kv: ok")
 
 
-def main(archs: list[int]) -> None:
+def main(archs: list[str]) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the kernels being compiled")
     assert isinstance(ta._paged_attention_kernel, triton.JITFunction)
-    for arch in archs:
-        compile_attention(arch)
+    everything = "--all" in archs
+    for arch in [int(a) for a in archs if a != "--all"] or [80, 90]:
+        compile_attention(arch, everything)
         compile_small_kernels(arch)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [80, 90])
+    main(sys.argv[1:])

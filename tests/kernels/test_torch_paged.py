@@ -36,14 +36,16 @@ def test_every_form_matches_reference(monkeypatch, name, max_kv_heads, small_q):
 
 def _relayout(batch, tables: list[list[int]], num_blocks: int):
     """The same sequences with their pages moved to the block ids in ``tables``."""
-    k_cache = torch.full((num_blocks, *batch.k_cache.shape[1:]), float("nan"), dtype=batch.k_cache.dtype)
+    device = batch.k_cache.device  # the batch's device (CUDA where there is one), not the CPU
+    k_cache = torch.full((num_blocks, *batch.k_cache.shape[1:]), float("nan"), dtype=batch.k_cache.dtype,
+                         device=device)
     v_cache = torch.full_like(k_cache, float("nan"))
-    block_table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    block_table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32, device=device)
     for b, ids in enumerate(tables):
         old = batch.block_table[b, :len(ids)].long()
         k_cache[ids] = batch.k_cache[old]
         v_cache[ids] = batch.v_cache[old]
-        block_table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        block_table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32, device=device)
     return dataclasses.replace(batch, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
 
 

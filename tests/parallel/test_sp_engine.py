@@ -276,7 +276,7 @@ def test_device_tier_hit_under_sp(folder, cold):
 
 def test_host_tier_hit_under_sp(folder, cold):
     # 10 pages per rank, 20 in all: the document (13 pages) and another (13) do not both fit
-    with _llm(folder, 2, num_blocks=10) as llm:
+    with _llm(folder, 2, num_blocks=10, host_cache_gb=2.0) as llm:
         assert llm.engine.pool.num_blocks == 20
         assert _one(llm, DOC) == cold["doc"]
         _one(llm, _tokens(200, seed=9))  # pushes the document's pages (from both ranks) to the host

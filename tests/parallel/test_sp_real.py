@@ -76,7 +76,8 @@ def test_prefix_hits_on_host_and_disk_tiers_and_streaming(reference, world, tmp_
     first, second = batch[0], batch[1]
     # 150 pages of 64 tokens in all hold one ~6K-token document, not two
     pages = 150 // world
-    with LLM(num_blocks=pages, disk_cache_dir=str(tmp_path), sequence_parallel_size=world) as llm:
+    with LLM(num_blocks=pages, host_cache_gb=2.0, disk_cache_dir=str(tmp_path),
+             sequence_parallel_size=world) as llm:
         assert token_ids(llm, [first]) == expected[:1]
         assert token_ids(llm, [second]) == expected[1:2]  # evicts pages of the first to the host tier
         assert token_ids(llm, [first]) == expected[:1]

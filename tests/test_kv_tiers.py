@@ -1,0 +1,196 @@
+"""KV tier moves off the scheduler, on a tiny random Llama: ``schedule()`` plans copies as
+data and never copies or reads a file itself; a request whose prefix is read from disk waits
+in its own state while other requests keep decoding; an aborted read writes nothing; and the
+host tier exists on the CPU only when asked for."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from longctx import LLM, SamplingParams
+from longctx.kv.disk_store import DiskKVStore
+from longctx.kv.host_pool import HostKVPool
+from longctx.kv.mover import DiskLoad, DiskSave, HostLoad, HostSave
+from longctx.scheduler import RequestStatus
+from tiny_models import random_tokens
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_engine_folder):
+    return tiny_engine_folder
+
+
+def _tokens(n, seed):
+    return random_tokens(n, seed, high=160)
+
+
+DOC = _tokens(200, seed=1)  # 12 full pages of 16
+QUESTION = _tokens(9, seed=2)
+
+
+def _llm(folder, **kw):
+    return LLM(folder, **{"block_size": BLOCK, "max_num_batched_tokens": 64, **kw})
+
+
+def _ids(llm, prompt, params=GREEDY):
+    return llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def cold(folder):
+    llm = LLM(folder, block_size=BLOCK, enable_prefix_caching=False)
+    return {"question": _ids(llm, DOC + QUESTION)}
+
+
+@pytest.fixture
+def persisted(folder, tmp_path):
+    """A disk tier holding DOC's pages, written by an engine that is closed again."""
+    llm = _llm(folder, disk_cache_dir=str(tmp_path))
+    _ids(llm, DOC)
+    llm.close()
+    return str(tmp_path)
+
+
+def test_host_tier_only_when_asked_for_on_the_cpu(folder):
+    assert _llm(folder).engine.prefix_cache.host_kv is None
+    llm = _llm(folder, host_cache_gb=0.01)
+    assert isinstance(llm.engine.prefix_cache.host_kv, HostKVPool)
+
+
+def test_schedule_plans_copies_and_never_runs_them(folder, monkeypatch, tmp_path):
+    llm = _llm(folder, num_blocks=20, host_cache_gb=2.0, disk_cache_dir=str(tmp_path))
+    engine = llm.engine
+    inside = threading.local()
+    copies: list[str] = []
+
+    def guard(name, original):
+        def wrapped(*args, **kwargs):
+            assert not getattr(inside, "on", False), f"{name} ran inside schedule()"
+            copies.append(name)
+            return original(*args, **kwargs)
+        return wrapped
+
+    for cls, name in [(HostKVPool, "write_back"), (HostKVPool, "load"), (HostKVPool, "pages"),
+                      (DiskKVStore, "read"), (DiskKVStore, "write")]:
+        monkeypatch.setattr(cls, name, guard(f"{cls.__name__}.{name}", getattr(cls, name)))
+    original_schedule = engine.scheduler.schedule
+    orders = []
+
+    def schedule():
+        inside.on = True
+        try:
+            batch = original_schedule()
+        finally:
+            inside.on = False
+        orders.extend(batch.kv_orders)
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    _ids(llm, DOC)
+    _ids(llm, _tokens(200, seed=9))  # evicts DOC's pages to the host tier
+    _ids(llm, DOC + QUESTION)  # and loads them back
+    assert any(isinstance(o, HostSave) for o in orders)
+    assert any(isinstance(o, HostLoad) for o in orders)
+    assert {"HostKVPool.write_back", "HostKVPool.load"} <= set(copies)  # they did run, outside
+    assert llm.cache_stats().hit_tokens["host"] > 0
+
+
+class SlowDisk:
+    """Holds every disk page read until ``release``: a read that takes as long as the test
+    wants."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.gate = threading.Event()
+        self.reads = 0
+        original = DiskKVStore.read
+
+        def read(store, key):
+            self.reads += 1
+            assert self.gate.wait(30), "the test never released the disk"
+            return original(store, key)
+
+        monkeypatch.setattr(DiskKVStore, "read", read)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_decode_goes_on_while_another_request_loads_from_disk(folder, cold, persisted, monkeypatch):
+    llm = _llm(folder, disk_cache_dir=persisted)
+    engine = llm.engine
+    disk = SlowDisk(monkeypatch)
+    stream = engine.add_request(_tokens(20, seed=5), SamplingParams(temperature=0.0, max_tokens=40,
+                                                                    ignore_eos=True))
+    engine.step()  # the stream's prefill and first token
+    doc = engine.add_request(DOC + QUESTION, GREEDY)
+    tokens_while_loading = 0
+    for _ in range(8):
+        updates = {u.request_id: u for u in engine.step()}
+        assert engine.scheduler.is_loading(doc)
+        assert engine.scheduler.requests[doc].status == RequestStatus.LOADING
+        assert doc not in updates  # nothing of it runs while its pages are read
+        tokens_while_loading += len(updates[stream].new_token_ids)
+    assert tokens_while_loading >= 8  # one token (or more, with lookahead) every step
+    assert disk.reads >= 1
+    disk.release()
+    outputs = {}
+    while engine.has_unfinished():
+        for update in engine.step():
+            if update.finished:
+                outputs[update.request_id] = engine.release(update.request_id)
+    assert outputs[doc].outputs[0].token_ids == cold["question"]
+    assert llm.cache_stats().hit_tokens["disk"] == 12 * BLOCK
+    assert len(outputs[stream].outputs[0].token_ids) == 40
+
+
+def test_an_aborted_load_writes_nothing_and_frees_its_pages(folder, cold, persisted, monkeypatch):
+    llm = _llm(folder, disk_cache_dir=persisted)
+    engine = llm.engine
+    disk = SlowDisk(monkeypatch)
+    free_before = engine.pool.num_free
+    doc = engine.add_request(DOC + QUESTION, GREEDY)
+    engine.step()
+    assert engine.scheduler.is_loading(doc)
+    assert engine.pool.num_free == free_before - 12  # its pages are reserved
+    writes = []
+    monkeypatch.setattr(engine.kv_mover, "write_pages", lambda ids, pages: writes.append(ids))
+    engine.abort(doc)
+    assert engine.pool.num_free == free_before and not engine.has_unfinished()
+    disk.release()
+    engine.kv_mover.flush()
+    engine.step()  # picks the finished read up, and drops it
+    assert writes == [] and engine.pool.num_free == free_before
+    monkeypatch.undo()
+    assert _ids(llm, DOC + QUESTION) == cold["question"]
+
+
+def test_a_bad_page_ends_the_disk_hit_and_frees_the_rest(folder, cold, persisted):
+    llm = _llm(folder, disk_cache_dir=persisted)
+    store = llm.engine.prefix_cache.disk
+    from longctx.cache.radix_tree import page_hashes
+
+    keys = page_hashes(DOC, llm.engine.prefix_cache.extra_key, BLOCK)
+    payload = bytearray(store.path(keys[5]).read_bytes())
+    payload[-1] ^= 0xFF
+    store.path(keys[5]).write_bytes(bytes(payload))
+    free_before = llm.engine.pool.num_free
+    assert _ids(llm, DOC + QUESTION) == cold["question"]
+    stats = llm.cache_stats()
+    assert stats.hit_tokens["disk"] == 5 * BLOCK and stats.disk_misses == {"checksum": 1}
+    # every block is back with the pool or held by the prefix store (none leaked)
+    held = llm.engine.prefix_cache.tree.num_device_pages
+    assert llm.engine.pool.num_free + held == free_before
+
+
+def test_orders_are_plain_data():
+    orders = [HostSave((1, 2), (0, 1)), HostLoad((0,), (5,)), DiskSave(("k",), (3,), "device")]
+    for order in orders:
+        assert all(isinstance(v, (tuple, str)) for v in vars(order).values())
+    load = DiskLoad("r", ("a", "b"), (1, 2))
+    assert load.pages == []
