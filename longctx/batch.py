@@ -4,7 +4,8 @@ Owns: reading and checking records; grouping records that share a document so th
 after another (the prefix cache then holds the document's pages); dealing groups to workers
 (``RANK``/``WORLD_SIZE`` under torchrun, or ``--num-workers`` spawned processes); resuming
 (ids that already have a line in the output or in a worker's part are skipped); appending each
-result as it finishes (flushed and fsync'd); error lines; the progress bar; merging parts.
+result as it finishes (flushed and fsync'd); error lines; progress bars (tqdm on stderr);
+merging parts. ``longctx.ray_batch`` runs the same records on Ray actors with these pieces.
 Never: prompts or model calls of its own (``longctx.tasks`` and ``LLM.generate`` make those).
 
 Input, one JSON object per line (``document_path`` is relative to the input file's folder):
@@ -33,7 +34,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,8 @@ from longctx.sampling_params import SamplingParams
 
 TASKS = ("generate", "summarize", "ask")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "stop_token_ids", "ignore_eos")
+                   "stop_token_ids", "ignore_eos", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 COMMON_FIELDS = ("id", "task", "document", "document_path", *SAMPLING_FIELDS)
 TASK_FIELDS = {"generate": ("prompt", "chat"), "summarize": ("instructions",), "ask": ("questions",)}
 TASK_MAX_TOKENS = {"generate": 256, "summarize": tasks.SUMMARY_TOKENS, "ask": tasks.ANSWER_TOKENS}
@@ -129,17 +131,27 @@ def read_records(path: Path, defaults: dict | None = None) -> tuple[list[Record]
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read the input {path}: {err}") from err
+    return parse_lines(enumerate(lines, 1), path.parent, defaults)
+
+
+def parse_lines(lines: Iterable[tuple[int, str | dict]], base_dir: Path,
+                defaults: dict | None = None) -> tuple[list[Record], list[BadLine]]:
+    """Records and bad lines of numbered input lines: JSON text (blank lines are skipped), or
+    objects already decoded. ``document_path`` is relative to ``base_dir``."""
     records: list[Record] = []
     bad: list[BadLine] = []
     first_line: dict[str, int] = {}
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as err:
-            bad.append(BadLine(n, None, None, f"not valid JSON: {err}"))
-            continue
+    for n, raw in lines:
+        if isinstance(raw, str):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as err:
+                bad.append(BadLine(n, None, None, f"not valid JSON: {err}"))
+                continue
+        else:
+            obj = raw
         if not isinstance(obj, dict):
             bad.append(BadLine(n, None, None, f"a record must be a JSON object, got {type(obj).__name__}"))
             continue
@@ -155,7 +167,7 @@ def read_records(path: Path, defaults: dict | None = None) -> tuple[list[Record]
             continue
         first_line[key] = n
         try:
-            records.append(parse_record(obj, n, path.parent, defaults or {}))
+            records.append(parse_record(obj, n, base_dir, defaults or {}))
         except RecordError as err:
             bad.append(BadLine(n, rid, task, str(err)))
     return records, bad
@@ -223,6 +235,8 @@ def _document_key(obj: dict, path: Path | None) -> str:
 def _sampling_params(obj: dict, task: str, defaults: dict) -> SamplingParams:
     values = {k: v for k, v in defaults.items() if v is not None}
     values.setdefault("max_tokens", TASK_MAX_TOKENS[task])
+    if task in ("summarize", "ask"):
+        values.setdefault("frequency_penalty", tasks.TASK_FREQUENCY_PENALTY)
     values.update({k: obj[k] for k in SAMPLING_FIELDS if k in obj})
     try:
         return SamplingParams(**values)
@@ -240,7 +254,7 @@ def group_records(records: list[Record]) -> list[list[Record]]:
     return list(groups.values())
 
 
-def _weight(group: list[Record]) -> int:
+def group_weight(group: list[Record]) -> int:
     """Rough cost of a group: the document's characters once plus ~4 characters per token that
     may be generated."""
     first = group[0]
@@ -257,7 +271,7 @@ def shard(groups: list[list[Record]], rank: int, world: int) -> list[list[Record
     (ties: lowest rank), so every worker computes the same split; kept in input order."""
     loads = [0] * world
     mine = []
-    weights = [_weight(g) for g in groups]
+    weights = [group_weight(g) for g in groups]
     for i in sorted(range(len(groups)), key=lambda i: (-weights[i], i)):
         worker = min(range(world), key=lambda w: (loads[w], w))
         loads[worker] += weights[i]
@@ -436,52 +450,57 @@ def run_records(llm: Any, records: list[Record], max_in_flight: int) -> Iterator
 
 # ---------------------------------------------------------------- progress
 
-class ProgressBar:
-    """Records done of total, output tokens per second and ETA on one stderr line; silent when
-    disabled."""
+def progress_enabled(mode: str, stream: TextIO | None = None) -> bool:
+    """Whether to draw progress bars: ``on``; ``off``; ``auto`` when ``stream`` (stderr) is a
+    terminal."""
+    stream = stream if stream is not None else sys.stderr
+    return mode == "on" or (mode == "auto" and _isatty(stream))
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def progress_bar(desc: str, total: int | None, unit: str, enabled: bool,
+                 stream: TextIO | None = None, **kwargs: Any) -> Any:
+    """A tqdm bar on ``stream`` (stderr by default) that draws nothing when not ``enabled``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=stream if stream is not None else sys.stderr,
+                disable=not enabled, dynamic_ncols=True, mininterval=0.2, **kwargs)
+
+
+class ProgressBar:
+    """Records done of total, output tokens per second and the time left: a tqdm bar on stderr;
+    silent when disabled."""
+
+    FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} records [{elapsed}<{remaining}{postfix}]"
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None, desc: str = "batch") -> None:
         self.total, self.enabled = total, enabled and total > 0
-        self.stream = stream or sys.stderr
         self.done = self.tokens = 0
         self.start = time.perf_counter()
-        self._draw()
+        self.bar = progress_bar(desc, total, "records", self.enabled, stream, bar_format=self.FORMAT,
+                                postfix="0.0 tok/s")
 
     def update(self, records: int = 1, tokens: int = 0) -> None:
         self.done += records
         self.tokens += tokens
-        self._draw()
-
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        elapsed = time.perf_counter() - self.start
-        filled = 24 * self.done // self.total
-        eta = elapsed / self.done * (self.total - self.done) if self.done else None
-        self.stream.write(f"\r[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} records "
-                          f"| {self.tokens / elapsed if elapsed else 0:.1f} tok/s | ETA {_clock(eta)} ")
-        self.stream.flush()
+        if self.enabled:
+            elapsed = time.perf_counter() - self.start
+            self.bar.set_postfix_str(f"{self.tokens / elapsed if elapsed else 0:.1f} tok/s", refresh=False)
+            self.bar.update(records)
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _clock(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def _progress_enabled(mode: str) -> bool:
-    return mode == "on" or (mode == "auto" and sys.stderr.isatty())
+        self.bar.close()
 
 
 # ---------------------------------------------------------------- one worker
 
-def _todo(job: BatchJob, rank: int, world: int) -> tuple[list[Record], list[BadLine]]:
+def todo_records(job: BatchJob, rank: int, world: int) -> tuple[list[Record], list[BadLine]]:
     """Records (and, on rank 0, bad lines) of this worker that have no result line yet."""
     records, bad = read_records(job.input, job.defaults)
     mine = [r for g in shard(group_records(records), rank, world) for r in g]
@@ -494,7 +513,7 @@ def run_shard(job: BatchJob, rank: int, world: int, show_progress: bool) -> None
     """Run this worker's share, appending to OUTPUT (one worker) or OUTPUT.partRANK."""
     log = ResultLog(job.output if world == 1 else part_path(job.output, rank))
     try:
-        todo, bad = _todo(job, rank, world)
+        todo, bad = todo_records(job, rank, world)
         for b in bad:
             log.write(error_line(b, b.error))
         if todo:
@@ -528,13 +547,18 @@ def delete_outputs(output: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def run_batch(job: BatchJob) -> None:
-    """Run a job to the end: alone, as ``--num-workers`` processes, or as one rank of torchrun
-    (``RANK``/``WORLD_SIZE`` set; rank 0 merges the parts once all ranks are done)."""
+def check_paths(job: BatchJob) -> None:
+    """The input is a file and the output is not the input."""
     if not job.input.is_file():
         raise ConfigError(f"cannot read the input {job.input}: no such file")
     if job.input.resolve() == job.output.resolve():
         raise ConfigError("--output must not be the input file")
+
+
+def run_batch(job: BatchJob) -> None:
+    """Run a job to the end: alone, as ``--num-workers`` processes, or as one rank of torchrun
+    (``RANK``/``WORLD_SIZE`` set; rank 0 merges the parts once all ranks are done)."""
+    check_paths(job)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         if job.config.num_workers > 1:
@@ -546,7 +570,7 @@ def run_batch(job: BatchJob) -> None:
     if job.config.num_workers > 1:
         _run_spawned(job)
     else:
-        run_shard(job, 0, 1, _progress_enabled(job.config.progress))
+        run_shard(job, 0, 1, progress_enabled(job.config.progress))
     merge_parts(job.output)
 
 
@@ -556,13 +580,13 @@ def _run_spawned(job: BatchJob) -> None:
     if not kwargs.get("num_threads"):
         kwargs["num_threads"] = max(1, (os.cpu_count() or 1) // n)
     child = replace(job, engine_kwargs=kwargs)
-    total = sum(len(todo) + len(bad) for todo, bad in (_todo(job, rank, n) for rank in range(n)))
+    total = sum(len(todo) + len(bad) for todo, bad in (todo_records(job, rank, n) for rank in range(n)))
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_shard_process, args=(child, rank, n), name=f"longctx-batch-{rank}")
              for rank in range(n)]
     for p in procs:
         p.start()
-    _follow_parts(job.output, procs, ProgressBar(total, _progress_enabled(job.config.progress)))
+    _follow_parts(job.output, procs, ProgressBar(total, progress_enabled(job.config.progress)))
     failed = [f"worker {rank} (exit code {p.exitcode})" for rank, p in enumerate(procs) if p.exitcode]
     if failed:
         raise BatchError(f"{', '.join(failed)} failed; finished records are kept in "
@@ -601,7 +625,7 @@ def _run_distributed(job: BatchJob, rank: int, world: int) -> None:
         if job.config.overwrite and rank == 0:
             delete_outputs(job.output)
         dist.barrier()
-        run_shard(job, rank, world, rank == 0 and _progress_enabled(job.config.progress))
+        run_shard(job, rank, world, rank == 0 and progress_enabled(job.config.progress))
         dist.barrier()
         if rank == 0:
             merge_parts(job.output)

@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from longctx.batch import TASK_MAX_TOKENS, BatchConfig, BatchError, BatchJob
-from longctx.config import CONFIG_CLASSES, ConfigError, ModelLoadConfig
+from longctx.batch import (PROGRESS_MODES, TASK_MAX_TOKENS, BatchConfig, BatchError, BatchJob,
+                           progress_bar, progress_enabled)
+from longctx.config import CONFIG_CLASSES, FLAG_TYPES, ConfigError, ModelLoadConfig
 from longctx.sampling_params import SamplingParams
 from longctx.server.config import ServerConfig
 
@@ -43,7 +44,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: tuple = CONFIG_C
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    dest=f.name, help=help_text)
             else:
-                group.add_argument(flag, *aliases, type=type(f.default), default=f.default, dest=f.name,
+                kind = FLAG_TYPES.get(f.name, float) if f.default is None else type(f.default)  # None: auto
+                group.add_argument(flag, *aliases, type=kind, default=f.default, dest=f.name,
                                    help=help_text)
 
 
@@ -63,6 +65,16 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens_default: int
     group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="> 1 discourages tokens of the prompt and output, HF's rule (default: 1, off)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="in [-2, 2]: subtracted once from tokens already in the output, OpenAI's "
+                            "rule (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=None,
+                       help="in [-2, 2]: subtracted per earlier occurrence in the output, OpenAI's "
+                            "rule (default: 0; for summarize and ask 0.3, which stops loops)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this times the most likely one (default: 0, off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-prompt-tokens", type=int, default=0,
                      help="keep only the first N tokens of the document (0: all)")
+    _add_progress_flags(gen)
     _add_sampling_flags(gen)
     _add_config_flags(gen)
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (see docs/serve.md)",
@@ -101,6 +114,15 @@ def _add_task_parsers(sub) -> None:
     batch.add_argument("input", type=Path, metavar="INPUT", help="JSONL file of records")
     batch.add_argument("--output", "-o", type=Path, required=True, help="JSONL file of results")
     _add_config_flags(batch, (BatchConfig,), "batch")
+    _add_progress_flags(batch, with_mode=False)  # --progress is BatchConfig's
+    ray = batch.add_argument_group("ray", "run the job on a Ray cluster (pip install 'longctx[ray]')")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="run on Ray actors, one engine each: without ADDRESS start or join a local "
+                          "cluster (ray.init()); else the cluster's address, e.g. auto or "
+                          "ray://host:10001 (put --ray after INPUT, or write --ray=ADDRESS)")
+    ray.add_argument("--ray-actors", type=int, default=0, metavar="N",
+                     help="Ray actors (engines) to start (default: one per document group, as many "
+                          "as the cluster's CPUs / --num-threads allow; its GPUs with --device cuda)")
     _add_sampling_flags(batch, max_tokens_default=None)
     _add_config_flags(batch)
     summ = sub.add_parser("summarize", help="summarize a document of any length",
@@ -109,6 +131,7 @@ def _add_task_parsers(sub) -> None:
     summ.add_argument("document", type=Path, metavar="DOCUMENT", help="the document (a text file)")
     summ.add_argument("--instructions", default=None, help="what the summary should be")
     summ.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    _add_progress_flags(summ)
     ask = sub.add_parser("ask", help="answer questions about a document",
                          description="Answer questions about one document, as one batch sharing "
                                      "the document's prefix (BM25 excerpts when it is longer "
@@ -119,6 +142,15 @@ def _add_task_parsers(sub) -> None:
     for parser in (summ, ask):
         _add_sampling_flags(parser, max_tokens_default=None)
         _add_config_flags(parser)
+
+
+def _add_progress_flags(parser: argparse.ArgumentParser, with_mode: bool = True) -> None:
+    if with_mode:
+        parser.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                            help="progress bars on stderr: auto (when stderr is a terminal) | on | off "
+                                 "(default: auto)")
+    parser.add_argument("--no-progress", dest="progress", action="store_const", const="off",
+                        help="no progress bars (same as --progress off)")
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -138,17 +170,15 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _progress(done: int, total: int, start: list[float]) -> None:
-    elapsed = time.perf_counter() - start[0]
-    rate = done / elapsed if elapsed > 0 else 0.0
-    print(f"\rprefill {done}/{total} tokens ({rate:.0f} tok/s)", end="", file=sys.stderr, flush=True)
+def _advance(bar, done: int) -> None:
+    """Move a tqdm bar to ``done`` (progress callbacks report totals so far)."""
+    if done > bar.n:
+        bar.update(done - bar.n)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     text = _read_prompt(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(**{k: v for k, v in _sampling_defaults(args).items() if v is not None})
     from longctx.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
@@ -164,30 +194,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = llm.chat_prompt_ids([{"role": "user", "content": body}])
     else:
         prompt_ids = tokenizer.encode(body, add_special_tokens=False)
-    start = [time.perf_counter()]
-    first = True
-    for delta in llm.stream({"prompt_token_ids": prompt_ids}, params,
-                            on_prefill_progress=lambda d, t: _progress(d, t, start)):
-        if first:
-            print(f"\rprefill {len(prompt_ids)} tokens done in {time.perf_counter() - start[0]:.1f} s",
-                  file=sys.stderr, flush=True)
-            first = False
-        print(delta.text, end="", flush=True)
-        if delta.finished and delta.output is not None:
-            m = delta.output.metrics
-            itl = m.inter_token_latencies
-            n = len(delta.output.outputs[0].token_ids)
-            print(file=sys.stdout)
-            print(f"[{n} tokens, finish: {delta.finish_reason}, time to first token "
-                  f"{m.time_to_first_token:.2f} s, "
-                  f"{(1000 * sum(itl) / len(itl)) if itl else 0:.1f} ms/token after]", file=sys.stderr)
+    prefill = progress_bar("prefill", len(prompt_ids), "tok", progress_enabled(args.progress))
+    try:
+        for delta in llm.stream({"prompt_token_ids": prompt_ids}, params,
+                                on_prefill_progress=lambda d, t: _advance(prefill, d)):
+            if not prefill.disable:  # the first token: the prefill is done
+                _advance(prefill, len(prompt_ids))
+                prefill.close()
+            print(delta.text, end="", flush=True)
+            if delta.finished and delta.output is not None:
+                m = delta.output.metrics
+                itl = m.inter_token_latencies
+                n = len(delta.output.outputs[0].token_ids)
+                print(file=sys.stdout)
+                print(f"[{n} tokens, finish: {delta.finish_reason}, time to first token "
+                      f"{m.time_to_first_token:.2f} s, "
+                      f"{(1000 * sum(itl) / len(itl)) if itl else 0:.1f} ms/token after]", file=sys.stderr)
+    finally:
+        prefill.close()
     return 0
 
 
 def _sampling_defaults(args: argparse.Namespace) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed, "stop": tuple(args.stop),
-            "ignore_eos": args.ignore_eos}
+            "ignore_eos": args.ignore_eos, "repetition_penalty": args.repetition_penalty,
+            "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty,
+            "min_p": args.min_p}
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
@@ -196,7 +229,16 @@ def cmd_batch(args: argparse.Namespace) -> int:
     job = BatchJob(args.input, args.output, BatchConfig(**config_kwargs(args, (BatchConfig,))),
                    config_kwargs(args), _sampling_defaults(args))
     start = time.perf_counter()
-    run_batch(job)
+    if args.ray is not None:
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise ConfigError("--ray runs the job on Ray actors: start it once, not under torchrun")
+        from longctx.ray_batch import run_ray_batch
+
+        run_ray_batch(job, args.ray, args.ray_actors)
+    elif args.ray_actors:
+        raise ConfigError("--ray-actors needs --ray")
+    else:
+        run_batch(job)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 holds the merged output
         print(summary_line(args.output, time.perf_counter() - start), file=sys.stderr)
     return 0
@@ -210,24 +252,38 @@ def _task_llm(args: argparse.Namespace):
 
 
 def _task_params(args: argparse.Namespace) -> SamplingParams:
+    from longctx.tasks import TASK_FREQUENCY_PENALTY
+
     defaults = {k: v for k, v in _sampling_defaults(args).items() if v is not None}
+    defaults.setdefault("frequency_penalty", TASK_FREQUENCY_PENALTY)
     return SamplingParams(**defaults)
 
 
-class _StageLine:
-    """A task's progress on one stderr line; a finished stage keeps its line."""
+class _StageBars:
+    """A task's progress (``on_progress(stage, done, total)``): a tqdm bar per stage on stderr.
+    A stage is finished when it reaches its total, when the next stage starts, or at
+    ``close(finished=True)``; finished bars keep their line."""
 
-    def __init__(self) -> None:
-        self.open = False
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = self.stage = None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        self.open = done != total
-        print(f"\r{stage} {done}/{total}", end="" if self.open else "\n", file=sys.stderr, flush=True)
+        if self.bar is not None and self.stage != stage:
+            self.close(finished=True)
+        if self.bar is None:
+            self.bar = progress_bar(stage, total, "tok" if stage == "prefill" else "call", self.enabled)
+            self.stage = stage
+        _advance(self.bar, done)
+        if done >= total:
+            self.close()
 
-    def close(self) -> None:
-        if self.open:
-            print(file=sys.stderr)
-            self.open = False
+    def close(self, finished: bool = False) -> None:
+        if self.bar is not None:
+            if finished:
+                _advance(self.bar, self.bar.total)
+            self.bar.close()
+            self.bar = None
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
@@ -235,11 +291,14 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
     text = tasks.read_document(args.document)
     llm = _task_llm(args)
-    progress = _StageLine()
-    result = tasks.summarize(llm, text, instructions=args.instructions,
-                             max_tokens=args.max_tokens or tasks.SUMMARY_TOKENS,
-                             sampling_params=_task_params(args), on_progress=progress)
-    progress.close()
+    progress = _StageBars(progress_enabled(args.progress))
+    try:
+        result = tasks.summarize(llm, text, instructions=args.instructions,
+                                 max_tokens=args.max_tokens or tasks.SUMMARY_TOKENS,
+                                 sampling_params=_task_params(args), on_progress=progress)
+        progress.close(finished=True)
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps(dataclasses.asdict(result), indent=1, ensure_ascii=False))
         return 0
