@@ -83,6 +83,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token
+    # {token id: logprob} with the token's own and the top ones
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -109,6 +112,7 @@ class _Tracked:
     detok: Detokenizer | None = None  # the output's text, token by token (made on the first)
     stop_ids: frozenset[int] = frozenset()
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
@@ -301,12 +305,17 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.prompt_logprobs is not None and self.sequence_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with sequence_parallel_size > 1")
         request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         self.scheduler.add(request)
+        if params.prompt_logprobs is not None:
+            self.runner.want_prompt_logprobs(request_id, params.prompt_logprobs)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         self._tracked[request_id] = _Tracked(request, prompt, RequestMetrics(time.perf_counter()),
                                              stop_ids=stop_ids,
-                                             logprobs=[] if params.logprobs is not None else None)
+                                             logprobs=[] if params.logprobs is not None else None,
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         if self.lookahead is not None:
             self.lookahead.add(request_id, request.prompt_token_ids, shared=params.greedy)
         return request_id
@@ -328,7 +337,8 @@ class LLMEngine:
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids,
                              [CompletionOutput(0, t.text, list(req.output_token_ids), req.finish_reason,
                                                None if t.logprobs is None else list(t.logprobs))],
-                             req.status == RequestStatus.FINISHED, t.metrics)
+                             req.status == RequestStatus.FINISHED, t.metrics,
+                             None if t.prompt_logprobs is None else list(t.prompt_logprobs))
 
     def release(self, request_id: str) -> RequestOutput:
         """The final output of a finished request; the engine forgets it."""
@@ -358,6 +368,10 @@ class LLMEngine:
             m.first_scheduled_time = m.first_scheduled_time or now
         sampling = [s for s in batch.seqs if s.sample]
         results = self.runner.run(batch, [self._sampling(s) for s in sampling])
+        for rid, (first, entries) in self.runner.take_prompt_logprobs().items():
+            kept = self._tracked[rid].prompt_logprobs
+            if len(kept) >= first:  # (a preempted request recomputes what it has: kept once)
+                kept.extend(entries[len(kept) - first:])
         self.scheduler.advance(batch)
         now = time.perf_counter()
         updates = {s.request_id: self._progress(self._tracked[s.request_id]) for s in batch.seqs}

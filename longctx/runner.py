@@ -177,6 +177,13 @@ class SamplingRunner:
     def forget(self, request_id: str) -> None:
         """The request ended: drop what the sampler kept for it."""
         self.penalties.forget(request_id)
+        getattr(self, "_num_prompt_logprobs", {}).pop(request_id, None)
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """The last step's prompt log-probabilities, per request: (the position of the first
+        prompt token they are for, one ``{token id: logprob}`` entry per token)."""
+        found, self.prompt_logprobs = getattr(self, "prompt_logprobs", {}), {}
+        return found
 
 
 class ModelRunner(SamplingRunner):
@@ -187,6 +194,8 @@ class ModelRunner(SamplingRunner):
         self.sampler = Sampler(upload=self.packer.upload)
         self.penalties = PenaltyState(model.config.vocab_size, self.device)
         self.graphs = None  # a ``cuda_graphs.DecodeGraphs`` replays decode steps when set
+        self.prompt_logprobs: dict = {}
+        self._num_prompt_logprobs: dict[str, int] = {}
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         step = flatten_batch(batch, self.block_size)
@@ -210,6 +219,8 @@ class ModelRunner(SamplingRunner):
             return self.graphs.run(batch)
         input_ids, positions, meta, (rows, rows_t) = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.backend, meta)  # (T, E)
+        if any(s.logprob_targets for s in batch.seqs):
+            self.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not rows:
             return torch.empty(0, self.model.config.vocab_size, device=hidden.device)
         if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous: a view
@@ -219,6 +230,39 @@ class ModelRunner(SamplingRunner):
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, seqs: list[SeqSampling]) -> list[SeqResult]:
         return super().run(batch, seqs)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                         rows_per_block: int = 512) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """For seqs with ``logprob_targets``: the log-probability of each next prompt token and
+        the top ``prompt_logprobs`` ones, from the raw distribution, ``rows_per_block`` logits
+        rows at a time (a row is V floats). Costs one upload and one download per block."""
+        found: dict[str, tuple[int, list[dict[int, float]]]] = {}
+        start = 0
+        for seq in batch.seqs:
+            targets = seq.logprob_targets
+            if targets:
+                k = self._num_prompt_logprobs[seq.request_id]
+                entries: list[dict[int, float]] = []
+                for a in range(0, len(targets), rows_per_block):
+                    block = targets[a:a + rows_per_block]
+                    logp = torch.log_softmax(self.model.compute_logits(
+                        hidden[start + a:start + a + len(block)]), dim=-1)
+                    ids = self.packer.upload(torch.tensor(block))
+                    chosen = logp.gather(1, ids[:, None])
+                    top = torch.topk(logp, k, dim=-1)
+                    packed = self.packer.download(torch.cat([chosen.double(), top.indices.double(),
+                                                             top.values.double()], dim=1))
+                    for token, row in zip(block, packed):
+                        entry = {int(i): v for i, v in zip(row[1:1 + k], row[1 + k:])}
+                        entry[token] = row[0]
+                        entries.append(entry)
+                found[seq.request_id] = (seq.start_pos + 1, entries)
+            start += len(seq.token_ids)
+        return found
+
+    def want_prompt_logprobs(self, request_id: str, k: int) -> None:
+        """``request_id`` asked for ``k`` top prompt log-probabilities per token."""
+        self._num_prompt_logprobs[request_id] = k
 
     def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
         self.kv.move_slots(*draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size))

@@ -130,6 +130,8 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's pages, covering start_pos + len(token_ids)
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     draft_parents: tuple[int, ...] = ()  # token_ids[1:] are draft nodes with these parents
+    # prompt_logprobs: the prompt tokens that tokens start_pos, start_pos + 1, ... predict
+    logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_draft(self) -> int:
@@ -360,7 +362,7 @@ class Scheduler:
 
     def _cached_tokens(self, req: Request) -> int:
         """Tokens of ``req`` the cache could serve now (a look, nothing is taken)."""
-        if self.cache is None or req.num_computed_tokens:
+        if self.cache is None or req.num_computed_tokens or req.params.prompt_logprobs is not None:
             return 0
         usable = (req.num_tokens - 1) // self.block_size * self.block_size
         return min(usable, self.cache.cached_tokens(req.token_slice(0, usable), req.cache_salt))
@@ -380,8 +382,9 @@ class Scheduler:
             req.num_skips += 1
 
     def _attach_prefix(self, req: Request) -> None:
-        """Take the request's cached prefix: its pages become the request's, counted computed."""
-        if self.cache is None or req.num_computed_tokens:
+        """Take the request's cached prefix: its pages become the request's, counted computed.
+        A request asking for prompt log-probabilities computes its whole prompt (as vLLM)."""
+        if self.cache is None or req.num_computed_tokens or req.params.prompt_logprobs is not None:
             return
         hit = self.cache.acquire(req.token_slice(0, req.num_tokens), req.cache_salt,
                                  req.num_tokens - 1, req.request_id, use_disk=not req.disk_tried)
@@ -445,11 +448,14 @@ class Scheduler:
 
     def _seq(self, req: Request, num_new: int, num_draft: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
+        targets: tuple[int, ...] = ()
+        if req.params.prompt_logprobs is not None:  # predictions of prompt tokens start + 1 ...
+            targets = tuple(req.prompt_token_ids[start + 1:start + num_new + 1])
         return ScheduledSeq(request_id=req.request_id,
                             token_ids=req.token_slice(start, start + num_new) + req.draft_token_ids[:num_draft],
                             start_pos=start, block_ids=list(req.block_ids),
                             sample=start + num_new == req.num_tokens,
-                            draft_parents=tuple(req.draft_parents[:num_draft]))
+                            draft_parents=tuple(req.draft_parents[:num_draft]), logprob_targets=targets)
 
     @staticmethod
     def _without_draft(seq: ScheduledSeq) -> ScheduledSeq:
