@@ -66,7 +66,9 @@ class DecodeGraphs:
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.cu_k = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # every graph writes its logits here (one buffer, not one per captured size: the sizes
+        # share the graph memory pool, and a held output per size could not be shared)
+        self.logits = torch.empty(n, self.model.config.vocab_size, dtype=torch.float32, device=dev)
         self.pool = None
         self.num_replays = 0
 
@@ -150,7 +152,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self._forward(size, meta)
+                self.logits[:size].copy_(self._forward(size, meta))
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
@@ -166,5 +168,5 @@ class DecodeGraphs:
         if size in self.graphs:
             self.graphs[size].replay()
             self.num_replays += 1
-            return self.outputs[size][:num_seqs]
+            return self.logits[:num_seqs]
         return self._forward(size, self._meta(size, ctx, table))[:num_seqs]

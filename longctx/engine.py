@@ -208,6 +208,7 @@ class LLMEngine:
         """Reserve a scratch page for padded rows and (on CUDA) capture decode steps' graphs.
         ``capture=False`` runs the same padded path eagerly (how the CPU tests check it)."""
         scratch = self.pool.allocate(1)[0]  # never released: padded rows write here
+        self.scheduler.num_reserved_blocks += 1
         graphs = DecodeGraphs(self.runner, max_batch, self.max_model_len, scratch, capture)
         graphs.capture()
         self.runner.graphs = graphs
@@ -238,7 +239,7 @@ class LLMEngine:
         if pc is not None:
             stats.hit_tokens = dict(pc.hit_tokens)
             if pc.disk is not None:
-                stats.disk_misses = dict(pc.disk.misses)
+                stats.disk_misses = pc.disk.miss_counts()
                 stats.pages_written_to_disk = pc.disk.num_written
         return stats
 
@@ -400,8 +401,9 @@ class LLMEngine:
         if self.kv_mover is None or not self.scheduler.loading:
             return
         for load in self.kv_mover.completed_reads(wait):
-            if not self.scheduler.is_loading(load.request_id):
-                continue  # aborted meanwhile: its blocks are gone, nothing is written
+            req = self.scheduler.loading.get(load.request_id)
+            if req is None or req.disk_load is not load:
+                continue  # aborted meanwhile (its id maybe reused): its blocks are gone, nothing is written
             self.kv_mover.write_pages(list(load.device_ids[:len(load.pages)]), load.pages)
             self.scheduler.finish_disk_load(load)
 

@@ -91,8 +91,15 @@ class InputPacker:
         self.uploads = self.downloads = 0
 
     def host_buffer(self, size: int) -> torch.Tensor:
+        """A host buffer for one step's inputs. On CUDA a new pinned tensor per step: the upload
+        is asynchronous, and a step that samples nothing ends without a sync, so the next step
+        must not overwrite a buffer the GPU may still be copying; PyTorch's pinned-memory cache
+        hands a block out again only after the copies that used it have finished. On the CPU
+        the upload is a copy, so one buffer serves every step."""
+        if self.pin:
+            return torch.empty(size, dtype=torch.int64, pin_memory=True)
         if self._host is None or self._host.numel() < size:
-            self._host = torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=self.pin)
+            self._host = torch.empty(max(size, 4096), dtype=torch.int64)
         return self._host[:size]
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:

@@ -221,6 +221,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.loading: dict[str, Request] = {}  # waiting for prefix pages from disk
+        self.num_reserved_blocks = 0  # taken from the pool for good (the CUDA graphs' scratch page)
         self._new_loads: list = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -248,11 +249,12 @@ class Scheduler:
                 f"the prompt has {prompt_len} tokens but the model's context window is "
                 f"{self.max_model_len} tokens (prompt plus at least one new token must fit)")
         longest = min(prompt_len + max_tokens, self.max_model_len)
-        if self.blocks_for(longest) > self.pool.num_blocks:
+        usable = self.pool.num_blocks - self.num_reserved_blocks
+        if self.blocks_for(longest) > usable:
             raise RequestTooLongError(
                 f"a request of {prompt_len} prompt + {max_tokens} new tokens needs "
                 f"{self.blocks_for(longest)} KV pages of {self.block_size} tokens, but the cache "
-                f"holds only {self.pool.num_blocks}: raise kv_cache_gb or lower max_tokens")
+                f"holds only {usable}: raise kv_cache_gb or lower max_tokens")
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished (or aborted) and free its pages."""

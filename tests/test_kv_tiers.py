@@ -194,3 +194,45 @@ def test_orders_are_plain_data():
         assert all(isinstance(v, (tuple, str)) for v in vars(order).values())
     load = DiskLoad("r", ("a", "b"), (1, 2))
     assert load.pages == []
+
+
+def test_a_stale_read_of_a_reused_request_id_is_not_applied(folder, cold, persisted, monkeypatch):
+    llm = _llm(folder, disk_cache_dir=persisted)
+    engine = llm.engine
+    disk = SlowDisk(monkeypatch)
+    free_before = engine.pool.num_free
+    engine.add_request(DOC + QUESTION, GREEDY, request_id="doc")
+    engine.step()
+    first = engine.scheduler.requests["doc"].disk_load
+    engine.abort("doc")
+    engine.add_request(_tokens(40, seed=8), GREEDY, request_id="other")
+    engine.step()  # "other" takes the lowest free blocks: the new read gets other ones
+    engine.add_request(DOC + QUESTION, GREEDY, request_id="doc")  # the same id, a new read
+    engine.step()
+    assert engine.scheduler.requests["doc"].disk_load is not first
+    disk.release()
+    outputs = {}
+    while engine.has_unfinished():
+        for update in engine.step():
+            if update.finished:
+                outputs[update.request_id] = engine.release(update.request_id)
+    assert outputs["doc"].outputs[0].token_ids == cold["question"]
+    held = engine.prefix_cache.tree.num_device_pages
+    assert engine.pool.num_free + held == free_before  # the first read's blocks did not leak
+
+
+def test_a_page_that_cannot_be_written_is_a_write_miss(tmp_path, monkeypatch):
+    store = DiskKVStore(tmp_path, 1 << 30, (1, 2, 4, 1, 2), torch.float32)
+    store.put("a" * 64, torch.ones(1, 2, 4, 1, 2))
+    store.put("b" * 64, torch.ones(1, 2, 4, 1, 2))
+    real_write = DiskKVStore.write
+
+    def failing(self, key, page):
+        if key.startswith("a"):
+            raise OSError(28, "No space left on device")
+        return real_write(self, key, page)
+
+    monkeypatch.setattr(DiskKVStore, "write", failing)
+    store.flush()  # does not raise, and goes past the bad page
+    assert store.miss_counts() == {"write": 1}
+    assert not store.contains("a" * 64) and store.contains("b" * 64) and store.num_written == 1

@@ -57,6 +57,7 @@ def profile_kv_cache_gb(model, backend, device: torch.device, max_tokens: int,
     del hidden
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()  # the step's blocks back to the device, so "in use" holds no activations
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(total, free, allocated, peak, utilization)
     if budget <= 0:

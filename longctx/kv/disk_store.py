@@ -94,15 +94,26 @@ class DiskKVStore:
                 self._pending[key] = page
 
     def flush(self) -> None:
-        """Write every queued page (the disk thread calls this; so does ``close``)."""
+        """Write every queued page (the disk thread calls this; so does ``close``). A page that
+        cannot be written (disk full, folder gone) is dropped, logged and counted as a
+        ``write`` miss: the tier loses that page, nothing else."""
         while True:
             with self._lock:
                 if not self._pending:
                     return
                 key, page = next(iter(self._pending.items()))
-            self.write(key, page)
+            try:
+                self.write(key, page)
+            except OSError as err:
+                log.warning("disk KV cache: cannot write page %s: %s", key[:16], err)
+                with self._lock:
+                    self.misses["write"] += 1
             with self._lock:
                 self._pending.pop(key, None)
+
+    def miss_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.misses)
 
     # ------------------------------------------------------------------ write
 

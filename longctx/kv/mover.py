@@ -137,6 +137,8 @@ class KVMover:
 
     def _disk_save(self, order: DiskSave) -> None:
         if order.tier == "device":
+            if self._event is not None:  # a host load into these blocks earlier in this step
+                torch.cuda.current_stream(self.device).wait_event(self._event)
             pages = self.device_kv.read_pages(list(order.page_ids))  # a copy on the CPU
         else:
             if self.stream is not None:  # host pages a side-stream copy may still be writing
