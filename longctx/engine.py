@@ -404,7 +404,8 @@ class LLMEngine:
             req = self.scheduler.loading.get(load.request_id)
             if req is None or req.disk_load is not load:
                 continue  # aborted meanwhile (its id maybe reused): its blocks are gone, nothing is written
-            self.kv_mover.write_pages(list(load.device_ids[:len(load.pages)]), load.pages)
+            if load.num_read:
+                self.kv_mover.write_pages(list(load.device_ids[:load.num_read]), load.buffer[:load.num_read])
             self.scheduler.finish_disk_load(load)
 
     def _propose_drafts(self) -> None:

@@ -402,7 +402,7 @@ class Scheduler:
         return request_id in self.loading
 
     def finish_disk_load(self, load: Any) -> None:
-        """The pages of ``load`` were read (``load.pages``, up to the first bad one) and
+        """The pages of ``load`` were read (``load.num_read``, up to the first bad one) and
         written into their blocks: index them, and put the request back at the head of the
         waiting queue with its prefix computed."""
         req = self.loading.pop(load.request_id)

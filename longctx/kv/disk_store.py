@@ -151,29 +151,44 @@ class DiskKVStore:
 
     # ------------------------------------------------------------------ read
 
-    def read(self, key: str) -> torch.Tensor | None:
-        """The page stored under ``key``, or None (a miss, logged with its reason)."""
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The page stored under ``key`` (copied into ``out`` when given, else a tensor over
+        the file's bytes), or None (a miss, logged with its reason)."""
+        return self.accept(key, self.fetch(key), out)
+
+    def fetch(self, key: str) -> tuple[torch.Tensor | bytearray | None, str | None]:
+        """Read and check one page without recording anything: (the page or the file's bytes,
+        None) or (None, why it is a miss). Safe to run for several keys at once (threads: the
+        reads and the checksum release the GIL); ``accept`` then records the outcome."""
         with self._lock:
             queued = self._pending.get(key)
         if queued is not None:
-            return queued.clone()
-        path = self.path(key)
+            return queued, None
         try:
-            data = path.read_bytes()
+            with open(self.path(key), "rb") as f:  # one buffer: no copy of the payload until ``out``
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data):]
         except FileNotFoundError:
-            return self._miss(key, "missing", remove=False)
+            return None, "missing"
         except OSError as err:
-            return self._miss(key, f"unreadable ({err})", remove=False)
-        reason = self._check(key, data)
-        if reason is not None:
-            return self._miss(key, reason, remove=True)
+            return None, f"unreadable ({err})"
+        return data, self._check(key, data)
+
+    def accept(self, key: str, fetched: tuple, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Record a ``fetch``: a hit (the page, into ``out`` when given) or a miss (logged,
+        counted, a damaged file removed; None)."""
+        data, reason = fetched
+        if data is None or reason is not None:
+            return self._miss(key, reason, remove=data is not None)
+        if isinstance(data, torch.Tensor):  # queued, not yet written
+            return out.copy_(data) if out is not None else data.clone()
         start = len(MAGIC) + 4 + struct.unpack_from("<I", data, len(MAGIC))[0]
-        page = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)
+        page = torch.frombuffer(data, dtype=torch.uint8, offset=start).view(self.dtype).reshape(self.page_shape)
         with self._lock:
             self._sizes[key] = len(data)
             self._sizes.move_to_end(key)
             self.num_read += 1
-        return page.view(self.dtype).reshape(self.page_shape)
+        return out.copy_(page) if out is not None else page
 
     def _check(self, key: str, data: bytes) -> str | None:
         """Why ``data`` is not a valid page for ``key``; None if it is."""

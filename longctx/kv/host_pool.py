@@ -30,16 +30,34 @@ class HostKVPool:
                        for _ in range(num_layers)]
         self.device_pool = device_pool
 
+    def _direct(self) -> bool:
+        """The device pool is one set of CPU tensors: copy layer by layer between the pools,
+        without gathering whole pages (``[P, L, 2, ...]``) on the way."""
+        return getattr(self.device_pool, "layers", None) is not None and self.device_pool.device.type == "cpu"
+
     def write_back(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pages into host pages (same order)."""
-        pages = self.device_pool.read_pages(device_ids)  # (P, L, 2, BS, Hkv, D)
         dst = torch.tensor(host_ids, dtype=torch.long)
+        if self._direct():
+            src = torch.tensor(device_ids, dtype=torch.long)
+            for (hk, hv), (k, v) in zip(self.layers, self.device_pool.layers):
+                hk.index_copy_(0, dst, k.index_select(0, src))
+                hv.index_copy_(0, dst, v.index_select(0, src))
+            return
+        pages = self.device_pool.read_pages(device_ids)  # (P, L, 2, BS, Hkv, D)
         for layer, (hk, hv) in enumerate(self.layers):
             hk.index_copy_(0, dst, pages[:, layer, 0])
             hv.index_copy_(0, dst, pages[:, layer, 1])
 
     def load(self, host_ids: list[int], device_ids: list[int]) -> None:
         """Copy host pages into device pages (same order)."""
+        if self._direct():
+            src = torch.tensor(host_ids, dtype=torch.long)
+            dst = torch.tensor(device_ids, dtype=torch.long)
+            for (hk, hv), (k, v) in zip(self.layers, self.device_pool.layers):
+                k.index_copy_(0, dst, hk.index_select(0, src))
+                v.index_copy_(0, dst, hv.index_select(0, src))
+            return
         self.device_pool.write_pages(device_ids, self.pages(host_ids))
 
     def pages(self, host_ids: list[int]) -> torch.Tensor:

@@ -26,11 +26,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
+
+READ_THREADS = 2  # page files read and checksummed at once (hashing releases the GIL)
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,15 @@ class DiskSave:
 
 @dataclass
 class DiskLoad:
-    """A request's pages to read from disk into its reserved device blocks. ``pages`` is
-    filled by the background thread: the pages read, up to the first missing or bad one."""
+    """A request's pages to read from disk into its reserved device blocks. The background
+    thread fills ``buffer`` ([P, L, 2, BS, Hkv, D] on the CPU) and ``num_read``: the pages
+    read, up to the first missing or bad one."""
 
     request_id: str
     keys: tuple[str, ...]
     device_ids: tuple[int, ...]
-    pages: list[torch.Tensor] = field(default_factory=list)
+    buffer: torch.Tensor | None = None
+    num_read: int = 0
 
 
 KVOrder = HostSave | HostLoad | DiskSave
@@ -86,6 +91,7 @@ class KVMover:
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the disk thread's readers
         self.num_orders = 0
 
     # ------------------------------------------------------------------ orders (main thread)
@@ -148,10 +154,11 @@ class KVMover:
             self.disk.put(key, page)
         self._submit(("write",))
 
-    def write_pages(self, device_ids: list[int], pages: list[torch.Tensor]) -> None:
-        """Pages read from disk into their device blocks (main thread, a later step)."""
+    def write_pages(self, device_ids: list[int], pages: torch.Tensor) -> None:
+        """Pages read from disk ([P, L, 2, BS, Hkv, D]) into their device blocks (main
+        thread, a later step)."""
         if device_ids:
-            self.device_kv.write_pages(device_ids, torch.stack(pages))
+            self.device_kv.write_pages(device_ids, pages)
 
     # ------------------------------------------------------------------ the disk thread
 
@@ -184,19 +191,27 @@ class KVMover:
                 if job[0] == "write":
                     self.disk.flush()
                 else:
-                    load: DiskLoad = job[1]
-                    for key in load.keys:
-                        page = self.disk.read(key)
-                        if page is None:
-                            break
-                        load.pages.append(page)
-                    self._done.put(load)
+                    self._read(job[1])
             except Exception:  # noqa: BLE001 - a failed disk job is a miss, never a crash
                 log.exception("disk KV job %s failed", job[0])
                 if job[0] == "read":
                     self._done.put(job[1])
             finally:
                 self._jobs.task_done()
+
+    def _read(self, load: DiskLoad) -> None:
+        """Fetch (read and checksum) the pages on ``READ_THREADS`` threads, then accept them
+        in order up to the first miss: the pages after a bad one are neither used nor
+        counted, as a page-by-page read would have it."""
+        load.buffer = torch.empty((len(load.keys), *self.disk.page_shape), dtype=self.disk.dtype,
+                                  pin_memory=self.cuda)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="longctx-kv-read")
+        for i, fetched in enumerate(self._pool.map(self.disk.fetch, load.keys)):
+            if self.disk.accept(load.keys[i], fetched, out=load.buffer[i]) is None:
+                break
+            load.num_read = i + 1
+        self._done.put(load)
 
     def flush(self) -> None:
         """Wait until every disk job submitted so far is done, and for the side stream."""
@@ -212,3 +227,5 @@ class KVMover:
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(("stop",))
             self._thread.join(timeout=10)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

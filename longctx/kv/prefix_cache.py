@@ -150,10 +150,10 @@ class PrefixCache:
 
     def finish_disk_load(self, tokens: Sequence[int], salt: str | None, node: TreeNode | None,
                          block_ids: list[int], load: DiskLoad) -> tuple[TreeNode | None, list[int]]:
-        """Index the pages ``load`` read (its blocks follow ``block_ids``, the request's prefix
+        """Index the ``load.num_read`` pages ``load`` read (its blocks follow ``block_ids``, the request's prefix
         so far) and give back the blocks of pages that were missing or bad. Returns the
         request's lock node and its blocks, now ``block_ids`` plus the good pages'."""
-        good = len(load.pages)
+        good = load.num_read
         bad = list(load.device_ids[good:])
         if bad:
             self.pool.release(bad)
