@@ -42,8 +42,8 @@ class ModelLoadConfig:
                                           "(auto: for float32 the C row kernel where it builds, "
                                           "else oneDNN pre-packed, else BLAS; BLAS for bf16/fp16)"})
     enforce_eager: bool = field(
-        default=False, metadata={"help": "on CUDA, run decode steps eagerly instead of replaying "
-                                         "CUDA graphs captured at start-up"})
+        default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
+                                         "instead of replaying CUDA graphs captured at start-up"})
 
     def __post_init__(self) -> None:
         _check(self.cpu_matmul in CPU_MATMULS,

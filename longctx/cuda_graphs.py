@@ -1,25 +1,35 @@
-"""CUDA graphs for decode steps: the model's forward and logits for a batch of sequences that
-each compute one new token, captured once per padded batch size at start-up and replayed.
+"""CUDA graphs for decode and lookahead-verify steps: the model's forward and logits for a
+batch in which every sequence computes its last token (plus, when verifying, its draft
+nodes), captured at start-up for padded shapes and replayed.
 
-Owns: the static input buffers, padding a step to a captured size, capture and replay.
+Owns: the static input buffers, padding a step to a captured shape, capture and replay.
 Never: sampling (it runs after the graph, on its output) or choosing what runs.
 
-A step qualifies when every sequence computes exactly one token (no prefill chunk, no draft
-tree) and the batch fits the largest captured size. Its inputs are packed on the host and
-uploaded in one copy as any step's (``runner.InputPacker``), then copied device-to-device
-into the static buffers, so the graph always reads the same addresses. A padded batch's extra
-rows are dummy sequences of one token whose KV goes to a scratch page reserved for them at
-start-up (the block pool never hands it out) and which attend only to it.
+Shapes. A graph is captured per (sequences, tokens per sequence): decode graphs (1 token) for
+batch sizes 1, 2, 4, 8, 16, ... up to ``max_num_seqs``, and verify graphs for widths 2, 4, 8,
+... up to 1 + the most draft tokens a step may carry, for batch sizes whose total stays under
+``MAX_GRAPH_TOKENS``. A step qualifies when every sequence samples and computes only its last
+token and its draft (no prefill chunk), and it fits a captured shape; it runs in the smallest
+one that fits.
 
-What the graph fixes at capture: the kernels' launch plans (Triton: the split count for the
-longest context the engine allows, ``max_model_len``; shorter contexts leave splits empty,
-which the merge ignores), the RoPE table, and the addresses of every buffer. So the capture
-uses ``extents=(1, max_model_len)`` and the largest block table width; the graph is correct
-for every step that fits.
+Padding. Each sequence's tokens are ``[last token, its draft nodes, pads]`` up to the width; a
+pad is a child of the root (its tree word: the root and itself), so no real token sees it, and
+its K/V go to the sequence's next slots as draft nodes' do: inside the sequence's own pages
+(slots later tokens overwrite, as they do a rejected draft's) or, past them, to a scratch page
+reserved at start-up that the block pool never hands out (the block table is filled with it).
+Every slot a step's attention reads is written earlier in that step or holds real KV, so no
+uninitialised (possibly NaN) value reaches a real row. Extra sequences of a padded batch live
+on the scratch page alone. The real rows' logits are gathered with the step's packed rows.
 
-On a machine without CUDA the same padded path runs eagerly (``capture=False``), which is
-how the tests check the padding, the scratch page and the static buffers against the plain
-runner; the capture itself has not run here (no GPU in this project's CI).
+What a capture fixes: the kernels' launch plans (Triton: the split count for the longest
+context the engine allows, ``max_model_len``; shorter contexts leave splits empty, which the
+merge ignores), the RoPE table, the buffers' addresses. The inputs are packed on the host and
+uploaded in one copy as any step's (``runner.InputPacker``), then copied device-to-device into
+the static buffers. Every graph writes its logits into one static buffer.
+
+On a machine without CUDA the same padded path runs eagerly (``capture=False``): how the tests
+check padding, the scratch page and the static buffers against the plain runner. The capture
+itself has not run here (no GPU in this project's CI).
 """
 
 from __future__ import annotations
@@ -29,11 +39,13 @@ import logging
 import torch
 
 from longctx.attention import AttentionMetadata
+from longctx.runner import tree_ancestor_words
 from longctx.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 256
+MAX_GRAPH_TOKENS = 512  # verify graphs: sequences x width at most this
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -44,129 +56,179 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+def graph_shapes(max_batch: int, max_draft: int) -> list[tuple[int, int]]:
+    """(sequences, tokens per sequence) to capture: every batch size at width 1, then widths
+    2, 4, ... up to the power of two covering ``1 + max_draft``, each for the batch sizes
+    whose total is at most ``MAX_GRAPH_TOKENS``."""
+    sizes = graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
+    shapes = [(s, 1) for s in sizes]
+    width = 2
+    while max_draft and width // 2 < 1 + max_draft:
+        shapes += [(s, width) for s in sizes if s * width <= MAX_GRAPH_TOKENS]
+        width *= 2
+    return shapes
+
+
+class StepGraphs:
     def __init__(self, runner, max_batch: int, max_model_len: int, scratch_block: int,
-                 capture: bool) -> None:
+                 capture: bool, max_draft: int = 0) -> None:
         self.runner = runner
         self.model, self.backend, self.kv = runner.model, runner.backend, runner.kv
         self.device = runner.device
         self.block_size = self.kv.block_size
         self.max_model_len = max_model_len
-        self.sizes = graph_batch_sizes(min(max_batch, MAX_GRAPH_BATCH))
-        self.max_batch = self.sizes[-1]
+        self.shapes = graph_shapes(max_batch, max_draft)
+        self.max_tokens = max(s * w for s, w in self.shapes)
+        self.max_batch = max(s for s, _ in self.shapes)
         self.width = -(-max_model_len // self.block_size)  # block table columns
         self.scratch_block = scratch_block
         self.capture_enabled = capture
-        n, dev = self.max_batch, self.device
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), scratch_block * self.block_size, dtype=torch.long, device=dev)
+        for k, v in self.kv.layers:  # the scratch page starts finite
+            k[scratch_block].zero_()
+            v[scratch_block].zero_()
+        t, n, dev = self.max_tokens, self.max_batch, self.device
+        self.ids = torch.zeros(t, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.long, device=dev)
+        self.slots = torch.full((t,), scratch_block * self.block_size, dtype=torch.long, device=dev)
+        self.tree = torch.ones(t, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros(t, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=dev)
-        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.cu_k = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # every graph writes its logits here (one buffer, not one per captured size: the sizes
-        # share the graph memory pool, and a held output per size could not be shared)
-        self.logits = torch.empty(n, self.model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.cu_q = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self.cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # every graph writes its logits here (one buffer, not one per captured shape: the
+        # shapes share the graph memory pool, and a held output per shape could not be shared)
+        self.logits = torch.empty(t, self.model.config.vocab_size, dtype=torch.float32, device=dev)
         self.pool = None
         self.num_replays = 0
 
     # ------------------------------------------------------------------ which steps
 
-    def can_run(self, batch: ScheduledBatch) -> bool:
+    def shape_for(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """The smallest captured shape ``batch`` fits, or None if it does not qualify."""
         seqs = batch.seqs
-        return (0 < len(seqs) <= self.max_batch
-                and all(len(s.token_ids) == 1 and not s.num_draft and s.sample for s in seqs)
-                and all(len(s.block_ids) <= self.width for s in seqs))
+        if not seqs or not all(s.sample and len(s.token_ids) == 1 + s.num_draft
+                               and len(s.block_ids) <= self.width for s in seqs):
+            return None
+        need = max(len(s.token_ids) for s in seqs)
+        fits = [(s, w) for s, w in self.shapes if s >= len(seqs) and w >= need and (w == 1) == (need == 1)]
+        return min(fits, key=lambda sw: (sw[0] * sw[1], sw[1])) if fits else None
 
-    def padded_size(self, num_seqs: int) -> int:
-        return next(s for s in self.sizes if s >= num_seqs)
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return self.shape_for(batch) is not None
 
     # ------------------------------------------------------------------ inputs
 
-    def _meta(self, size: int, context_lens: list[int] | None = None,
+    def _meta(self, size: int, width: int, context_lens: list[int] | None = None,
               tables: list[list[int]] | None = None) -> AttentionMetadata:
-        """Metadata over the static buffers' first ``size`` rows. Host lists (used only by the
-        CPU kernels) are given in the eager path; a capture uses the widest extents."""
-        meta = AttentionMetadata(
-            query_lens=[1] * size, context_lens=context_lens or [self.max_model_len] * size,
+        """Metadata over the static buffers for ``size`` sequences of ``width`` tokens. Host
+        lists (read only by the CPU kernels) come in the eager path; a capture uses the widest
+        extents."""
+        tokens = size * width
+        return AttentionMetadata(
+            query_lens=[width] * size, context_lens=context_lens or [self.max_model_len] * size,
             cu_seqlens_q=self.cu_q[:size + 1], context_lens_t=self.context_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slots[:size], tree_mask=None,
-            kv_caches=self.kv.layers, max_query_len=1,
-            max_context_len=max(context_lens) if context_lens else self.max_model_len,
+            block_table=self.block_table[:size], slot_mapping=self.slots[:tokens],
+            tree_mask=self.tree[:tokens] if width > 1 else None, kv_caches=self.kv.layers,
+            max_query_len=width, max_context_len=max(context_lens) if context_lens else self.max_model_len,
             max_position=self.max_model_len, host_block_table=tables, cu_seqlens_k=self.cu_k[:size + 1])
-        return meta
 
-    def _load_inputs(self, batch: ScheduledBatch, size: int) -> tuple[list[int], list[list[int]]]:
-        """Pack the step (padded to ``size``) on the host, upload once, copy into the static
-        buffers. Returns the padded context lengths and block table rows (host)."""
-        bs, scratch = self.block_size, self.scratch_block
-        ids, positions, slots, ctx, table = [], [], [], [], []
-        for s in batch.seqs:
-            pos = s.start_pos
-            ids.append(s.token_ids[0])
-            positions.append(pos)
-            slots.append(s.block_ids[pos // bs] * bs + pos % bs)
-            ctx.append(pos + 1)
-            table.append(s.block_ids + [scratch] * (self.width - len(s.block_ids)))
-        for _ in range(size - len(batch.seqs)):  # dummy sequences on the scratch page
-            ids.append(0)
-            positions.append(0)
-            slots.append(scratch * bs)
-            ctx.append(1)
-            table.append([scratch] * self.width)
-        flat = ids + positions + slots + ctx + [b for row in table for b in row]
+    def _slot(self, block_ids: list[int], pos: int) -> int:
+        bs = self.block_size
+        block = block_ids[pos // bs] if pos // bs < len(block_ids) else self.scratch_block
+        return block * bs + pos % bs
+
+    def _load_inputs(self, batch: ScheduledBatch, size: int, width: int):
+        """Pack the step (padded to ``size`` x ``width``) on the host, upload once, copy into
+        the static buffers. Returns the host context lengths, block table rows and the number
+        of real rows."""
+        ids, positions, slots, tree, ctx, table, rows = [], [], [], [], [], [], []
+        for i, s in enumerate(batch.seqs):
+            n, pads = len(s.token_ids), width - len(s.token_ids)
+            ids += list(s.token_ids) + [0] * pads
+            depths = [0]
+            for p in s.draft_parents:
+                depths.append(depths[p + 1] + 1)
+            positions += [s.start_pos + d for d in depths] + [s.start_pos + 1] * pads
+            slots += [self._slot(s.block_ids, s.start_pos + k) for k in range(width)]
+            tree += tree_ancestor_words(s.draft_parents) + [1 | 1 << k for k in range(n, width)]
+            ctx.append(s.start_pos + width)
+            table.append(s.block_ids + [self.scratch_block] * (self.width - len(s.block_ids)))
+            rows += range(i * width, i * width + n)
+        scratch_only: list[int] = []
+        for _ in range(size - len(batch.seqs)):  # extra sequences, on the scratch page alone
+            ids += [0] * width
+            positions += list(range(width))
+            slots += [self._slot(scratch_only, k) for k in range(width)]
+            tree += [1] + [1 | 1 << k for k in range(1, width)]
+            ctx.append(width)
+            table.append([self.scratch_block] * self.width)
+        tokens = size * width
+        cu_q = [i * width for i in range(size + 1)]
+        cu_k = [0]
+        for c in ctx:
+            cu_k.append(cu_k[-1] + c)
+        parts = [ids, positions, slots, tree, rows, ctx, [b for r in table for b in r], cu_q, cu_k]
+        sizes = [len(p) for p in parts]
         packer = self.runner.packer
-        host = packer.host_buffer(len(flat))
-        host.copy_(torch.tensor(flat, dtype=torch.int64))
-        dev = packer.upload(host)
-        parts = torch.split(dev, [size, size, size, size, size * self.width])
-        self.ids[:size].copy_(parts[0])
-        self.positions[:size].copy_(parts[1])
-        self.slots[:size].copy_(parts[2])
-        self.context_lens[:size].copy_(parts[3])
-        self.block_table[:size].copy_(parts[4].view(size, self.width))
-        self.cu_k[1:size + 1].copy_(torch.cumsum(self.context_lens[:size], 0))
-        return ctx, table
+        host = packer.host_buffer(sum(sizes))
+        host.copy_(torch.tensor([x for p in parts for x in p], dtype=torch.int64))
+        dev = torch.split(packer.upload(host), sizes)
+        self.ids[:tokens].copy_(dev[0])
+        self.positions[:tokens].copy_(dev[1])
+        self.slots[:tokens].copy_(dev[2])
+        self.tree[:tokens].copy_(dev[3])
+        self.rows[:len(rows)].copy_(dev[4])
+        self.context_lens[:size].copy_(dev[5])
+        self.block_table[:size].copy_(dev[6].view(size, self.width))
+        self.cu_q[:size + 1].copy_(dev[7])
+        self.cu_k[:size + 1].copy_(dev[8])
+        return ctx, table, len(rows)
 
-    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.ids[:size], self.positions[:size], self.backend, meta)
+    def _forward(self, size: int, width: int, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = size * width
+        hidden = self.model(self.ids[:tokens], self.positions[:tokens], self.backend, meta)
         return self.model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ capture and replay
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per batch size, largest first (they share one memory pool)."""
+        """Capture one graph per shape, largest first (they share one memory pool)."""
         if not self.capture_enabled:
             return
         self.model.rotary_for(self.device).cos_sin(self.positions[:1], self.max_model_len)  # table ready
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):
-            meta = self._meta(size)
+        for size, width in sorted(self.shapes, key=lambda sw: -sw[0] * sw[1]):
+            self.cu_q[:size + 1].copy_(torch.arange(size + 1, device=self.device) * width)
+            meta = self._meta(size, width)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up: Triton compiles, allocator settles
                 for _ in range(2):
-                    self._forward(size, meta)
+                    self._forward(size, width, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[:size].copy_(self._forward(size, meta))
+                self.logits[:size * width].copy_(self._forward(size, width, meta))
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[(size, width)] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured CUDA graphs for decode batches of %s sequences", self.sizes)
+        log.info("captured CUDA graphs for %d (sequences, tokens per sequence) shapes", len(self.shapes))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [B, V] of a decode step (``can_run(batch)`` must hold)."""
-        num_seqs = len(batch.seqs)
-        size = self.padded_size(num_seqs)
-        ctx, table = self._load_inputs(batch, size)
-        if size in self.graphs:
-            self.graphs[size].replay()
+        """Logits of the step's sampled rows, in the runner's order (``can_run(batch)``)."""
+        size, width = self.shape_for(batch)
+        ctx, table, num_rows = self._load_inputs(batch, size, width)
+        if (size, width) in self.graphs:
+            self.graphs[(size, width)].replay()
             self.num_replays += 1
-            return self.logits[:num_seqs]
-        return self._forward(size, self._meta(size, ctx, table))[:num_seqs]
+            logits = self.logits[:size * width]
+        else:
+            logits = self._forward(size, width, self._meta(size, width, ctx, table))
+        if width == 1:
+            return logits[:num_rows]
+        return logits.index_select(0, self.rows[:num_rows])
+

@@ -19,7 +19,7 @@ import torch
 from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
-from longctx.cuda_graphs import DecodeGraphs
+from longctx.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
 from longctx.detokenizer import Detokenizer, make_detokenizer
@@ -197,19 +197,21 @@ class LLMEngine:
         self.max_model_len = max_len
         if (self.device.type == "cuda" and not load.enforce_eager and parallel.sequence_parallel_size == 1
                 and self.model_config.rope_scaling.rope_type != "dynamic"):  # dynamic RoPE: tables per length
-            self.capture_decode_graphs(sched.max_num_seqs, capture=True)
+            self.capture_step_graphs(sched.max_num_seqs, capture=True,
+                                     max_draft=lookahead.lookahead_max_tokens if lookahead.lookahead else 0)
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
-    def capture_decode_graphs(self, max_batch: int, capture: bool = True) -> DecodeGraphs:
-        """Reserve a scratch page for padded rows and (on CUDA) capture decode steps' graphs.
+    def capture_step_graphs(self, max_batch: int, capture: bool = True, max_draft: int = 0) -> StepGraphs:
+        """Reserve a scratch page for padded rows and (on CUDA) capture the graphs of decode
+        steps and of verify steps of up to ``max_draft`` draft tokens per sequence.
         ``capture=False`` runs the same padded path eagerly (how the CPU tests check it)."""
         scratch = self.pool.allocate(1)[0]  # never released: padded rows write here
         self.scheduler.num_reserved_blocks += 1
-        graphs = DecodeGraphs(self.runner, max_batch, self.max_model_len, scratch, capture)
+        graphs = StepGraphs(self.runner, max_batch, self.max_model_len, scratch, capture, max_draft)
         graphs.capture()
         self.runner.graphs = graphs
         return graphs

@@ -200,7 +200,7 @@ class ModelRunner(SamplingRunner):
         self.packer = InputPacker(self.device)
         self.sampler = Sampler(upload=self.packer.upload)
         self.penalties = PenaltyState(model.config.vocab_size, self.device)
-        self.graphs = None  # a ``cuda_graphs.DecodeGraphs`` replays decode steps when set
+        self.graphs = None  # a ``cuda_graphs.StepGraphs`` replays decode and verify steps when set
         self.prompt_logprobs: dict = {}
         self._num_prompt_logprobs: dict[str, int] = {}
 
