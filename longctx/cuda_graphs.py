@@ -113,7 +113,13 @@ class StepGraphs:
             return None
         need = max(len(s.token_ids) for s in seqs)
         fits = [(s, w) for s, w in self.shapes if s >= len(seqs) and w >= need and (w == 1) == (need == 1)]
-        return min(fits, key=lambda sw: (sw[0] * sw[1], sw[1])) if fits else None
+        if not fits:
+            return None
+        size, width = min(fits, key=lambda sw: (sw[0] * sw[1], sw[1]))
+        # padded contexts must stay within what the capture planned for (and the table's width)
+        if any(s.start_pos + width > self.max_model_len for s in seqs):
+            return None
+        return size, width
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return self.shape_for(batch) is not None

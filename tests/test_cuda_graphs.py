@@ -110,3 +110,16 @@ def test_steps_that_do_not_qualify_run_eagerly(folder):
         engine.add_request(p, GREEDY)
     batch = engine.scheduler.schedule()  # prefill chunks
     assert not graphs.can_run(batch)
+
+
+def test_a_step_whose_padding_would_pass_the_window_runs_eagerly(folder):
+    engine = LLM(folder, block_size=16, lookahead=False).engine
+    rid = engine.add_request(prompts(1)[0], GREEDY)
+    engine.step()
+    graphs = engine.capture_step_graphs(2, capture=False, max_draft=3)
+    req = engine.scheduler.requests[rid]
+    req.draft_token_ids, req.draft_parents = [5, 6], [-1, 0]  # 3 tokens: width 4
+    batch = engine.scheduler.schedule()
+    assert graphs.shape_for(batch) == (1, 4)
+    graphs.max_model_len = batch.seqs[0].start_pos + 3  # the window ends before the padding does
+    assert graphs.shape_for(batch) is None
