@@ -7,6 +7,8 @@ Never: behaviour. Components read these; nothing here imports torch.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,6 +30,58 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings",
+                     "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                     "attention_factor", "mscale", "mscale_all_dim", "truncate")
+
+
+def parse_rope_scaling(value: Any) -> dict | None:
+    """A ``rope_scaling`` override (a dict, or its JSON text from a flag) checked and
+    normalized: ``rope_type`` (HF's older ``type`` accepted) in ``ROPE_TYPES``, a positive
+    ``factor``, numbers where numbers go and no unknown keys. None or "" is no override."""
+    from longctx.model.config import ROPE_TYPES, RopeScaling  # plain dataclasses, no torch
+
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"rope_scaling must be a JSON object, e.g. "
+                              f'{{"rope_type": "yarn", "factor": 4.0}}; got {value!r} ({err})') from None
+    _check(isinstance(value, dict), f"rope_scaling must be a dict (JSON object), got {value!r}")
+    unknown = sorted(set(value) - set(ROPE_SCALING_KEYS))
+    _check(not unknown, f"rope_scaling has unknown field(s) {', '.join(map(repr, unknown))}; "
+                        f"known: {', '.join(ROPE_SCALING_KEYS)}")
+    out = dict(value)
+    if "type" in out:
+        _check("rope_type" not in out or out["rope_type"] == out["type"],
+               "rope_scaling gives rope_type and type differently")
+        out["rope_type"] = out.pop("type")
+    _check("rope_type" in out, f"rope_scaling needs rope_type (one of {', '.join(ROPE_TYPES[1:])})")
+    _check(out["rope_type"] in ROPE_TYPES[1:],
+           f"rope_scaling rope_type must be one of {', '.join(ROPE_TYPES[1:])}, got {out['rope_type']!r}")
+    for key in ROPE_SCALING_KEYS[2:-1]:
+        if key in out and out[key] is not None:
+            v = out[key]
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                   f"rope_scaling {key} must be a number, got {v!r}")
+    _check("factor" in out, "rope_scaling needs factor (how many times the window grows)")
+    _check(out["factor"] > 0, f"rope_scaling factor must be positive, got {out['factor']!r}")
+    orig = out.get("original_max_position_embeddings")
+    _check(orig is None or (float(orig).is_integer() and orig > 0),
+           f"rope_scaling original_max_position_embeddings must be a positive integer, got {orig!r}")
+    if orig is not None:
+        out["original_max_position_embeddings"] = int(orig)
+    _check(not isinstance(out.get("truncate", True), str) and isinstance(out.get("truncate", True), bool),
+           f"rope_scaling truncate must be true or false, got {out.get('truncate')!r}")
+    try:
+        RopeScaling(**{k: v for k, v in out.items() if v is not None})
+    except ValueError as err:
+        raise ConfigError(f"rope_scaling: {err}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class ModelLoadConfig:
     model: str = field(default="smollm2-135m", metadata={"help": "alias, HF folder or .gguf file"})
@@ -44,8 +98,15 @@ class ModelLoadConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
                                          "instead of replaying CUDA graphs captured at start-up"})
+    rope_scaling: dict | None = field(
+        default=None, metadata={"help": "override the model's RoPE scaling, as HF's rope_scaling "
+                                        "(a dict, or JSON on the command line), e.g. "
+                                        "'{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                        "\"original_max_position_embeddings\": 8192}' "
+                                        "(rope_type: linear | dynamic | llama3 | yarn)"})
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
         _check(self.cpu_matmul in CPU_MATMULS,
                f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
@@ -166,7 +227,7 @@ class ParallelConfig:
 
 
 CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig, ParallelConfig)
-FLAG_TYPES = {"block_size": int}  # fields whose default None means "auto" and whose value is not a float
+FLAG_TYPES = {"block_size": int, "rope_scaling": str}  # fields whose default None means "auto" and whose value is not a float
 
 
 def resolve_auto(load: ModelLoadConfig, cache: CacheConfig, device_type: str,

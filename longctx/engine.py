@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pag
 from longctx.lookahead.acceptance import accept_tokens
 from longctx.lookahead.controller import LookaheadController
 from longctx.lookahead.tree import DraftTree
+from longctx.model.config import ModelConfig
 from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
 from longctx.model.loader import TORCH_DTYPES, load_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
@@ -139,7 +141,7 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
         # Flushing them to zero changes values below 1e-38 only.
         torch.set_flush_denormal(True)
     dtype = TORCH_DTYPES[load.dtype]
-    model = load_model(load.model, dtype=dtype, device=device)
+    model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling)
     if device.type != "cpu":
         return model, None
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype)
@@ -152,6 +154,31 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     elif cpu_matmul == "onednn":
         model.pack_linears_onednn()
     return model, cpu_matmul
+
+
+def model_window(config: ModelConfig, rope_scaling: dict | None) -> int:
+    """The context window when ``max_model_len`` is not given: the checkpoint's
+    ``max_position_embeddings``, or with a ``rope_scaling`` override the window it stretches
+    to (``original_max_position_embeddings``, else the checkpoint's, times ``factor``)."""
+    window = config.max_position_embeddings
+    if rope_scaling:
+        rs = config.rope_scaling
+        window = max(window, int((rs.original_max_position_embeddings or window) * rs.factor))
+    return window
+
+
+def _warn_past_window(max_len: int, config: ModelConfig, rope_scaling: dict | None) -> None:
+    window = model_window(config, rope_scaling)
+    if max_len <= window:
+        return
+    if rope_scaling:
+        log.warning("max_model_len %d exceeds the %d positions the rope_scaling override stretches "
+                    "the model to; outputs past it may degrade", max_len, window)
+    else:
+        log.warning("max_model_len %d exceeds the model's window (max_position_embeddings %d) and no "
+                    "rope_scaling is given: positions past %d were never trained and outputs there "
+                    "degrade; pass rope_scaling, e.g. {\"rope_type\": \"yarn\", \"factor\": %g}",
+                    max_len, window, window, 2 ** math.ceil(math.log2(max_len / window)))
 
 
 class LLMEngine:
@@ -168,7 +195,8 @@ class LLMEngine:
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
-        max_len = sched.max_model_len or self.model_config.max_position_embeddings
+        max_len = sched.max_model_len or model_window(self.model_config, load.rope_scaling)
+        _warn_past_window(max_len, self.model_config, load.rope_scaling)
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
@@ -226,6 +254,8 @@ class LLMEngine:
             shape = (c.num_hidden_layers, 2, cache.block_size, c.num_key_value_heads, c.head_dim)
             disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), shape, self.dtype)
         tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
+        # the fingerprint holds the whole ModelConfig, RoPE included: pages cached under another
+        # rope_scaling (another rotation of the keys) never match, on any tier
         key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype))
         self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)
         return PrefixCache(tree, self.pool, self.kv, host, disk, key)

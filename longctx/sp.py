@@ -456,7 +456,8 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
     if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
         from longctx.model.loader import load_model
 
-        model = load_model(model, dtype=TORCH_DTYPES[load.dtype], device=device)
+        model = load_model(model, dtype=TORCH_DTYPES[load.dtype], device=device,
+                           rope_scaling=load.rope_scaling)
     from longctx.attention import select_backend
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels

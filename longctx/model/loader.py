@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -279,10 +279,21 @@ def load_state(path: Path, use_cache: bool = True) -> tuple[ModelConfig, dict[st
     return config, state
 
 
+def with_rope_scaling(config: ModelConfig, rope_scaling: dict | None) -> ModelConfig:
+    """``config`` with its RoPE replaced by an HF-style ``rope_scaling`` dict (None: as is).
+    ``max_position_embeddings`` stays the checkpoint's (dynamic NTK and YaRN's default
+    ``original_max_position_embeddings`` read it, as in HF)."""
+    if not rope_scaling:
+        return config
+    return replace(config, rope_scaling=RopeScaling.from_hf(rope_scaling, config.max_position_embeddings))
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               use_cache: bool = True) -> LlamaForCausalLM:
-    """Build ``LlamaForCausalLM`` with weights from an alias, HF folder or GGUF file."""
+               use_cache: bool = True, rope_scaling: dict | None = None) -> LlamaForCausalLM:
+    """Build ``LlamaForCausalLM`` with weights from an alias, HF folder or GGUF file;
+    ``rope_scaling`` overrides the checkpoint's RoPE (``with_rope_scaling``)."""
     config, state = load_state(resolve_model(name), use_cache=use_cache)
+    config = with_rope_scaling(config, rope_scaling)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = {k: v.to(dtype=dtype) for k, v in state.items()}
