@@ -38,6 +38,16 @@ def _llm(folder, **kw):
     return LLM(folder, **{"block_size": BLOCK, "max_num_batched_tokens": 64, **kw})
 
 
+def run_to_end(engine):
+    """Step ``engine`` until every request is done; their final outputs by request id."""
+    outputs = {}
+    while engine.has_unfinished():
+        for update in engine.step():
+            if update.finished:
+                outputs[update.request_id] = engine.release(update.request_id)
+    return outputs
+
+
 def _ids(llm, prompt, params=GREEDY):
     return llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
 
@@ -139,11 +149,7 @@ def test_decode_goes_on_while_another_request_loads_from_disk(folder, cold, pers
     assert tokens_while_loading >= 8  # one token (or more, with lookahead) every step
     assert disk.reads >= 1
     disk.release()
-    outputs = {}
-    while engine.has_unfinished():
-        for update in engine.step():
-            if update.finished:
-                outputs[update.request_id] = engine.release(update.request_id)
+    outputs = run_to_end(engine)
     assert outputs[doc].outputs[0].token_ids == cold["question"]
     assert llm.cache_stats().hit_tokens["disk"] == 12 * BLOCK
     assert len(outputs[stream].outputs[0].token_ids) == 40
@@ -211,11 +217,7 @@ def test_a_stale_read_of_a_reused_request_id_is_not_applied(folder, cold, persis
     engine.step()
     assert engine.scheduler.requests["doc"].disk_load is not first
     disk.release()
-    outputs = {}
-    while engine.has_unfinished():
-        for update in engine.step():
-            if update.finished:
-                outputs[update.request_id] = engine.release(update.request_id)
+    outputs = run_to_end(engine)
     assert outputs["doc"].outputs[0].token_ids == cold["question"]
     held = engine.prefix_cache.tree.num_device_pages
     assert engine.pool.num_free + held == free_before  # the first read's blocks did not leak

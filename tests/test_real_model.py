@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longctx import LLM, SamplingParams
+from tiny_models import first_logits_and_tokens
 
 pytestmark = pytest.mark.model
 
@@ -54,22 +55,8 @@ def hf_reference(document_ids):
 
 
 def _run_capturing_first_logits(llm: LLM, ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    runner = llm.engine.runner
-    seen: list[torch.Tensor] = []
-    original = runner.execute
-
-    def capture(batch):
-        logits = original(batch)
-        if len(logits) and not seen:
-            seen.append(logits[0].clone())
-        return logits
-
-    runner.execute = capture
-    try:
-        tokens = llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0].token_ids
-    finally:
-        runner.execute = original
-    return tokens, seen[0]
+    logits, tokens = first_logits_and_tokens(llm, ids, GREEDY)
+    return tokens, logits
 
 
 def test_greedy_tokens_and_logits_match_hf_chunk256_block16(llm, document_ids, hf_reference):

@@ -16,7 +16,7 @@ import torch
 
 from longctx import LLM, SamplingParams
 from longctx.config import ConfigError, ModelLoadConfig
-from tiny_models import make_engine_checkpoint, random_tokens
+from tiny_models import first_logits_and_tokens, make_engine_checkpoint, random_tokens
 
 WINDOW = 1024  # make_engine_checkpoint's max_position_embeddings
 CONTEXT = 3000  # prompt length: about three times the window
@@ -48,22 +48,7 @@ def _hf(folder: Path, rope_scaling: dict | None, num_hidden_layers: int | None =
                                                 **from_pretrained).eval()
 
 
-def _first_logits_and_tokens(llm: LLM, ids: list[int], params: SamplingParams) -> tuple[torch.Tensor, list[int]]:
-    """The prompt's last-position logits (the first sampling step's) and the greedy tokens."""
-    runner, seen, original = llm.engine.runner, [], llm.engine.runner.execute
-
-    def capture(batch):
-        logits = original(batch)
-        if len(logits) and not seen:
-            seen.append(logits[0].clone())
-        return logits
-
-    runner.execute = capture
-    try:
-        tokens = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
-    finally:
-        runner.execute = original
-    return seen[0], tokens
+_first_logits_and_tokens = first_logits_and_tokens
 
 
 # ---------------------------------------------------------------------- (a) tiny model vs HF

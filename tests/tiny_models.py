@@ -163,3 +163,22 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
 def random_tokens(n: int, seed: int, low: int = 3, high: int = 150) -> list[int]:
     """``n`` token ids in [low, high) from a seeded generator (prompts for the tiny models)."""
     return torch.randint(low, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def first_logits_and_tokens(llm, ids: list[int], params) -> tuple[torch.Tensor, list[int]]:
+    """Generate from ``ids`` through ``llm`` and return the first sampling step's logits row
+    (the prompt's last position) and the generated token ids."""
+    runner, seen, original = llm.engine.runner, [], llm.engine.runner.execute
+
+    def capture(batch):
+        logits = original(batch)
+        if len(logits) and not seen:
+            seen.append(logits[0].clone())
+        return logits
+
+    runner.execute = capture
+    try:
+        tokens = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    finally:
+        runner.execute = original
+    return seen[0], tokens
