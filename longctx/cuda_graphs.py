@@ -35,11 +35,12 @@ itself has not run here (no GPU in this project's CI).
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 
 import torch
 
 from longctx.attention import AttentionMetadata
-from longctx.runner import tree_ancestor_words
+from longctx.runner import flatten_batch
 from longctx.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -149,38 +150,33 @@ class StepGraphs:
         """Pack the step (padded to ``size`` x ``width``) on the host, upload once, copy into
         the static buffers. Returns the host context lengths, block table rows and the number
         of real rows."""
+        step = flatten_batch(batch, self.block_size)  # the real tokens, as the plain runner has them
         ids, positions, slots, tree, ctx, table, rows = [], [], [], [], [], [], []
+        start = 0
         for i, s in enumerate(batch.seqs):
-            n, pads = len(s.token_ids), width - len(s.token_ids)
-            ids += list(s.token_ids) + [0] * pads
-            depths = [0]
-            for p in s.draft_parents:
-                depths.append(depths[p + 1] + 1)
-            positions += [s.start_pos + d for d in depths] + [s.start_pos + 1] * pads
-            slots += [self._slot(s.block_ids, s.start_pos + k) for k in range(width)]
-            tree += tree_ancestor_words(s.draft_parents) + [1 | 1 << k for k in range(n, width)]
+            n = len(s.token_ids)
+            real, pads = slice(start, start + n), range(n, width)
+            ids += step.token_ids[real] + [0] * len(pads)
+            positions += step.positions[real] + [s.start_pos + 1] * len(pads)
+            slots += step.slots[real] + [self._slot(s.block_ids, s.start_pos + k) for k in pads]
+            words = step.tree_words[real] if step.tree_words is not None else [1]
+            tree += words + [1 | 1 << k for k in pads]
             ctx.append(s.start_pos + width)
             table.append(s.block_ids + [self.scratch_block] * (self.width - len(s.block_ids)))
             rows += range(i * width, i * width + n)
-        scratch_only: list[int] = []
+            start += n
         for _ in range(size - len(batch.seqs)):  # extra sequences, on the scratch page alone
             ids += [0] * width
             positions += list(range(width))
-            slots += [self._slot(scratch_only, k) for k in range(width)]
+            slots += [self._slot([], k) for k in range(width)]
             tree += [1] + [1 | 1 << k for k in range(1, width)]
             ctx.append(width)
             table.append([self.scratch_block] * self.width)
         tokens = size * width
         cu_q = [i * width for i in range(size + 1)]
-        cu_k = [0]
-        for c in ctx:
-            cu_k.append(cu_k[-1] + c)
+        cu_k = list(accumulate(ctx, initial=0))
         parts = [ids, positions, slots, tree, rows, ctx, [b for r in table for b in r], cu_q, cu_k]
-        sizes = [len(p) for p in parts]
-        packer = self.runner.packer
-        host = packer.host_buffer(sum(sizes))
-        host.copy_(torch.tensor([x for p in parts for x in p], dtype=torch.int64))
-        dev = torch.split(packer.upload(host), sizes)
+        dev = torch.split(self.runner.packer.upload_ints([x for p in parts for x in p]), [len(p) for p in parts])
         self.ids[:tokens].copy_(dev[0])
         self.positions[:tokens].copy_(dev[1])
         self.slots[:tokens].copy_(dev[2])

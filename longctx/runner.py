@@ -20,6 +20,7 @@ import torch
 from longctx.attention import AttentionMetadata
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.kv.mover import KVMover
+from longctx.lookahead.tree import tree_ancestor_words, tree_depths  # noqa: F401 - also for callers
 from longctx.model.llama import LlamaForCausalLM
 from longctx.sampling import PenaltyState, Sampler, SeqSampling, sampling_rows
 from longctx.scheduler import ScheduledBatch
@@ -79,34 +80,26 @@ class SeqResult:
 
 
 class InputPacker:
-    """A step's integer inputs in one host buffer (pinned when the device is CUDA), copied to
+    """A step's integer inputs as one host tensor (pinned when the device is CUDA), copied to
     the device in one non-blocking upload and sliced there: ids, positions, slots, the query
-    start offsets, context lengths, the block table and the tree mask. ``uploads`` and
+    start offsets, context lengths, the block table and the tree mask. A new tensor per step:
+    the upload is asynchronous, and a step that samples nothing ends without a sync, so a
+    reused buffer could be overwritten while the GPU still copies it (PyTorch's pinned-memory
+    cache hands a block out again only after its copies finish). ``uploads`` and
     ``downloads`` count the copies (tests hold the step to one of each)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pin = device.type == "cuda"
-        self._host: torch.Tensor | None = None
         self.uploads = self.downloads = 0
-
-    def host_buffer(self, size: int) -> torch.Tensor:
-        """A host buffer for one step's inputs. On CUDA a new pinned tensor per step: the upload
-        is asynchronous, and a step that samples nothing ends without a sync, so the next step
-        must not overwrite a buffer the GPU may still be copying; PyTorch's pinned-memory cache
-        hands a block out again only after the copies that used it have finished. On the CPU
-        the upload is a copy, so one buffer serves every step."""
-        if self.pin:
-            return torch.empty(size, dtype=torch.int64, pin_memory=True)
-        if self._host is None or self._host.numel() < size:
-            self._host = torch.empty(max(size, 4096), dtype=torch.int64)
-        return self._host[:size]
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         self.uploads += 1
-        if self.device.type == "cpu":
-            return host.clone()  # the step's tensors must not alias a buffer the next step reuses
-        return host.to(self.device, non_blocking=True)
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+
+    def upload_ints(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the device (one upload)."""
+        return self.upload(torch.tensor(values, dtype=torch.int64, pin_memory=self.pin))
 
     def download(self, values: torch.Tensor) -> list:
         self.downloads += 1
@@ -125,9 +118,8 @@ class InputPacker:
         if step.tree_words is not None:
             parts["tree_mask"] = step.tree_words
         sizes = [len(p) for p in parts.values()]
-        host = self.host_buffer(sum(sizes))
-        host.copy_(torch.tensor([x for part in parts.values() for x in part], dtype=torch.int64))
-        out: dict[str, torch.Tensor | None] = dict(zip(parts, torch.split(self.upload(host), sizes)))
+        dev = self.upload_ints([x for part in parts.values() for x in part])
+        out: dict[str, torch.Tensor | None] = dict(zip(parts, torch.split(dev, sizes)))
         for name in ("cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_table"):  # int32 inputs
             out[name] = out[name].to(torch.int32)
         out["block_table"] = out["block_table"].view(num_seqs, width)
@@ -285,20 +277,3 @@ def draft_slot_moves(seq_block_ids: list[int], start_pos: int, accepted: list[in
 
     pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
     return [slot(a) for a, _ in pairs], [slot(b) for _, b in pairs]
-
-
-def tree_depths(parents: tuple[int, ...] | list[int]) -> list[int]:
-    """Depth of the root (the last token, 0) then of each draft node (parent -1 is the root)."""
-    depths = [0]
-    for p in parents:
-        depths.append(depths[p + 1] + 1)
-    return depths
-
-
-def tree_ancestor_words(parents: tuple[int, ...] | list[int]) -> list[int]:
-    """The kernels' tree mask for ``[root, node 0, ...]``: bit j of word i says token i sees
-    new token j (itself and its ancestors)."""
-    words = [1]
-    for i, p in enumerate(parents):
-        words.append(words[p + 1] | (1 << (i + 1)))
-    return words

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longctx.lookahead.tree import tree_depths
 from longctx.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -304,10 +305,7 @@ class SeqSampling:
         return 1 + len(self.draft_parents)
 
     def depths(self) -> list[int]:
-        depths = [0]
-        for p in self.draft_parents:
-            depths.append(depths[p + 1] + 1)
-        return depths
+        return tree_depths(self.draft_parents)
 
     def row_paths(self) -> list[list[int]]:
         """Per row, the draft tokens its context adds to the output (root: none)."""

@@ -20,10 +20,9 @@ import pytest
 from longctx import batch
 from longctx.batch import BatchConfig, ProgressBar, ResultLog, read_records
 from longctx.config import ConfigError
-from tiny_models import make_engine_checkpoint
+from tiny_models import make_engine_checkpoint, results_by_key
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMING_FIELDS = {"time_to_first_token", "latency_s", "elapsed_s"}
 
 
 def _write_jsonl(path: Path, lines: list) -> Path:
@@ -233,19 +232,7 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
-def _strip_timings(value):
-    if isinstance(value, dict):
-        return {k: _strip_timings(v) for k, v in value.items() if k not in TIMING_FIELDS}
-    if isinstance(value, list):
-        return [_strip_timings(v) for v in value]
-    return value
-
-
-def _by_key(out: Path) -> dict[str, dict]:
-    results = batch.read_results(out)
-    keys = [batch.result_key(r) for r in results]
-    assert len(keys) == len(set(keys)), f"duplicated ids in {out}: {sorted(keys)}"
-    return {k: _strip_timings(r) for k, r in zip(keys, results)}
+_by_key = results_by_key
 
 
 @pytest.fixture(scope="module")

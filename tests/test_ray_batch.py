@@ -19,10 +19,9 @@ import pytest
 from longctx import batch, cli
 from longctx.batch import BatchJob
 from longctx.config import ConfigError
-from tiny_models import make_engine_checkpoint
+from tiny_models import results_by_key, strip_timings
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMING_FIELDS = {"time_to_first_token", "latency_s", "elapsed_s"}
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="Ray is not installed: pip install 'longctx[ray]' "
                                                     "(the dev extra has it)")
@@ -33,10 +32,8 @@ ENGINE = ["--block-size", "16", "--max-in-flight", "1"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-ray")
-    make_engine_checkpoint(folder)
-    return str(folder)
+def tiny(tiny_engine_folder):
+    return tiny_engine_folder
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +90,7 @@ def expected(tiny, job_input, tmp_path_factory):
     return _by_key(out)
 
 
-def _strip(value):
-    if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in TIMING_FIELDS}
-    if isinstance(value, list):
-        return [_strip(v) for v in value]
-    return value
-
-
-def _by_key(out: Path) -> dict[str, dict]:
-    results = batch.read_results(out)
-    keys = [batch.result_key(r) for r in results]
-    assert len(keys) == len(set(keys)), f"duplicated ids in {out}: {sorted(keys)}"
-    return {k: _strip(r) for k, r in zip(keys, results)}
+_by_key = results_by_key  # the local batch tests' reading of a result file, timings stripped
 
 
 def _num_lines(path: Path) -> int:
@@ -213,7 +198,7 @@ def test_map_batches_entry_on_ray_data(cluster, tiny, job_input, expected):
                                                  "max_in_flight": 1},
         compute=ray.data.ActorPoolStrategy(size=2), batch_size=4, num_cpus=1)
     rows = ds.take_all()
-    got = {row["key"]: _strip(json.loads(row["result"])) for row in rows}
+    got = {row["key"]: strip_timings(json.loads(row["result"])) for row in rows}
     assert len(rows) == len(got) == len(expected)
     for key, result in expected.items():
         if "error" not in result:

@@ -182,3 +182,25 @@ def first_logits_and_tokens(llm, ids: list[int], params) -> tuple[torch.Tensor, 
     finally:
         runner.execute = original
     return seen[0], tokens
+
+
+TIMING_FIELDS = {"time_to_first_token", "latency_s", "elapsed_s"}
+
+
+def strip_timings(value):
+    """A batch result (dict/list tree) without its timing fields, which differ run to run."""
+    if isinstance(value, dict):
+        return {k: strip_timings(v) for k, v in value.items() if k not in TIMING_FIELDS}
+    if isinstance(value, list):
+        return [strip_timings(v) for v in value]
+    return value
+
+
+def results_by_key(out) -> dict[str, dict]:
+    """A batch job's result lines by record key, timings stripped; no key may repeat."""
+    from longctx import batch
+
+    results = batch.read_results(out)
+    keys = [batch.result_key(r) for r in results]
+    assert len(keys) == len(set(keys)), f"duplicated ids in {out}: {sorted(keys)}"
+    return {k: strip_timings(r) for k, r in zip(keys, results)}

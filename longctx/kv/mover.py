@@ -101,9 +101,9 @@ class KVMover:
         for order in orders:
             self.num_orders += 1
             if isinstance(order, HostSave):
-                self._host_save(list(order.device_ids), list(order.host_ids))
+                self._host_copy(list(order.device_ids), list(order.host_ids), to_host=True)
             elif isinstance(order, HostLoad):
-                self._host_load(list(order.host_ids), list(order.device_ids))
+                self._host_copy(list(order.host_ids), list(order.device_ids), to_host=False)
             elif isinstance(order, DiskSave):
                 self._disk_save(order)
             else:
@@ -112,19 +112,14 @@ class KVMover:
             torch.cuda.current_stream(self.device).wait_event(self._event)
             self._event = None
 
-    def _host_save(self, device_ids: list[int], host_ids: list[int]) -> None:
+    def _host_copy(self, src_ids: list[int], dst_ids: list[int], to_host: bool) -> None:
+        """Pages between the device and the host pool: plain copies on the CPU, the side
+        stream between device and pinned host pages on CUDA."""
         if not self.cuda:
-            self.host_kv.write_back(device_ids, host_ids)
+            (self.host_kv.write_back if to_host else self.host_kv.load)(src_ids, dst_ids)
             return
-        self._on_side_stream(lambda: self._copy_pages(self.device_kv.layers, device_ids,
-                                                      self.host_kv.layers, host_ids))
-
-    def _host_load(self, host_ids: list[int], device_ids: list[int]) -> None:
-        if not self.cuda:
-            self.host_kv.load(host_ids, device_ids)
-            return
-        self._on_side_stream(lambda: self._copy_pages(self.host_kv.layers, host_ids,
-                                                      self.device_kv.layers, device_ids))
+        src, dst = ((self.device_kv, self.host_kv) if to_host else (self.host_kv, self.device_kv))
+        self._on_side_stream(lambda: self._copy_pages(src.layers, src_ids, dst.layers, dst_ids))
 
     def _on_side_stream(self, copy) -> None:
         compute = torch.cuda.current_stream(self.device)

@@ -23,6 +23,8 @@ distinct tokens, so a root-to-node path spells a distinct continuation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -114,3 +116,20 @@ class DraftTree:
         for node, parent in enumerate(self.parents):
             masks.append(masks[parent + 1] | (1 << (node + 1)))
         return masks
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of the root (the last token, 0) then of each draft node (parent -1 is the root)."""
+    depths = [0]
+    for p in parents:
+        depths.append(depths[p + 1] + 1)
+    return depths
+
+
+def tree_ancestor_words(parents: Sequence[int]) -> list[int]:
+    """The kernels' tree mask for ``[root, node 0, ...]``: bit j of word i says token i sees
+    new token j (itself and its ancestors)."""
+    words = [1]
+    for i, p in enumerate(parents):
+        words.append(words[p + 1] | (1 << (i + 1)))
+    return words
