@@ -91,10 +91,7 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Depth of each node: 1 for a child of the root."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent == ROOT else depths[parent] + 1)
-        return depths
+        return tree_depths(self.parents)[1:]
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for ``ROOT``)."""
@@ -112,10 +109,7 @@ class DraftTree:
         """Tree-mask words for the ``n + 1`` verify queries (root first): bit j of word i says
         query i sees query j. The root sees itself only; node i (query i + 1) sees the root,
         its ancestors and itself. Fits int64 (at most 63 queries)."""
-        masks = [1]
-        for node, parent in enumerate(self.parents):
-            masks.append(masks[parent + 1] | (1 << (node + 1)))
-        return masks
+        return tree_ancestor_words(self.parents)
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
