@@ -24,23 +24,24 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "attend", "prepare", "checked_arguments", "Blocks", "MAX_ROWS",
-           "SPLIT_TOKENS"]
+__all__ = ["available", "status", "attend", "prepare", "checked_arguments", "check_scales", "Blocks",
+           "MAX_ROWS", "SPLIT_TOKENS"]
 
 SOURCE = cpu_build.CSRC / "paged_decode.c"
 MAX_ROWS = 128  # query rows per KV head (q_len * group); the C file's MAX_ROWS
 MAX_HEAD_DIM = 256
 MAX_Q = 63  # tree-mask words hold 63 new tokens
 SPLIT_TOKENS = 512  # tokens per work item: enough items for the threads, few merges
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # int8: pages of kv_quant.py
 
 
 # The C signature both attention kernels share (paged_decode.c, paged_flash.c): q, k_cache,
-# v_cache, dtype, blocks, block_size, ctx_len, q_len, num_heads, num_kv, d, scale, tail_words,
-# split_tokens / num_splits, work, out, lse.
-ATTENTION_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+# v_cache, k_scale, v_scale (int8 caches; NULL otherwise), dtype, blocks, block_size, ctx_len,
+# q_len, num_heads, num_kv, d, scale, tail_words, split_tokens / num_splits, work, out, lse.
+ATTENTION_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                       ctypes.c_void_p]
 
 
@@ -57,7 +58,8 @@ status = _LIBRARY.status  # 'ok', or why the kernel is not used
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``attend`` takes these shapes and dtypes (the caller then uses it)."""
+    """Whether ``attend`` takes these shapes and dtypes (the caller then uses it): float32,
+    bfloat16 and int8 caches (int8 with their scales, see ``attend``)."""
     q_len, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
     return (q.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.is_contiguous()
@@ -88,15 +90,39 @@ def prepare(blocks: list[int], ctx_len: int, k_cache: torch.Tensor) -> Blocks:
     return Blocks(torch.tensor(used, dtype=torch.int32), ctx_len, num_blocks, block_size)
 
 
+def check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> None:
+    """int8 caches need both scales, contiguous float32 [NB, Hkv] tensors on the cache's device
+    (``kv_quant.py``); float caches take none. Raises ValueError otherwise."""
+    if k_cache.dtype != torch.int8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are for int8 caches only, not {k_cache.dtype}")
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError("int8 KV caches need k_scale and v_scale (float32 [num_blocks, num_kv_heads])")
+    shape = (k_cache.shape[0], k_cache.shape[2])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() \
+                or t.device != k_cache.device:
+            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape} "
+                             f"([num_blocks, num_kv_heads]), got {t.dtype} {tuple(t.shape)} on "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
 def checked_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       blocks: list[int] | Blocks, ctx_len: int, out: torch.Tensor | None,
-                      lse: torch.Tensor | None) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
+                      lse: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
     """The checks a compiled attention kernel's caller makes before handing it pointers (shared
-    with ``cpu_flash``): one cache geometry for K and V, ``blocks`` prepared (or checked against
-    this cache and length), ``out`` [L, H, D] / ``lse`` [L, H] contiguous float32 or made here."""
+    with ``cpu_flash``): one cache geometry for K and V, the scales of an int8 cache
+    (``check_scales``), ``blocks`` prepared (or checked against this cache and length),
+    ``out`` [L, H, D] / ``lse`` [L, H] contiguous float32 or made here."""
     q_len, num_heads, head_dim = q.shape
     if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
         raise ValueError("k_cache and v_cache must be contiguous with one shape and dtype")
+    check_scales(k_cache, k_scale, v_scale)
     if not isinstance(blocks, Blocks):
         blocks = prepare(blocks, ctx_len, k_cache)
     elif (blocks.ctx_len, blocks.num_blocks, blocks.block_size) != (ctx_len, *k_cache.shape[:2]):
@@ -115,19 +141,22 @@ def checked_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            blocks: list[int] | Blocks, ctx_len: int, scale: float,
            tail_words: torch.Tensor | None = None, split_tokens: int = SPLIT_TOKENS, *,
-           out: torch.Tensor | None = None,
-           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+           k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [L, H, D] (the last L tokens of a ``ctx_len``-token sequence whose pages are
     ``blocks``, a list of ids or ``prepare``'s result) -> (out [L, H, D] in q's dtype, lse
     [L, H] fp32). ``tail_words`` [L] int64: bit j of word i lets query i see new token j
     (None: all of them). ``out``/``lse``: contiguous float32 tensors of those shapes to write
-    into. Check ``supports`` first."""
+    into. int8 caches (``kv_quant.py``): ``k_scale``/``v_scale`` contiguous float32
+    [NB, Hkv], required (ValueError without them). Check ``supports`` first."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
     q_len, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
-    blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse)
+    blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse,
+                                         k_scale, v_scale)
     qf = q.float().contiguous()
     words = None if tail_words is None else tail_words.to(torch.int64).contiguous()
     rows = q_len * (num_heads // num_kv)
@@ -135,7 +164,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     all_rows = num_kv * rows
     work = torch.empty(all_rows * head_dim + num_splits * all_rows * (head_dim + 2), dtype=torch.float32)
     rc = lib.longctx_paged_decode(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype],
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        None if k_scale is None else k_scale.data_ptr(),
+        None if v_scale is None else v_scale.data_ptr(), DTYPES[k_cache.dtype],
         blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,
         scale, None if words is None else words.data_ptr(), split_tokens, work.data_ptr(),
         out.data_ptr(), lse.data_ptr())

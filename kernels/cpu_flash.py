@@ -46,7 +46,8 @@ status = _LIBRARY.status  # 'ok', or why the kernel is not used
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, tree: bool = False) -> bool:
-    """Whether ``attend`` takes these shapes and dtypes (the caller then uses it)."""
+    """Whether ``attend`` takes these shapes and dtypes (the caller then uses it): float32,
+    bfloat16 and int8 caches (int8 with their scales, see ``attend``)."""
     q_len, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
     return (q.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.is_contiguous()
@@ -70,14 +71,16 @@ def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int) -> int:
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            blocks: list[int] | Blocks, ctx_len: int, scale: float,
            tree_words: torch.Tensor | None = None, splits: int | None = None, *,
-           out: torch.Tensor | None = None,
-           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+           k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [L, H, D] (the last L tokens of a ``ctx_len``-token sequence whose pages are
     ``blocks``, a list of ids or ``prepare``'s result) -> (out [L, H, D] in q's dtype, lse
     [L, H] fp32). The new tokens see each other causally, or with ``tree_words`` [L] int64 bit j
     of word i lets query i see new token j. ``splits``: KV splits (default ``num_splits``).
-    ``out``/``lse``: contiguous float32 tensors of those shapes to write into. Check
-    ``supports`` first."""
+    ``out``/``lse``: contiguous float32 tensors of those shapes to write into. int8 caches
+    (``kv_quant.py``): ``k_scale``/``v_scale`` contiguous float32 [NB, Hkv], required
+    (ValueError without them). Check ``supports`` first."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU flash kernel is {status()}")
@@ -85,7 +88,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv = k_cache.shape[2]
     if tree_words is not None and tuple(tree_words.shape) != (q_len,):
         raise ValueError(f"tree_words must have shape ({q_len},), got {tuple(tree_words.shape)}")
-    blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse)
+    blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse,
+                                         k_scale, v_scale)
     group = num_heads // num_kv
     splits = num_splits(q_len, group, num_kv, ctx_len) if splits is None else splits
     qf = q.float().contiguous()
@@ -93,7 +97,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     work = torch.empty(splits * num_kv * q_len * group * (head_dim + 2) if splits > 1 else 0,
                        dtype=torch.float32)
     rc = lib.longctx_paged_flash(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPES[k_cache.dtype],
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        None if k_scale is None else k_scale.data_ptr(),
+        None if v_scale is None else v_scale.data_ptr(), DTYPES[k_cache.dtype],
         blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,
         scale, None if words is None else words.data_ptr(), splits, work.data_ptr(),
         out.data_ptr(), lse.data_ptr())

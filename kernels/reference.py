@@ -31,6 +31,8 @@ import math
 
 import torch
 
+from . import kv_quant
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,14 +92,20 @@ def gather_pages(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
-                    tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tree_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
 
     q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table [B, max_blocks];
     context_lens [B] (cached + new tokens); cu_seqlens_q [B + 1]; tree_mask int64 [T] or None.
+    int8 pages (``kv_quant.py``): k_cache/v_cache int8 with ``k_scale``/``v_scale`` fp32
+    [NB, Hkv]; a row's value is ``int8 * scale[block, head]``.
     Returns out [T, H, D] and lse fp32 [T, H].
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if k_scale is not None:
+        k_cache = kv_quant.dequantize(k_cache, k_scale, q.dtype)
+        v_cache = kv_quant.dequantize(v_cache, v_scale, q.dtype)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for b in range(block_table.shape[0]):
@@ -114,9 +122,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip)."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> None:
+    """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip).
+    int8 pages (scales given): quantised by ``kv_quant.write_int8`` (``starts``: its argument,
+    used when no slot is skipped)."""
     block_size = k_cache.shape[1]
+    if k_scale is not None:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        starts = starts if bool(keep.all()) else None
+        kv_quant.write_int8(k_cache, k_scale, k[keep], slots, starts)
+        kv_quant.write_int8(v_cache, v_scale, v[keep], slots, starts)
+        return
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue

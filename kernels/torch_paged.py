@@ -32,6 +32,12 @@ How it is fast:
   prefix is fused. At 8K context, per layer: 9 tokens 2.0 ms this way vs 4.3 ms grouped
   matmuls over the whole context, 71 tokens 11 vs 20 ms.
 
+* int8 pages (``kv_quant.py``: int8 caches with fp32 ``k_scale``/``v_scale`` [NB, Hkv]): the
+  compiled kernels read them as they are (a quarter of float32's bytes; the page scales fold
+  into the scores and probabilities). The torch forms dequantise the sequence's pages into a
+  gathered copy (``dequantized_kv``, the values ``reference.py`` attends over) and run as for
+  a float cache; the views-of-runs form is not used for them.
+
 Shape legend: T new tokens (flattened), S context of one sequence, H query heads, Hkv kv
 heads, D head dim, NB blocks, BS block size.
 """
@@ -43,11 +49,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode, cpu_flash
+from . import cpu_decode, cpu_flash, kv_quant
 from .reference import causal_visibility
 from .reference import merge_attn_states as merge_attn_states  # same math; exported here
 
-__all__ = ["paged_attention", "write_kv", "merge_attn_states", "sequence_kv"]
+__all__ = ["paged_attention", "write_kv", "merge_attn_states", "sequence_kv", "dequantized_kv"]
 
 
 def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch.Tensor:
@@ -62,6 +68,19 @@ def sequence_kv(cache: torch.Tensor, block_row: list[int], length: int) -> torch
         return flat[first * block_size: first * block_size + length]
     index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
     return cache.index_select(0, index).view(-1, *cache.shape[2:])[:length]
+
+
+def dequantized_kv(cache: torch.Tensor, scale: torch.Tensor, block_row: list[int], length: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The first ``length`` tokens of a sequence from int8 pages, ``int8 * scale[block, head]``
+    as ``dtype`` (``kv_quant.dequantize``'s arithmetic: fp32, then ``dtype``): [length, Hkv, D],
+    a gathered copy of only the sequence's pages."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    index = torch.tensor(block_row[:num_blocks], dtype=torch.long, device=cache.device)
+    pages = cache.index_select(0, index).to(torch.float32)  # (blocks, BS, Hkv, D)
+    pages.mul_(scale.index_select(0, index)[:, None, :, None])
+    return pages.view(-1, *cache.shape[2:])[:length].to(dtype)
 
 
 # Decode and short verification steps go to the compiled decode kernel (cpu_decode.py) when it
@@ -284,10 +303,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    step_cache: dict | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.paged_attention`` (``out`` may be given to fill).
     ``step_cache``: a dict that lives for one step (the same metadata in every call), where
-    the per-step plan is kept between layers."""
+    the per-step plan is kept between layers. int8 caches need ``k_scale``/``v_scale``
+    (contiguous fp32 [NB, Hkv]; ValueError otherwise)."""
+    cpu_decode.check_scales(k_cache, k_scale, v_scale)
+    quantized = k_cache.dtype == torch.int8
+    scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -323,20 +347,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             prepared = plan.blocks_for_kernel(b, blocks, k_cache)
             if direct:
                 kernel.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words,
-                              out=out[start:end], lse=lse[start:end])
+                              out=out[start:end], lse=lse[start:end], **scales)
             else:
                 out[start:end], lse[start:end] = kernel.attend(
-                    q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words)
+                    q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words, **scales)
             continue
-        runs = block_runs(blocks)
-        if (1 < len(runs) <= MAX_RUNS and ctx_len >= MIN_RUN_TOKENS * len(runs)
-                and q_len <= RUNS_MAX_Q):
-            o, l = _attend_runs(q[start:end], k_cache, v_cache, blocks, runs, ctx_len, scale, seq_tree)
-            out[start:end] = o
-            lse[start:end] = l
-            continue
-        k = sequence_kv(k_cache, tables[b], ctx_len)  # (S, Hkv, D)
-        v = sequence_kv(v_cache, tables[b], ctx_len)
+        if quantized:  # the sequence's pages, dequantised (a gathered copy, so no runs)
+            k = dequantized_kv(k_cache, k_scale, blocks, ctx_len, q.dtype)  # (S, Hkv, D)
+            v = dequantized_kv(v_cache, v_scale, blocks, ctx_len, q.dtype)
+        else:
+            runs = block_runs(blocks)
+            if (1 < len(runs) <= MAX_RUNS and ctx_len >= MIN_RUN_TOKENS * len(runs)
+                    and q_len <= RUNS_MAX_Q):
+                o, l = _attend_runs(q[start:end], k_cache, v_cache, blocks, runs, ctx_len, scale,
+                                    seq_tree)
+                out[start:end] = o
+                lse[start:end] = l
+                continue
+            k = sequence_kv(k_cache, tables[b], ctx_len)  # (S, Hkv, D)
+            v = sequence_kv(v_cache, tables[b], ctx_len)
         if q_len <= SMALL_Q:
             visible = None
             if seq_tree is not None or q_len > 1:
@@ -350,9 +379,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
+             slot_mapping: torch.Tensor, step_cache: dict | None = None, *,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             starts: torch.Tensor | None = None) -> None:
     """Store k/v [T, Hkv, D] at ``slot_mapping`` [T] (``block * BS + offset``; < 0 skipped).
-    ``step_cache``: as for ``paged_attention``; the checked slots are kept there."""
+    ``step_cache``: as for ``paged_attention``; the checked slots are kept there.
+    int8 pages (int8 caches with ``k_scale``/``v_scale`` fp32 [NB, Hkv], required): the kept
+    rows are quantised by ``kv_quant.write_int8``. ``starts``: its indices of the rows that may
+    enter a page already holding values (each sequence's first row), passed on when no slot
+    was skipped (the indices then still fit the rows); else ``write_int8`` finds them."""
+    quantized = k_cache.dtype == torch.int8
+    cpu_decode.check_scales(k_cache, k_scale, v_scale)
+    if starts is not None and not quantized:
+        raise ValueError("starts is for int8 pages (with k_scale/v_scale) only")
     found = step_cache.get("torch_paged.slots") if step_cache is not None else None
     if found is None:
         slots = slot_mapping.long()
@@ -364,5 +403,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     slots, keep = found
     if keep is not None:
         k, v = k[keep], v[keep]
+    if quantized:  # one plan for K and V, in every layer of the step
+        plan = step_cache.get("torch_paged.int8_plan") if step_cache is not None else None
+        if plan is None:
+            plan = kv_quant.plan_write(slots, k_cache.shape[1], starts if keep is None else None)
+            if step_cache is not None:
+                step_cache["torch_paged.int8_plan"] = plan
+        kv_quant.write_int8(k_cache, k_scale, k, plan)
+        kv_quant.write_int8(v_cache, v_scale, v, plan)
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -3,7 +3,8 @@
 Owns: the GPU attention kernels over paged KV (``paged_attention``), the KV write
 (``write_kv``) and the log-sum-exp merge of partial attention (``merge_attn_states``), with the
 same signatures and ``(out, lse)`` conventions as ``kernels/reference.py``.
-Never: scheduling, allocation of KV pages, or any import beyond torch and triton.
+Never: scheduling, allocation of KV pages, or any import beyond torch, triton and
+``kv_quant`` (whose ``write_int8`` is the one int8 page write every backend shares).
 
 Algorithm (FlashAttention-2, Dao 2023; flash decoding, Dao et al. 2023)
 -----------------------------------------------------------------------
@@ -37,6 +38,14 @@ Limits
 ------
 * q, k_cache, v_cache share one dtype: fp16, bf16 or fp32. Dots run in that dtype with fp32
   accumulation (fp32 uses IEEE products, not TF32, on small tiles); softmax statistics are fp32.
+* Or int8 pages (``kv_quant.py``: int8 K/V with one fp32 scale per page and kv head) under a
+  fp16, bf16 or fp32 q: a separate compilation of the same body (``INT8_KV``) loads int8
+  tiles, converts them to q's dtype in registers (exact: |int8| <= 127) and runs the dots in
+  that dtype; each key's page scale multiplies its score column after QK^T and its column of
+  p before PV. Float pages compile exactly as before (their kernel passes INT8_KV=False).
+  Speed (H100, decode, D 128, GQA 4, pages of 16, planner's tiles): about the float kernel's
+  time, not half of it (32 x 4K keys: 232 vs 218 us in fp16), since these decode launches
+  are bound by per-tile latency, not bandwidth; int8-specific tiles/splits are not tuned yet.
 * Head dim: any size up to 256; non-powers of two are padded with masks.
 * Tree masks: q_len <= 63 per sequence (bit j of an int64 word). Every query sees all cached keys.
 * The launcher reads the largest context and q_len back to the host (one sync) to size tiles
@@ -56,6 +65,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from . import kv_quant
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals there must be constexpr
@@ -108,15 +119,21 @@ def _find_sequence(cu_seqlens_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
                   key_lo, key_hi, ctx_len, num_cached, tok, tree_words,
                   stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                  qk_scale,
+                  qk_scale, k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_vsb,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr):
     """Online-softmax update of (acc, m, l) over keys [key_lo, key_hi) of one sequence.
 
     Scores are in log2 units (qk_scale = scale * log2 e). K/V loads are masked to keys below
     ctx_len, so uninitialised pages (possibly NaN) are never read. MASKED adds the causal or
     tree visibility mask; without it every key in range must be visible to every row.
+
+    INT8_KV: K/V tiles are int8 (exact in the dot dtype) and every key carries the scale of
+    its page and kv head (a tile may straddle pages, so scales are per key, not per tile).
+    The K scale multiplies the key's score column after the dot; the V scale multiplies the
+    key's column of p before the PV dot, normalised by the tile's largest V scale (which then
+    multiplies the dot's result) so that p * scale does not sink into fp16 subnormals.
     """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -128,7 +145,12 @@ def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
         k_ptrs = (k_head_ptr + page[None, :] * stride_kb + slot[None, :] * stride_ks
                   + offs_d[:, None] * stride_kd)  # (BLOCK_D, BLOCK_N)
         k_t = tl.load(k_ptrs, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-        scores = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if INT8_KV:
+            k_sc = tl.load(k_scale_head_ptr + page * stride_ksb, mask=key_ok, other=0.0)
+            scores = (tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+                      * (k_sc * qk_scale)[None, :])
+        else:
+            scores = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             if HAS_TREE:
                 bit = (pos - num_cached).to(tl.int64)
@@ -146,8 +168,16 @@ def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
         v_ptrs = (v_head_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
                   + offs_d[None, :] * stride_vd)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                            input_precision=DOT_PRECISION)
+        if INT8_KV:
+            v_sc = tl.load(v_scale_head_ptr + page * stride_vsb, mask=key_ok, other=0.0)
+            v_top = tl.max(v_sc, 0)
+            v_top = tl.where(v_top > 0, v_top, 1.0)
+            p_v = (p * (v_sc / v_top)[None, :]).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(p_v, v.to(DOT_DTYPE),
+                                                input_precision=DOT_PRECISION) * v_top
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                                input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -158,9 +188,9 @@ def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
 
 
 @triton.jit
-def _paged_attention_kernel(
+def _paged_attention_program(
         q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
-        out_ptr, lse_ptr,
+        out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale, num_seqs, split_size,
         stride_qt, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
@@ -168,11 +198,13 @@ def _paged_attention_kernel(
         stride_bt,
         stride_os, stride_ot, stride_oh, stride_od,
         stride_ls, stride_lt, stride_lh,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Stage 1: one (query block, kv head, split) -> partial out [rows, D] and lse [rows]."""
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr):
+    """Stage 1: one (query block, kv head, split) -> partial out [rows, D] and lse [rows].
+    The body of both stage-1 kernels (float pages, and int8 pages with per-page scales)."""
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -220,16 +252,20 @@ def _paged_attention_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
     table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_scale_head_ptr = k_scale_ptr + kv_head * stride_ksh
+    v_scale_head_ptr = v_scale_ptr + kv_head * stride_vsh
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, key_lo, key_mid, ctx_len,
         num_cached, tok, tree_words, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-        stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, HAS_TREE,
-        DOT_DTYPE, DOT_PRECISION)
+        stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_vsb,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, HAS_TREE, DOT_DTYPE, DOT_PRECISION,
+        INT8_KV)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, key_mid, key_hi, ctx_len,
         num_cached, tok, tree_words, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-        stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, HAS_TREE,
-        DOT_DTYPE, DOT_PRECISION)
+        stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_vsb,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, HAS_TREE, DOT_DTYPE, DOT_PRECISION,
+        INT8_KV)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc = 0 -> out 0
@@ -239,6 +275,71 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse_ptrs = lse_ptr + split * stride_ls + (q_start + tok) * stride_lt + head * stride_lh
     tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr,
+        qk_scale, num_seqs, split_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Stage 1 over float pages (q, K and V of one dtype). The scale arguments of the shared
+    body are placeholders its INT8_KV=False branches never read."""
+    _paged_attention_program(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr, k_ptr, v_ptr,
+        qk_scale, num_seqs, split_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        0, 0, 0, 0,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION, False)
+
+
+@triton.jit
+def _paged_attention_int8_kernel(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+        qk_scale, num_seqs, split_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Stage 1 over int8 pages: K/V int8 [NB, BS, Hkv, D] whose row (block, s, h) is worth
+    ``int8 * scale[block, h]`` (k_scale/v_scale fp32 [NB, Hkv]); q and the dots in DOT_DTYPE."""
+    _paged_attention_program(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+        qk_scale, num_seqs, split_size,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION, True)
 
 
 @triton.jit
@@ -402,7 +503,14 @@ def _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqle
                          f"{num_kv_heads}/{k_cache.shape[3]} (need H % Hkv == 0, same D)")
     if head_dim > 256:
         raise ValueError(f"head dim {head_dim} > 256 is not supported")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
+    if k_cache.dtype == torch.int8 or v_cache.dtype == torch.int8:
+        if k_cache.dtype != v_cache.dtype:
+            raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, "
+                             f"{v_cache.dtype}")
+        if q.dtype not in _TL_DTYPES:
+            raise ValueError(f"unsupported q dtype {q.dtype} over int8 pages: use float16, "
+                             "bfloat16 or float32")
+    elif not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
     num_seqs = block_table.shape[0]
@@ -417,6 +525,31 @@ def _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqle
                          f"{tuple(tree_mask.shape)}")
     _check_device(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
                   *([tree_mask] if tree_mask is not None else []))
+
+
+def _check_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> bool:
+    """Whether the pages are int8 (then both scales are fp32 [NB, Hkv] on the caches' device);
+    raises ValueError for int8 pages without scales, scales beside float pages, or bad scales."""
+    int8 = k_cache.dtype == torch.int8
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale (int8 pages) or neither")
+    if not int8:
+        if k_scale is not None:
+            raise ValueError(f"k_scale/v_scale are for int8 pages; the caches are "
+                             f"{k_cache.dtype}")
+        return False
+    if k_scale is None:
+        raise ValueError("int8 k_cache/v_cache need k_scale and v_scale (fp32 [NB, Hkv]): "
+                         "a page's value is int8 * scale[block, kv head]")
+    expected = (k_cache.shape[0], k_cache.shape[2])
+    for name, cache, sc in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
+        if sc.dtype != torch.float32 or tuple(sc.shape) != expected:
+            raise ValueError(f"{name} must be float32 [NB, Hkv] = {list(expected)}, got "
+                             f"{sc.dtype} {list(sc.shape)}")
+        if sc.device != cache.device:
+            raise ValueError(f"{name} is on {sc.device} but the caches on {cache.device}")
+    return True
 
 
 def _sequence_extents(context_lens, cu_seqlens_q) -> tuple[int, int]:
@@ -434,11 +567,15 @@ def _sequence_extents(context_lens, cu_seqlens_q) -> tuple[int, int]:
 def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, *,
                            scale: float | None = None, tree_mask: torch.Tensor | None = None,
                            num_splits: int | None = None,
-                           extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           extents: tuple[int, int] | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention with an optional forced split count (tests and benchmarks).
     ``extents``: (max query length, max context length) when the caller knows them on the
-    host (the engine's runner does); else they are read from the device (one sync)."""
+    host (the engine's runner does); else they are read from the device (one sync).
+    ``k_scale``/``v_scale``: fp32 [NB, Hkv] for int8 caches (``kv_quant.py``), else None."""
     _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, tree_mask)
+    int8 = _check_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -464,13 +601,19 @@ def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_se
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     dot_dtype, dot_precision = _dot_config(q.dtype)
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
-    _paged_attention_kernel[grid](
+    if int8:  # the same body with int8 tiles and per-page scales (INT8_KV=True)
+        kernel = _paged_attention_int8_kernel
+        scale_args = (k_scale, v_scale)
+        scale_strides = (*k_scale.stride(), *v_scale.stride())
+    else:
+        kernel, scale_args, scale_strides = _paged_attention_kernel, (), ()
+    kernel[grid](
         q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
         tree_mask if tree_mask is not None else cu_seqlens_q,
-        part_out, part_lse,
+        part_out, part_lse, *scale_args,
         scale * LOG2E, num_seqs, plan.split_size,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *part_out.stride(), *part_lse.stride(),
+        *part_out.stride(), *part_lse.stride(), *scale_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
         PAGE_SIZE=k_cache.shape[1], HAS_TREE=tree_mask is not None,
@@ -506,22 +649,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     tree_mask: torch.Tensor | None = None,
-                    extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    extents: tuple[int, int] | None = None,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
 
     q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
     context_lens [B] (cached + new tokens); cu_seqlens_q [B + 1]; tree_mask int64 [T] or None.
     ``extents``: (max query length, max context length) from the host, so the launch never
     reads the device (the engine passes them; without them one sync reads them).
+    int8 pages (``kv_quant.py``): k_cache/v_cache int8 with ``k_scale``/``v_scale`` fp32
+    [NB, Hkv]; a row's value is ``int8 * scale[block, kv head]``. The kernel loads int8 tiles,
+    converts them to q's dtype in registers (exact) and applies each key's page scale (see
+    ``_attend_tiles``); q may be fp16, bf16 or fp32.
     Returns out [T, H, D] (dtype of q) and lse fp32 [T, H].
     """
     return launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
-                                  scale=scale, tree_mask=tree_mask, extents=extents)
+                                  scale=scale, tree_mask=tree_mask, extents=extents,
+                                  k_scale=k_scale, v_scale=v_scale)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip)."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> None:
+    """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip).
+
+    int8 pages (k_cache/v_cache int8, ``k_scale``/``v_scale`` fp32 [NB, Hkv]): the rows are
+    quantised by ``kv_quant.write_int8`` (torch ops, no Triton kernel). ``starts``: indices of
+    the rows that may enter a page already holding values (each sequence's first row, e.g.
+    ``cu_seqlens_q[:-1].long()``); with it the write never reads the device from the host (CUDA
+    graphs) and every slot must be >= 0 (nothing is skipped: pad to a scratch page instead).
+    Without it ``kv_quant.run_starts`` finds them (a host read) and slots < 0 are dropped first.
+    """
     if k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape:
         raise ValueError(f"need k/v [T, Hkv, D] of one shape and caches of one shape, got "
                          f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}, "
@@ -530,6 +689,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         raise ValueError(f"k {tuple(k.shape)} does not fit k_cache {tuple(k_cache.shape)} or "
                          f"slot_mapping {tuple(slot_mapping.shape)}")
     _check_device(k_cache, v_cache, k, v, slot_mapping)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype}, {v_cache.dtype}")
+    if _check_scales(k_cache, v_cache, k_scale, v_scale):
+        _write_kv_int8(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, starts)
+        return
+    if starts is not None:
+        raise ValueError("starts is for int8 pages (with k_scale/v_scale) only")
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -538,6 +704,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def _write_kv_int8(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, starts) -> None:
+    if starts is None:  # run_starts reads the slots anyway: dropping skipped rows costs nothing
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k, v = k[keep], v[keep]
+    else:
+        if starts.dim() != 1 or starts.dtype != torch.int64 or starts.device != k.device:
+            raise ValueError(f"starts must be int64 [R] on {k.device}, got {starts.dtype} "
+                             f"{list(starts.shape)} on {starts.device}")
+        slots = slot_mapping.long()
+    plan = kv_quant.plan_write(slots, k_cache.shape[1], starts)  # shared by K and V
+    kv_quant.write_int8(k_cache, k_scale, k, plan)
+    kv_quant.write_int8(v_cache, v_scale, v, plan)
 
 
 def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -19,12 +19,19 @@
  *
  * Layout and conventions are those of kernels/reference.py:
  *   q      [L, H, D] float32, contiguous (the caller converts)
- *   caches [num_blocks, block_size, Hkv, D], float32 or bfloat16, contiguous
+ *   caches [num_blocks, block_size, Hkv, D], float32, bfloat16 or int8, contiguous
+ *   int8 caches (kernels/kv_quant.py): k_scale / v_scale [num_blocks, Hkv] float32, a row's
+ *   value being int8 * scale[block, head]; NULL for float caches
  *   blocks the sequence's block ids (int32); token t lives in block blocks[t / block_size]
  *   the new tokens are the last L of ctx_len; query i sees every earlier token, and among the
  *   new tokens: tokens 0..i (tail_words NULL: causal), or token j iff bit j of tail_words[i]
  *   out    [L, H, D] float32, lse [L, H] float32 (natural log, of the scaled scores)
  * Query head hq reads KV head hq / (H / Hkv).
+ *
+ * int8 pages are converted to float32 times their page's scale as a tile's rows are fetched
+ * (SIMD: AVX-512, AVX2 or plain C), into the buffers the bfloat16 path uses: that is O(keys * D)
+ * per tile against O(keys * D * rows) for the products, which stay the float ones, and gives
+ * exactly the values reference.py dequantises to.
  *
  * Built at first use by kernels/cpu_flash.py (through cpu_build.py) with -O3 -march=native
  * -fopenmp; without AVX2/FMA the same loops run in plain C.
@@ -50,6 +57,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#if defined(__AVX512F__)
+#define HAVE_AVX512 1
+#endif
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
@@ -281,16 +291,41 @@ static void tile_softmax(float *st, int rbp, int n, int d, float *m, float *l, f
 #endif
 }
 
+/* dst[0..d) = src[0..d) * scale (an int8 page row as float32). */
+static inline void int8_row(const int8_t *src, int d, float scale, float *dst) {
+    int x = 0;
+#ifdef HAVE_AVX512
+    const __m512 s16 = _mm512_set1_ps(scale);
+    for (; x + 16 <= d; x += 16) {
+        const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + x)));
+        _mm512_storeu_ps(dst + x, _mm512_mul_ps(_mm512_cvtepi32_ps(w), s16));
+    }
+#endif
+#ifdef HAVE_AVX2
+    const __m256 s8 = _mm256_set1_ps(scale);
+    for (; x + 8 <= d; x += 8) {
+        const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + x)));
+        _mm256_storeu_ps(dst + x, _mm256_mul_ps(_mm256_cvtepi32_ps(w), s8));
+    }
+#endif
+    for (; x < d; x++) dst[x] = (float)src[x] * scale;
+}
+
 /* Pointers to the K or V rows (head kvh) of keys [base, base + n): into the pages for float32,
- * else converted into buf (n * d floats). */
-static void tile_rows(const void *cache, int dtype, const int32_t *blocks, int block_size, int base,
-                      int n, int num_kv, int kvh, int d, float *buf, const float **rows) {
+ * else converted into buf (n * d floats); int8 (dtype 2) times scale[block, kvh]. */
+static void tile_rows(const void *cache, int dtype, const float *scale, const int32_t *blocks,
+                      int block_size, int base, int n, int num_kv, int kvh, int d, float *buf,
+                      const float **rows) {
     int block = base / block_size, offset = base % block_size;
     for (int j = 0; j < n; j++) {
         const int64_t slot = (int64_t)blocks[block] * block_size + offset;
         const int64_t at = (slot * num_kv + kvh) * (int64_t)d;
         if (dtype == 0) {
             rows[j] = (const float *)cache + at;
+        } else if (dtype == 2) {
+            int8_row((const int8_t *)cache + at, d, scale[(int64_t)blocks[block] * num_kv + kvh],
+                     buf + (int64_t)j * d);
+            rows[j] = buf + (int64_t)j * d;
         } else { /* bfloat16: the high half of a float32 */
             const uint16_t *src = (const uint16_t *)cache + at;
             uint32_t *dst = (uint32_t *)(buf + (int64_t)j * d);
@@ -329,6 +364,7 @@ static void prefetch_tile(const void *cache, int elem, const int32_t *blocks, in
 typedef struct {
     const float *q;
     const void *k_cache, *v_cache;
+    const float *k_scale, *v_scale; /* int8 caches only */
     int dtype;
     const int32_t *blocks;
     int block_size, ctx_len, q_len, num_heads, num_kv, d;
@@ -371,11 +407,12 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         const int n = end - base < KT ? end - base : KT;
         if (base + n < end) {
             const int next = end - base - n < KT ? end - base - n : KT;
-            const int elem = a->dtype == 0 ? 4 : 2;
+            const int elem = a->dtype == 0 ? 4 : a->dtype == 1 ? 2 : 1;
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
-        tile_rows(a->k_cache, a->dtype, a->blocks, a->block_size, base, n, a->num_kv, kvh, d, s->kbuf, s->krow);
+        tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
+                  s->kbuf, s->krow);
         for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
         tile_scores(s->qt, rbp, s->krow, n, d, s->st);
         if (base + n > first_new + (a->tail_words ? 0 : t_first + 1)) { /* the tile meets the mask */
@@ -392,7 +429,8 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             }
         }
         tile_softmax(s->st, rbp, n, d, s->m, s->l, s->ot);
-        tile_rows(a->v_cache, a->dtype, a->blocks, a->block_size, base, n, a->num_kv, kvh, d, s->vbuf, s->vrow);
+        tile_rows(a->v_cache, a->dtype, a->v_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
+                  s->vbuf, s->vrow);
         tile_accumulate(s->st, rbp, s->vrow, n, d, s->ot);
     }
 }
@@ -415,18 +453,21 @@ static void scratch_init(Scratch *s, float *base, int d) {
 }
 
 /* Returns 0, or a negative code for arguments this kernel does not take (the caller checks
- * them first; this is a second line). With num_splits > 1, work holds
+ * them first; this is a second line). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and
+ * v_scale then required, else ignored). With num_splits > 1, work holds
  * num_splits * num_kv * L * group * (d + 2) floats (the splits' partial states). */
-int longctx_paged_flash(const float *q, const void *k_cache, const void *v_cache, int dtype,
+int longctx_paged_flash(const float *q, const void *k_cache, const void *v_cache,
+                        const float *k_scale, const float *v_scale, int dtype,
                         const int32_t *blocks, int block_size, int ctx_len, int q_len,
                         int num_heads, int num_kv, int d, float scale,
                         const uint64_t *tail_words, int num_splits, float *work,
                         float *out, float *lse) {
-    if (dtype != 0 && dtype != 1) return -1;
+    if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
+    if (dtype == 2 && (!k_scale || !v_scale)) return -1;
     if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D || q_len < 1) return -2;
     if (ctx_len < q_len || block_size < 1 || num_splits < 1 || (tail_words && q_len > 63)) return -3;
-    const Args a = {q, k_cache, v_cache, dtype, blocks, block_size, ctx_len, q_len, num_heads,
-                    num_kv, d, scale, tail_words};
+    const Args a = {q, k_cache, v_cache, k_scale, v_scale, dtype, blocks, block_size, ctx_len,
+                    q_len, num_heads, num_kv, d, scale, tail_words};
     const int group = num_heads / num_kv, rows = q_len * group;
     const int num_rb = (rows + RB - 1) / RB;
     const int split_len = (ctx_len + num_splits - 1) / num_splits;

@@ -1,0 +1,100 @@
+"""int8 KV pages: symmetric int8 values with one fp32 scale per (page, KV head), per layer and
+per K/V, written by ``write_int8`` and read back as ``value * scale``.
+
+Owns: the one write path every backend uses for int8 pages (torch ops only, so it runs on the
+CPU, on CUDA and inside a captured CUDA graph: no host read-back), and the dequantisation
+the reference and the torch fallbacks read through.
+Never: attention. The compiled CPU kernels and the Triton kernels read int8 pages themselves
+(the scale multiplies the dot product of a page's rows, so the inner loops stay int8 -> fp32).
+
+The scale of a page is the largest |value| written to it since it was last started (its
+offset 0 written), over 127. Pages fill in slot order, so a step's new tokens of one sequence
+start either at offset 0 of a fresh page or inside the sequence's last page; every later page
+they reach is entered at offset 0. When new tokens raise the scale of a page that already
+holds tokens (only ever the first page a sequence's run writes to), the page's stored values
+are requantised to the new scale first (``round(q * old / new)``: at most half a step of the
+new scale more error per raise). Unwritten rows of a page hold garbage and are never read.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+# index_reduce_ ("prod", "amax") is what keeps the scale update free of host reads
+warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
+
+QMAX = 127.0
+DTYPES = {"int8": torch.int8}
+
+
+def dequantize(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Every page as ``dtype``: cache int8 [NB, BS, Hkv, D], scale fp32 [NB, Hkv]."""
+    return (cache.to(torch.float32) * scale[:, None, :, None]).to(dtype)
+
+
+def dequantize_rows(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows at ``slots`` [N] (``block * BS + offset``) as ``dtype`` [N, Hkv, D]."""
+    block_size = cache.shape[1]
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots).to(torch.float32)
+    return (rows * scale.index_select(0, slots // block_size)[:, :, None]).to(dtype)
+
+
+def run_starts(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Indices of the tokens that start a run of one page ([0] and every page change): the
+    only tokens whose page can already hold values. Reads the slots (host work on the CPU)."""
+    blocks = slots // block_size
+    change = torch.ones_like(blocks, dtype=torch.bool)
+    change[1:] = blocks[1:] != blocks[:-1]
+    return change.nonzero().flatten()
+
+
+class WritePlan(NamedTuple):
+    """What ``write_int8`` derives from a step's slots alone: the same for K and V and in every
+    layer, so a step computes it once (``plan_write``)."""
+
+    slots: torch.Tensor  # [T] int64
+    blocks: torch.Tensor  # [T] the page of each row
+    keep: torch.Tensor  # [T, 1] fp32: 0 where a row starts its page (the page forgets its scale)
+    first_blocks: torch.Tensor  # [R] the pages that may already hold values
+    started: torch.Tensor  # [R, 1] bool: that page is started in this call after all
+
+
+def plan_write(slots: torch.Tensor, block_size: int, starts: torch.Tensor | None = None) -> WritePlan:
+    """``slots`` [T] (int64, all >= 0); ``starts``: as for ``write_int8``."""
+    if starts is None:
+        starts = run_starts(slots, block_size)
+    blocks = slots // block_size
+    fresh = (slots % block_size) == 0
+    return WritePlan(slots, blocks, (~fresh).to(torch.float32)[:, None], blocks.index_select(0, starts),
+                     fresh.index_select(0, starts)[:, None])
+
+
+def write_int8(cache: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots: torch.Tensor | WritePlan,
+               starts: torch.Tensor | None = None) -> None:
+    """Quantise rows ``x`` [T, Hkv, D] into ``cache`` int8 [NB, BS, Hkv, D] at ``slots`` [T]
+    (int64, all >= 0; or a ``plan_write`` of them), updating ``scale`` fp32 [NB, Hkv].
+    ``starts``: indices into the T rows that cover the first row each page gets in this call
+    when the page already holds values (each sequence's first row does; extra indices only
+    cost time); default ``run_starts``. Duplicated pages are allowed (they get identical
+    values)."""
+    plan = slots if isinstance(slots, WritePlan) else plan_write(slots, cache.shape[1], starts)
+    if plan.slots.numel() == 0:
+        return
+    old = scale.index_select(0, plan.first_blocks)  # [R, Hkv] before this call
+    scale.index_reduce_(0, plan.blocks, plan.keep.expand(-1, scale.shape[1]), "prod")
+    amax = x.detach().abs().amax(-1).to(torch.float32) / QMAX  # [T, Hkv]
+    scale.index_reduce_(0, plan.blocks, amax, "amax")
+    new = scale.index_select(0, plan.first_blocks)
+    # requantise pages that held values under a smaller scale (ratio 1: unchanged; a page
+    # started in this call: its rows are garbage until written, ratio 1 as well)
+    ratio = torch.where(plan.started | (new <= 0), torch.ones_like(new), old / new.clamp_min(1e-30)).clamp_(max=1.0)
+    if cache.is_cuda or bool((ratio < 1).any()):  # on the CPU reading it back is free: skip the no-op
+        pages = cache.index_select(0, plan.first_blocks).to(torch.float32)
+        cache.index_copy_(0, plan.first_blocks, torch.round(pages * ratio[:, None, :, None]).to(torch.int8))
+    step = scale.index_select(0, plan.blocks)[:, :, None].clamp_min(1e-30)  # [T, Hkv, 1]
+    q = torch.round(x.to(torch.float32) / step).clamp_(-QMAX, QMAX).to(torch.int8)
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, plan.slots, q)
