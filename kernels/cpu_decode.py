@@ -49,6 +49,30 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = ATTENTION_ARGTYPES
+    write = lib.longctx_int8_write_kv
+    write.restype = ctypes.c_int
+    write.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+
+def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor) -> bool:
+    """``kv_quant.write_int8`` for K and V in one C call (same bytes); False when the library
+    is not available here (the caller then runs the torch form). slots/starts int64 [T]/[R]."""
+    lib = _load()
+    if lib is None:
+        return False
+    k = k.to(torch.float32).contiguous()
+    v = v.to(torch.float32).contiguous()
+    slots, starts = slots.contiguous(), starts.contiguous()
+    _, block_size, heads, dim = k_cache.shape
+    old = torch.empty(max(starts.numel(), 1) * heads, dtype=torch.float32)
+    rc = lib.longctx_int8_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+                                   k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(), starts.data_ptr(),
+                                   starts.numel(), block_size, heads, dim, old.data_ptr())
+    if rc != 0:
+        raise ValueError(f"int8 write rejected its arguments (code {rc})")
+    return True
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)

@@ -4,6 +4,8 @@ per K/V, written by ``write_int8`` and read back as ``value * scale``.
 Owns: the one write path every backend uses for int8 pages (torch ops only, so it runs on the
 CPU, on CUDA and inside a captured CUDA graph: no host read-back), and the dequantisation
 the reference and the torch fallbacks read through.
+The attention backend stores rows rotated by ``rotation(D)`` (an orthogonal matrix; queries are
+rotated alike and outputs back), which evens out the channels one scale covers.
 Never: attention. The compiled CPU kernels and the Triton kernels read int8 pages themselves
 (the scale multiplies the dot product of a page's rows, so the inner loops stay int8 -> fp32).
 
@@ -18,6 +20,7 @@ new scale more error per raise). Unwritten rows of a page hold garbage and are n
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple
 
@@ -52,6 +55,44 @@ def run_starts(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     return change.nonzero().flatten()
 
 
+def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, plan: "WritePlan") -> None:
+    """``write_int8`` of K and V; on the CPU one call of the compiled kernel (the same bytes,
+    without ~15 small torch ops per tensor per layer), where it is available."""
+    if not k_cache.is_cuda and plan.starts is not None:
+        from . import cpu_decode
+
+        if cpu_decode.available() and cpu_decode.write_int8_kv(k_cache, v_cache, k_scale, v_scale, k, v,
+                                                                  plan.slots, plan.starts):
+            return
+    write_int8(k_cache, k_scale, k, plan)
+    write_int8(v_cache, v_scale, v, plan)
+
+
+_ROTATIONS: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
+
+
+def rotation(head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An orthogonal [D, D] matrix R that int8 pages store K and V through (``k @ R``, ``v @ R``;
+    queries go through it too, and outputs back through ``R.T``, so attention is unchanged in
+    exact arithmetic): the normalised Hadamard matrix when D is a power of two, else a fixed
+    seeded random rotation. It spreads a few large channels (keys have them) over every
+    channel, so one scale per (page, head) no longer leaves the small channels a few levels."""
+    key = (head_dim, str(device), dtype)
+    found = _ROTATIONS.get(key)
+    if found is None:
+        if head_dim & (head_dim - 1) == 0:
+            r = torch.ones(1, 1, dtype=torch.float64)
+            while r.shape[0] < head_dim:
+                r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+            r = r / math.sqrt(head_dim)
+        else:
+            gen = torch.Generator().manual_seed(head_dim)
+            r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
+        found = _ROTATIONS[key] = r.to(device=device, dtype=dtype)
+    return found
+
+
 class WritePlan(NamedTuple):
     """What ``write_int8`` derives from a step's slots alone: the same for K and V and in every
     layer, so a step computes it once (``plan_write``)."""
@@ -61,6 +102,7 @@ class WritePlan(NamedTuple):
     keep: torch.Tensor  # [T, 1] fp32: 0 where a row starts its page (the page forgets its scale)
     first_blocks: torch.Tensor  # [R] the pages that may already hold values
     started: torch.Tensor  # [R, 1] bool: that page is started in this call after all
+    starts: torch.Tensor | None = None  # [R] the row indices behind first_blocks
 
 
 def plan_write(slots: torch.Tensor, block_size: int, starts: torch.Tensor | None = None) -> WritePlan:
@@ -70,7 +112,7 @@ def plan_write(slots: torch.Tensor, block_size: int, starts: torch.Tensor | None
     blocks = slots // block_size
     fresh = (slots % block_size) == 0
     return WritePlan(slots, blocks, (~fresh).to(torch.float32)[:, None], blocks.index_select(0, starts),
-                     fresh.index_select(0, starts)[:, None])
+                     fresh.index_select(0, starts)[:, None], starts)
 
 
 def write_int8(cache: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots: torch.Tensor | WritePlan,

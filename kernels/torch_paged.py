@@ -409,8 +409,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
             plan = kv_quant.plan_write(slots, k_cache.shape[1], starts if keep is None else None)
             if step_cache is not None:
                 step_cache["torch_paged.int8_plan"] = plan
-        kv_quant.write_int8(k_cache, k_scale, k, plan)
-        kv_quant.write_int8(v_cache, v_scale, v, plan)
+        kv_quant.write_int8_kv(k_cache, v_cache, k_scale, v_scale, k, v, plan)
         return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))

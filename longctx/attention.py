@@ -22,7 +22,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longctx.kernels import torch_paged
+import os
+
+from longctx.kernels import kv_quant, torch_paged
+
+# int8 pages hold K and V rotated by kv_quant.rotation (queries rotated alike, outputs back):
+# half the quantisation error for the same bytes. LONGCTX_INT8_ROTATE=0 stores them unrotated
+# (pages of one setting never serve the other: the prefix cache key names it).
+ROTATE_INT8 = os.environ.get("LONGCTX_INT8_ROTATE", "1") != "0"
 
 
 @dataclass
@@ -37,7 +44,7 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32
     slot_mapping: torch.Tensor | None = None  # [T] int64
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits, or None (causal)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (K, V)
+    kv_caches: list[tuple[torch.Tensor, ...]] | None = None  # per layer (K, V) or int8 (K, V, K scale, V scale)
     # host numbers the runner already has, so no layer reads them back from the device
     max_query_len: int | None = None
     max_context_len: int | None = None
@@ -68,16 +75,30 @@ class PagedAttentionBackend:
                 meta: AttentionMetadata) -> torch.Tensor:
         if meta.kv_caches is None:
             return dense_causal(q, k, v, meta.query_lens, self.scale)
-        k_cache, v_cache = meta.kv_caches[layer_idx]
+        k_cache, v_cache, *scales = meta.kv_caches[layer_idx]
         extra = {"step_cache": meta.step_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
         if not meta.step_cache and meta.host_block_table is not None:
             meta.step_cache["host"] = (meta.host_block_table, meta.context_lens, meta.query_lens)
-        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **extra)
+        quant, rot = {}, None
+        if scales:  # int8 pages: each sequence's first new row starts the only page that may hold values
+            quant = {"k_scale": scales[0], "v_scale": scales[1]}
+            if ROTATE_INT8:
+                rot = kv_quant.rotation(q.shape[-1], q.device)
+                q, k, v = ((x.float() @ rot).to(x.dtype) for x in (q, k, v))
+            starts = meta.step_cache.get("int8.starts")
+            if starts is None:
+                starts = meta.step_cache["int8.starts"] = (
+                    meta.cu_seqlens_q[:-1].long().clamp(max=max(q.shape[0] - 1, 0)))
+            self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, starts=starts, **quant, **extra)
+        else:
+            self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **extra)
         if getattr(self.kernels, "TAKES_EXTENTS", False) and meta.max_query_len is not None:
             extra["extents"] = (meta.max_query_len, meta.max_context_len)
         out, _ = self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
-            scale=self.scale, tree_mask=meta.tree_mask, **extra)
+            scale=self.scale, tree_mask=meta.tree_mask, **quant, **extra)
+        if rot is not None:
+            out = (out.float() @ rot.T).to(out.dtype)
         return out
 
 
@@ -87,7 +108,7 @@ class FlashAttnBackend(PagedAttentionBackend):
     their slots, decode steps (one new token per sequence) use ``flash_attn_with_kvcache`` and
     prefill chunks ``flash_attn_varlen_func`` with the block table (causal, aligned to the
     bottom right: a chunk sees the cached prefix). Steps with a tree mask (lookahead verify),
-    float32 and pages of other sizes go to the Triton kernels."""
+    float32, int8 pages and pages of other sizes go to the Triton kernels."""
 
     def __init__(self, head_dim: int, triton_kernels: Any, flash_attn: Any) -> None:
         super().__init__(head_dim, triton_kernels, "flash-attn+triton")
@@ -96,6 +117,7 @@ class FlashAttnBackend(PagedAttentionBackend):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         usable = (meta.kv_caches is not None and meta.tree_mask is None and q.dtype != torch.float32
+                  and len(meta.kv_caches[layer_idx]) == 2  # int8 pages: the Triton kernels
                   and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
         if not usable:
             return super().forward(layer_idx, q, k, v, meta)

@@ -138,6 +138,10 @@ class CacheConfig:
     disk_cache_dir: str = field(
         default="", metadata={"help": "folder for the disk tier; pages persist across restarts ('': none)"})
     disk_cache_gb: float = field(default=20.0, metadata={"help": "disk tier budget (GiB)"})
+    kv_cache_dtype: str = field(
+        default="auto", metadata={"help": "what KV pages store: auto (the model's dtype) or int8 (symmetric "
+                                          "int8 with an fp32 scale per page, layer, KV head and K/V: about "
+                                          "0.26x the bytes of float32 pages, on every tier)"})
 
     def host_tier_gb(self, device_type: str) -> float:
         """The host tier's budget: as given, else 2 GiB beside a GPU and none when the KV pool
@@ -160,6 +164,8 @@ class CacheConfig:
                                               and self.host_cache_gb >= 0),
                f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         _check(self.disk_cache_gb > 0, f"disk_cache_gb must be positive, got {self.disk_cache_gb}")
+        _check(self.kv_cache_dtype in ("auto", "int8"),
+               f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check(not self.disk_cache_dir or self.enable_prefix_caching,

@@ -84,9 +84,9 @@ class StepGraphs:
         self.width = -(-max_model_len // self.block_size)  # block table columns
         self.scratch_block = scratch_block
         self.capture_enabled = capture
-        for k, v in self.kv.layers:  # the scratch page starts finite
-            k[scratch_block].zero_()
-            v[scratch_block].zero_()
+        for caches in self.kv.caches:  # the scratch page starts finite (and int8 scales at 0)
+            for t in caches:
+                t[scratch_block].zero_()
         t, n, dev = self.max_tokens, self.max_batch, self.device
         self.ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t, dtype=torch.long, device=dev)
@@ -137,7 +137,7 @@ class StepGraphs:
             query_lens=[width] * size, context_lens=context_lens or [self.max_model_len] * size,
             cu_seqlens_q=self.cu_q[:size + 1], context_lens_t=self.context_lens[:size],
             block_table=self.block_table[:size], slot_mapping=self.slots[:tokens],
-            tree_mask=self.tree[:tokens] if width > 1 else None, kv_caches=self.kv.layers,
+            tree_mask=self.tree[:tokens] if width > 1 else None, kv_caches=self.kv.caches,
             max_query_len=width, max_context_len=max(context_lens) if context_lens else self.max_model_len,
             max_position=self.max_model_len, host_block_table=tables, cu_seqlens_k=self.cu_k[:size + 1])
 
@@ -211,6 +211,7 @@ class StepGraphs:
                     self._forward(size, width, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            meta = self._meta(size, width)  # new: nothing the warm-up cached (step_cache) outlives it
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[:size * width].copy_(self._forward(size, width, meta))
             if self.pool is None:

@@ -24,7 +24,8 @@ from longctx.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
 from longctx.detokenizer import Detokenizer, make_detokenizer
-from longctx.kv.device_pool import DeviceKVPool, bytes_per_block, num_blocks_for, profile_kv_cache_gb
+from longctx.kv.device_pool import (DeviceKVPool, bytes_per_block, kv_storage_dtype, num_blocks_for,
+                                    profile_kv_cache_gb)
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
@@ -202,7 +203,11 @@ class LLMEngine:
         if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
             cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=profile_kv_cache_gb(
                 self.model, backend, self.device, sched.max_num_batched_tokens, cache.gpu_memory_utilization))
-        num_blocks = num_blocks_for(self.model_config, cache, self.dtype)  # per rank
+        self.kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, self.dtype)
+        if self.kv_dtype == torch.int8 and parallel.sequence_parallel_size > 1:
+            raise ValueError("kv_cache_dtype='int8' does not work with sequence_parallel_size > 1 yet: "
+                             "the ring attention of the ranks reads float pages only")
+        num_blocks = num_blocks_for(self.model_config, cache, self.kv_dtype)  # per rank
         self.sequence_parallel_size = parallel.sequence_parallel_size
         if parallel.sequence_parallel_size > 1:
             from longctx import sp
@@ -211,7 +216,8 @@ class LLMEngine:
                                    sched.max_num_batched_tokens)
         else:
             self.runner = ModelRunner(self.model, DeviceKVPool(self.model_config, num_blocks, cache.block_size,
-                                                               self.dtype, self.device), backend, self.device)
+                                                               self.dtype, self.device, self.kv_dtype),
+                                      backend, self.device)
         try:
             self.kv = self.runner.kv
             self.pool = BlockPool(self.kv.num_blocks)
@@ -245,18 +251,20 @@ class LLMEngine:
         return graphs
 
     def _build_prefix_cache(self, cache: CacheConfig, path) -> PrefixCache:
-        page_bytes = bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        page_bytes = bytes_per_block(self.model_config, cache.block_size, self.kv_dtype)
         host_pages = host_tier_pages(cache.host_tier_gb(torch.device(self.kv.device).type), page_bytes)
         host = HostKVPool(self.kv, host_pages) if host_pages else None
         disk = None
         if cache.disk_cache_dir:
-            c = self.model_config
-            shape = (c.num_hidden_layers, 2, cache.block_size, c.num_key_value_heads, c.head_dim)
-            disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), shape, self.dtype)
+            disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), self.kv.page_shape,
+                               self.kv.page_dtype)
         tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
         # the fingerprint holds the whole ModelConfig, RoPE included: pages cached under another
         # rope_scaling (another rotation of the keys) never match, on any tier
-        key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype))
+        from longctx.attention import ROTATE_INT8
+
+        kv_format = str(self.kv_dtype) + ("+rotated" if self.kv_dtype == torch.int8 and ROTATE_INT8 else "")
+        key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype), kv_format)
         self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)
         return PrefixCache(tree, self.pool, self.kv, host, disk, key)
 
@@ -301,6 +309,21 @@ class LLMEngine:
                     self.kv_mover.close()
         finally:
             self._stop_runner()
+            self._free_device_memory()
+
+    def _free_device_memory(self) -> None:
+        """On CUDA, hand the KV pool, the captured graphs and the weights back to the device, so
+        a closed engine holds no GPU memory (another engine in the same process sizes its pool
+        from what is free)."""
+        if self.device.type != "cuda":
+            return
+        import gc
+
+        self.runner.graphs = None
+        self.kv.layers, self.kv.scales = [], None
+        self.model.to("meta")
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def _stop_runner(self) -> None:
         shutdown = getattr(self.runner, "shutdown", None)

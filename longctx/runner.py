@@ -205,7 +205,7 @@ class ModelRunner(SamplingRunner):
             query_lens=step.query_lens, context_lens=step.context_lens, cu_seqlens_q=t["cu_seqlens_q"],
             context_lens_t=t["context_lens"], block_table=t["block_table"], slot_mapping=t["slots"],
             tree_mask=t["tree_mask"], cu_seqlens_k=t["cu_seqlens_k"],
-            kv_caches=self.kv.layers, max_query_len=max(step.query_lens),
+            kv_caches=self.kv.caches, max_query_len=max(step.query_lens),
             max_context_len=max(step.context_lens), max_position=max(step.positions) + 1,
             host_block_table=table)
         return t["ids"], t["positions"], meta, (step.sample_rows, t["rows"])

@@ -574,3 +574,72 @@ int longctx_paged_decode(const float *q, const void *k_cache, const void *v_cach
     merge_splits(states, num_splits, item_floats, all_rows, rows, group, num_heads, d, 0, out, lse);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------
+ * int8 page write (kernels/kv_quant.py's write_int8, for K and V in one call): the same
+ * steps in the same float32 arithmetic, so the bytes equal the torch path's.
+ *   1. the scales of the pages the ``starts`` rows enter, before anything changes;
+ *   2. a page whose offset 0 is written forgets its scale; every page's scale becomes the
+ *      max of itself and its new rows' |x| / 127 (per KV head);
+ *   3. a page entered by a ``starts`` row that held values under a smaller scale is
+ *      requantised (round(q * old / new)), once per page;
+ *   4. the rows are quantised with their page's scale: round(x / scale), clamped to +-127.
+ * x: float32 [T, H, D] rows; slots [T] (>= 0); starts [R] row indices; old: [R * H] work.
+ * --------------------------------------------------------------------------------------- */
+static void int8_write_one(int8_t *cache, float *scale, const float *x, const int64_t *slots, int64_t n,
+                           const int64_t *starts, int64_t r_count, int bs, int h, int d, float *old) {
+    const int64_t page = (int64_t)bs * h * d;
+    for (int64_t r = 0; r < r_count; r++) {
+        const int64_t b = slots[starts[r]] / bs;
+        for (int j = 0; j < h; j++) old[r * h + j] = scale[b * h + j];
+    }
+    for (int64_t t = 0; t < n; t++)
+        if (slots[t] % bs == 0)
+            for (int j = 0; j < h; j++) scale[(slots[t] / bs) * h + j] *= 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t b = slots[t] / bs;
+        for (int j = 0; j < h; j++) {
+            const float *row = x + (t * h + j) * d;
+            float m = 0.0f;
+            for (int e = 0; e < d; e++) m = fmaxf(m, fabsf(row[e]));
+            m = m / 127.0f;
+            if (m > scale[b * h + j]) scale[b * h + j] = m;
+        }
+    }
+    for (int64_t r = 0; r < r_count; r++) {
+        const int64_t slot = slots[starts[r]], b = slot / bs;
+        int seen = 0;
+        for (int64_t p = 0; p < r; p++) seen |= slots[starts[p]] / bs == b;
+        if (seen || slot % bs == 0) continue;  /* done already / started here: ratio 1 */
+        for (int j = 0; j < h; j++) {
+            const float now = scale[b * h + j];
+            float ratio = now <= 0.0f ? 1.0f : old[r * h + j] / fmaxf(now, 1e-30f);
+            if (ratio >= 1.0f) continue;
+            for (int o = 0; o < bs; o++) {
+                int8_t *q = cache + b * page + ((int64_t)o * h + j) * d;
+                for (int e = 0; e < d; e++) q[e] = (int8_t)nearbyintf((float)q[e] * ratio);
+            }
+        }
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t b = slots[t] / bs, off = slots[t] % bs;
+        for (int j = 0; j < h; j++) {
+            const float step = fmaxf(scale[b * h + j], 1e-30f);
+            const float *row = x + (t * h + j) * d;
+            int8_t *q = cache + b * page + (off * h + j) * d;
+            for (int e = 0; e < d; e++) {
+                float v = nearbyintf(row[e] / step);
+                q[e] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+            }
+        }
+    }
+}
+
+int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, float *v_scale,
+                          const float *k, const float *v, const int64_t *slots, int64_t n,
+                          const int64_t *starts, int64_t r_count, int bs, int h, int d, float *old) {
+    if (bs < 1 || h < 1 || d < 1 || n < 0 || r_count < 0) return -1;
+    int8_write_one(k_cache, k_scale, k, slots, n, starts, r_count, bs, h, d, old);
+    int8_write_one(v_cache, v_scale, v, slots, n, starts, r_count, bs, h, d, old);
+    return 0;
+}

@@ -20,9 +20,20 @@ from longctx.model.config import ModelConfig
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one page across all layers."""
+    """K and V of one page across all layers (int8 pages: with their fp32 scales)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * itemsize
+    heads = model.num_key_value_heads
+    scales = 2 * model.num_hidden_layers * heads * 4 if dtype == torch.int8 else 0
+    return 2 * model.num_hidden_layers * block_size * heads * model.head_dim * itemsize + scales
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What the KV pages hold: the model's dtype (``auto``) or int8 (``int8``)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {kv_cache_dtype!r}")
 
 
 def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
@@ -69,38 +80,89 @@ def profile_kv_cache_gb(model, backend, device: torch.device, max_tokens: int,
 
 
 class DeviceKVPool:
+    """One K and one V tensor per layer, ``[NB, BS, Hkv, D]``, in the model's dtype or, with
+    ``kv_dtype=torch.int8``, int8 with a scale per (page, KV head) for each (``scales``, fp32
+    ``[NB, Hkv]``; ``longctx.kernels.kv_quant``). A page as the host and disk tiers see it
+    (``read_pages``/``write_pages``): ``[L, 2, BS, Hkv, D]`` of the model's dtype, or for int8
+    ``[L, 2, BS * Hkv * D + 4 * Hkv]`` bytes, each row a page's int8 values then its scales."""
+
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, kv_dtype: torch.dtype | None = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_blocks, block_size, model.num_key_value_heads, model.head_dim)
-        self.page_shape = (model.num_hidden_layers, 2, *shape[1:])  # (L, 2, BS, Hkv, D)
+        self.kv_dtype = kv_dtype or dtype
+        self.quantized = self.kv_dtype == torch.int8
+        heads, dim = model.num_key_value_heads, model.head_dim
+        shape = (num_blocks, block_size, heads, dim)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            (torch.empty(shape, dtype=self.kv_dtype, device=device),
+             torch.empty(shape, dtype=self.kv_dtype, device=device))
             for _ in range(model.num_hidden_layers)
         ]
+        self.scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.quantized:
+            self.scales = [(torch.zeros(num_blocks, heads, device=device), torch.zeros(num_blocks, heads, device=device))
+                           for _ in range(model.num_hidden_layers)]
+            self._data_bytes = block_size * heads * dim
+            self.page_shape: tuple[int, ...] = (model.num_hidden_layers, 2, self._data_bytes + 4 * heads)
+            self.page_dtype = torch.uint8
+        else:
+            self.page_shape = (model.num_hidden_layers, 2, *shape[1:])  # (L, 2, BS, Hkv, D)
+            self.page_dtype = dtype
+
+    @property
+    def caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer what attention reads: ``(K, V)``, or ``(K, V, K scale, V scale)``."""
+        if self.scales is None:
+            return self.layers
+        return [(k, v, ks, vs) for (k, v), (ks, vs) in zip(self.layers, self.scales)]
 
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
-        """The bytes of pages ``block_ids`` on the CPU, ``[P, L, 2, BS, Hkv, D]``."""
+        """The bytes of pages ``block_ids`` on the CPU, ``[P, *page_shape]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.quantized:
+            n = len(block_ids)
+            rows = [torch.stack([torch.cat([c.index_select(0, idx).view(n, -1).view(torch.uint8),
+                                            s.index_select(0, idx).view(torch.uint8)], 1)
+                                 for c, s in zip(layer, scales)], 1)
+                    for layer, scales in zip(self.layers, self.scales)]
+            return torch.stack(rows, 1).to("cpu")
         return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)], 1)
                             for k, v in self.layers], 1).to("cpu")
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        """Write ``pages`` ``[P, L, 2, BS, Hkv, D]`` into blocks ``block_ids`` (same order)."""
+        """Write ``pages`` ``[P, *page_shape]`` into blocks ``block_ids`` (same order)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         pages = pages.to(self.device, non_blocking=True)
+        if self.quantized:
+            n, cut = len(block_ids), self._data_bytes
+            for layer, (caches, scales) in enumerate(zip(self.layers, self.scales)):
+                for kv, (c, s) in enumerate(zip(caches, scales)):
+                    record = pages[:, layer, kv]
+                    c.index_copy_(0, idx, record[:, :cut].contiguous().view(torch.int8).view(n, *c.shape[1:]))
+                    s.index_copy_(0, idx, record[:, cut:].contiguous().view(torch.float32))
+            return
         for layer, (k, v) in enumerate(self.layers):
             k.index_copy_(0, idx, pages[:, layer, 0])
             v.index_copy_(0, idx, pages[:, layer, 1])
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of token slots ``src`` to slots ``dst`` in every layer (slot = block *
-        BS + offset); all sources are read before any destination is written."""
+        BS + offset); all sources are read before any destination is written. int8 pages:
+        the rows are dequantised and written again under the destination pages' scales."""
         if not src:
             return
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        if self.quantized:
+            from longctx.kernels import kv_quant
+
+            starts = kv_quant.run_starts(torch.tensor(dst, dtype=torch.long), self.block_size).to(self.device)
+            for caches, scales in zip(self.layers, self.scales):
+                for cache, scale in zip(caches, scales):
+                    rows = kv_quant.dequantize_rows(cache, scale, s)
+                    kv_quant.write_int8(cache, scale, rows, d, starts)
+            return
         for k_cache, v_cache in self.layers:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])  # (NB * BS, Hkv, D)

@@ -8,8 +8,12 @@ the page's token ids and the cache's extra key, so a name stands for the whole p
 
 File layout (``<folder>/<key[:2]>/<key>.kvpage``)::
 
-    b"LCKVPAGE1\\n" | u32 header length | JSON header | payload
-    header: {"key", "dtype", "shape": [L, 2, BS, Hkv, D], "nbytes", "sha256" (of the payload)}
+    b"LCKVPAGE2\\n" | u32 header length | JSON header | payload
+    header: {"key", "dtype", "shape", "nbytes", "sha256" (of the payload)}
+    shape: [L, 2, BS, Hkv, D] for pages of the model's dtype; [L, 2, BS * Hkv * D + 4 * Hkv]
+    (dtype uint8) for int8 pages: per layer and K/V, the int8 values then the fp32 scales.
+
+Version 2 added int8 pages; a file of version 1 (or of any other magic) is a miss.
 
 Files are written to a temporary name and renamed, so a reader never sees half a file. A file
 that is missing, truncated, corrupted or of another layout is a miss: it is logged, counted,
@@ -31,7 +35,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LCKVPAGE1\n"
+MAGIC = b"LCKVPAGE2\n"
+OLD_MAGICS = (b"LCKVPAGE1\n",)
 SUFFIX = ".kvpage"
 
 
@@ -192,6 +197,8 @@ class DiskKVStore:
 
     def _check(self, key: str, data: bytes) -> str | None:
         """Why ``data`` is not a valid page for ``key``; None if it is."""
+        if data.startswith(OLD_MAGICS):
+            return "old format (written by an earlier version)"
         if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
             return "truncated or not a page file"
         size = struct.unpack_from("<I", data, len(MAGIC))[0]

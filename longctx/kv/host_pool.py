@@ -1,6 +1,7 @@
 """The host KV tier: a CPU pool of pages that device pages are written back to on eviction.
 
-Owns: one K and one V tensor per layer, ``[num_pages, BS, Hkv, D]`` like the device pool, in
+Owns: one K and one V tensor per layer, ``[num_pages, BS, Hkv, D]`` like the device pool (int8
+pages: ``[num_pages, page bytes]``, the values and their scales, as ``read_pages`` gives them), in
 pinned memory when the device is CUDA (so copies can run asynchronously), and the copies
 between the two pools, through the device pool's ``read_pages``/``write_pages`` (so the same
 code serves a pool whose pages are spread over sequence-parallel ranks). Never: deciding
@@ -23,17 +24,19 @@ class HostKVPool:
             raise ValueError(f"a host pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         num_layers, _, *page = device_pool.page_shape
-        shape = (num_pages, *page)  # (NH, BS, Hkv, D)
+        shape = (num_pages, *page)  # (NH, BS, Hkv, D); int8 pages: (NH, page bytes with scales)
         pin = device_pool.device.type == "cuda"
-        self.layers = [(torch.empty(shape, dtype=device_pool.dtype, pin_memory=pin),
-                        torch.empty(shape, dtype=device_pool.dtype, pin_memory=pin))
+        dtype = getattr(device_pool, "page_dtype", device_pool.dtype)
+        self.layers = [(torch.empty(shape, dtype=dtype, pin_memory=pin),
+                        torch.empty(shape, dtype=dtype, pin_memory=pin))
                        for _ in range(num_layers)]
         self.device_pool = device_pool
 
     def _direct(self) -> bool:
         """The device pool is one set of CPU tensors: copy layer by layer between the pools,
         without gathering whole pages (``[P, L, 2, ...]``) on the way."""
-        return getattr(self.device_pool, "layers", None) is not None and self.device_pool.device.type == "cpu"
+        return (getattr(self.device_pool, "layers", None) is not None and self.device_pool.device.type == "cpu"
+                and not getattr(self.device_pool, "quantized", False))
 
     def write_back(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pages into host pages (same order)."""
