@@ -10,7 +10,8 @@ off (so every run is cold); bfloat16 (the GPU default).
 - prefill: time to the first token of a ``context``-token prompt (chunked by
   ``--max-num-batched-tokens``); achieved FLOP/s = (2 x parameters x tokens + attention's
   2 x 2 x L x H x D x tokens^2 / 2) / time, against this run's measured bf16 matmul rate.
-- decode: (t(1 + N) - t(1)) / N ms/token with graphs on (default) and off (``enforce_eager``);
+- decode: (t(1 + N) - t(1)) / N ms/token with graphs on (default) and off (``enforce_eager``),
+  and with int8 KV pages (graphs on);
   the floor is (weight bytes + KV bytes at that context) / this run's measured copy bandwidth.
 The default model has an 8K window: past it (until RoPE scaling lands, issue 24) tokens are
 meaningless but every byte and FLOP is the same, so the timings stand; ``--model`` takes any
@@ -71,26 +72,28 @@ def timed(llm, prompt: list[int], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def bench_context(args, context: int, eager: bool) -> dict:
+def bench_context(args, context: int, eager: bool, kv_cache_dtype: str = "auto") -> dict:
     from longctx import LLM
 
     llm = LLM(args.model, device="cuda", max_model_len=context + args.decode_tokens + 8,
               max_num_batched_tokens=args.max_num_batched_tokens, lookahead=False,
-              enable_prefix_caching=False, enforce_eager=eager)
+              enable_prefix_caching=False, enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
     cfg = llm.engine.model_config
     gen = torch.Generator().manual_seed(context)
     prompt = torch.randint(10, cfg.vocab_size - 10, (context,), generator=gen).tolist()
-    timed(llm, prompt[:512], 2)  # warm-up
+    timed(llm, prompt, 2)  # warm-up: every kernel shape of this context compiled before timing
     first = [timed(llm, prompt, 1) for _ in range(args.repeats)]
     full = [timed(llm, prompt, 1 + args.decode_tokens) for _ in range(args.repeats)]
     prefill_s = statistics.median(first)
     decode_ms = (statistics.median(full) - prefill_s) / args.decode_tokens * 1e3
     params = sum(p.numel() for p in llm.engine.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    from longctx.kv.device_pool import bytes_per_block
+
+    kv_per_token = bytes_per_block(cfg, llm.engine.kv.block_size, llm.engine.kv_dtype) / llm.engine.kv.block_size
     attn_flops = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context ** 2 / 2
     llm.close()
-    return {"context": context, "graphs": not eager, "prefill_s": prefill_s, "decode_ms_per_token": decode_ms,
+    return {"context": context, "graphs": not eager, "kv_cache_dtype": kv_cache_dtype, "prefill_s": prefill_s, "decode_ms_per_token": decode_ms,
             "prefill_flops": 2 * params * context + attn_flops,
             "decode_bytes_per_token": weight_bytes + kv_per_token * context}
 
@@ -110,8 +113,8 @@ def main() -> None:
     peak_tflops, bandwidth = matmul_tflops(device), copy_gbps(device)
     rows = []
     for context in args.contexts:
-        for eager in (False, True):
-            row = bench_context(args, context, eager)
+        for eager, kv_dtype in ((False, "auto"), (True, "auto"), (False, "int8")):
+            row = bench_context(args, context, eager, kv_dtype)
             row["prefill_tflops"] = row["prefill_flops"] / row["prefill_s"] / 1e12
             row["prefill_share_of_matmul_peak"] = row["prefill_tflops"] / peak_tflops
             row["decode_floor_ms"] = row["decode_bytes_per_token"] / (bandwidth * 1e9) * 1e3

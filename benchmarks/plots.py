@@ -9,7 +9,9 @@ schemas differ) and writes, with matplotlib's Agg backend:
 * ``prefix.png``       time to first token per prefix-store tier (the newest ``prefix-*.json``);
 * ``lookahead.png``    decode tokens/s and lookahead speedup per prompt (``lookahead-*.json``);
 * ``parallel.png``     sequence parallelism, N = 1 vs N = 2 ranks (``parallel-*.json``);
-* ``e2e-history.png``  8K prefill and decode at 8K, longctx and HF, in every ``e2e-*.json`` run.
+* ``e2e-history.png``  8K prefill and decode at 8K, longctx and HF, in every ``e2e-*.json`` run;
+* ``long-context.png`` decode ms/token and prefill time vs context, float32 vs int8 KV pages
+                       (the newest ``long-*.json``, from ``bench_long.py``).
 
 "Newest" is by the commit date of the run's git revision (``git log``), else by file time.
 A plot whose data is missing is skipped with a printed reason; nothing else is touched.
@@ -85,7 +87,8 @@ def newest(results: dict[str, dict], folder: Path, prefix: str, needs) -> tuple[
     found = [(n, d) for n, d in results.items() if n.startswith(prefix) and needs(d)]
     if not found:
         raise Skip(f"no {prefix}*.json with the fields this plot needs")
-    return max(found, key=lambda nd: run_time(nd[0], nd[1], folder))
+    # same revision: the later run (files that record when they finished)
+    return max(found, key=lambda nd: (run_time(nd[0], nd[1], folder), str(nd[1].get("finished_at") or "")))
 
 
 def machine_line(name: str, data: dict) -> str:
@@ -421,9 +424,79 @@ def plot_history(results, folder, out: Path) -> None:
     plt.close(fig)
 
 
+# --- (g) long context: float32 vs int8 KV pages ---------------------------------------------
+
+def has_long_stages(d: dict) -> bool:
+    res = d.get("results")
+    return isinstance(res, dict) and any(isinstance(r, dict) and r.get("stages") for r in res.values())
+
+
+def plot_long_context(results, folder, out: Path) -> None:
+    name, data = newest(results, folder, "long", has_long_stages)
+    res = {d: r for d, r in data["results"].items() if isinstance(r, dict) and r.get("stages")}
+    derived = data.get("derived") or {}
+    colors = {"auto": "tab:blue", "int8": "tab:red"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.8))
+    contexts = sorted({s["context"] for r in res.values() for s in r["stages"]})
+    for dtype, r in res.items():
+        kv = str((r.get("engine") or {}).get("kv_storage_dtype", dtype)).removeprefix("torch.")
+        color = colors.get(dtype)
+        stages = sorted(r["stages"], key=lambda s: s["context"])
+        dec = [(s["context"], s["decode_ms_per_token"]) for s in stages if s.get("decode_ms_per_token")]
+        if dec:
+            ax1.plot(*zip(*dec), marker="o", color=color, label=f"{kv} KV pages")
+            ratios = derived.get("decode_ms_ratio_int8_over_fp32") or {}
+            for x, y in dec:
+                text = f"{y:.1f}"
+                if dtype == "int8" and str(x) in ratios:
+                    text += f" ({ratios[str(x)]:.2f}x)"
+                ax1.annotate(text, (x, y), textcoords="offset points", xytext=(6, -11 if dtype == "int8" else 5),
+                             fontsize=8, color=color)
+        floor = (derived.get("decode_floor_ms") or {}).get(dtype) or {}
+        if floor:
+            xs = sorted(floor, key=int)
+            ax1.plot([int(x) for x in xs], [floor[x] for x in xs], linestyle=":", color=color,
+                     label=f"{kv} bandwidth floor")
+        pre = [(s["context"], s["prefill_s"]) for s in stages if s.get("prefill_s") is not None]
+        ax2.plot(*zip(*pre), marker="o", color=color, label=f"{kv} KV pages")
+        for x, y in pre:
+            ax2.annotate(f"{y:.1f} s", (x, y), textcoords="offset points",
+                         xytext=(6, -11 if dtype == "int8" else 5), fontsize=8, color=color)
+    fp32_fit = ((data.get("kv") or {}).get("auto") or {}).get("default_budget_tokens")
+    budget = (data.get("kv") or {}).get("default_kv_cache_gb")
+    for ax in (ax1, ax2):
+        if fp32_fit and contexts and fp32_fit < max(contexts):
+            ax.axvline(fp32_fit, color="gray", linestyle="--", linewidth=0.8)
+            ax.annotate(f"float32 pages fill the\ndefault {budget:g} GiB pool\nat {fp32_fit} tokens",
+                        (fp32_fit, 0), xycoords=("data", "axes fraction"), xytext=(4, 40),
+                        textcoords="offset points", fontsize=7, color="gray")
+        ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.set_xlim(0, max(contexts) * 1.12)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    ax1.set_ylabel("decode time (ms per token, batch 1)")
+    ax1.set_title("decode at each context (labels: ms, int8/float32)", fontsize=9)
+    ax2.set_ylabel("prefill time (s)")
+    ax2.set_title("prefill of the whole context (sum of the staircase stages)", fontsize=9)
+    tiers = data.get("tiers") or {}
+    frac = derived.get("int8_hit_fraction_of_cold") or {}
+    hits = [f"  {t.removesuffix('_hit')} tier: {v['ttft_s']:.2f} s ({100 * frac[t]:.2f}% of cold)"
+            for t, v in tiers.items() if isinstance(v, dict) and "ttft_s" in v and t in frac]
+    if hits:
+        ax2.text(0.02, 0.8, f"int8, prefix hit at {max(contexts)} tokens + a question (TTFT):\n"
+                 + "\n".join(hits), transform=ax2.transAxes, ha="left", va="top", fontsize=7, color="dimgray")
+    rope = data.get("rope_scaling") or {}
+    what = f"RoPE {rope.get('rope_type')} x{rope.get('factor'):g}, " if rope.get("rope_type") else ""
+    n = (data.get("args") or {}).get("decode_tokens")
+    finish(fig, (ax1, ax2), f"Long context: float32 vs int8 KV pages ({what}greedy, {n} new tokens per "
+           "context; bench_long.py)", name, data, out / "long-context.png")
+
+
 PLOTS = {"prefill.png": plot_prefill, "decode.png": plot_decode, "prefix.png": plot_prefix,
          "lookahead.png": plot_lookahead, "parallel.png": plot_parallel,
-         "e2e-history.png": plot_history}
+         "e2e-history.png": plot_history, "long-context.png": plot_long_context}
 
 
 def main(argv: list[str] | None = None) -> int:
