@@ -30,7 +30,6 @@ import torch
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
 
 QMAX = 127.0
-DTYPES = {"int8": torch.int8}
 
 
 def dequantize(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -59,7 +58,7 @@ def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
                   k: torch.Tensor, v: torch.Tensor, plan: "WritePlan") -> None:
     """``write_int8`` of K and V; on the CPU one call of the compiled kernel (the same bytes,
     without ~15 small torch ops per tensor per layer), where it is available."""
-    if not k_cache.is_cuda and plan.starts is not None:
+    if not k_cache.is_cuda:
         from . import cpu_decode
 
         if cpu_decode.available() and cpu_decode.write_int8_kv(k_cache, v_cache, k_scale, v_scale, k, v,
@@ -102,7 +101,7 @@ class WritePlan(NamedTuple):
     keep: torch.Tensor  # [T, 1] fp32: 0 where a row starts its page (the page forgets its scale)
     first_blocks: torch.Tensor  # [R] the pages that may already hold values
     started: torch.Tensor  # [R, 1] bool: that page is started in this call after all
-    starts: torch.Tensor | None = None  # [R] the row indices behind first_blocks
+    starts: torch.Tensor  # [R] the row indices behind first_blocks
 
 
 def plan_write(slots: torch.Tensor, block_size: int, starts: torch.Tensor | None = None) -> WritePlan:

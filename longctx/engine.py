@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longctx.attention import flash_attn_available, select_backend
+from longctx.attention import ROTATE_INT8, flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
 from longctx.cuda_graphs import StepGraphs
@@ -261,8 +261,6 @@ class LLMEngine:
         tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
         # the fingerprint holds the whole ModelConfig, RoPE included: pages cached under another
         # rope_scaling (another rotation of the keys) never match, on any tier
-        from longctx.attention import ROTATE_INT8
-
         kv_format = str(self.kv_dtype) + ("+rotated" if self.kv_dtype == torch.int8 and ROTATE_INT8 else "")
         key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype), kv_format)
         self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)

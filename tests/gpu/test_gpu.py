@@ -120,15 +120,20 @@ def hf_model(dtype):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, **kwargs).to(DEV).eval()
 
 
+def greedy_pair(llm, hf, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """32 greedy tokens from the engine and from HF for the same prompt."""
+    ours = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    ids = torch.tensor([prompt], device=DEV)
+    theirs = hf.generate(ids, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids))
+    return ours, theirs[0, len(prompt):].tolist()
+
+
 def test_engine_fp32_equals_hf(prompts):
     """float32 on the GPU (Triton in IEEE fp32, no TF32): greedy tokens identical to HF's."""
     hf = hf_model(torch.float32)
     with LLM(dtype="float32", device="cuda", lookahead=False) as llm:
         for prompt in prompts:
-            ours = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
-            theirs = hf.generate(torch.tensor([prompt], device=DEV), max_new_tokens=32, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEV)
-                                 )[0, len(prompt):].tolist()
+            ours, theirs = greedy_pair(llm, hf, prompt)
             assert ours == theirs
 
 
@@ -140,10 +145,7 @@ def test_engine_bf16_follows_hf(prompts):
     hf = hf_model(torch.bfloat16)
     with LLM(dtype="bfloat16", device="cuda", lookahead=False) as llm:
         for prompt in prompts:
-            ours = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
-            theirs = hf.generate(torch.tensor([prompt], device=DEV), max_new_tokens=32, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=DEV)
-                                 )[0, len(prompt):].tolist()
+            ours, theirs = greedy_pair(llm, hf, prompt)
             if ours == theirs:
                 continue
             i = next(j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b)
