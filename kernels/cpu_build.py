@@ -5,9 +5,18 @@ Owns: compiling one C source with the machine's C compiler into a per-user cache
 with ctypes. Never: deciding whether a kernel is used (each kernel module does, and reports why
 not).
 
-A library is built with ``-march=native`` into ``$LONGCTX_CACHE_DIR`` (default
+The instruction set is chosen at run time (``isa()``), from the CPU's features: on x86
+``avx512bf16`` (AVX-512 F/BW/VL/DQ/CD + AVX-512 BF16), ``avx512``, ``avx2`` (AVX2 + FMA) or
+``portable`` (x86-64 baseline: SSE2, no AVX2, FMA or AVX-512); elsewhere (ARM) ``native``
+(the compiler's ``-march=native``: NEON and what else the core has) or ``portable``. The
+sources pick their paths by the compiler's macros (``__AVX512F__``, ``__AVX2__`` ...), so one
+source gives every level. ``LONGCTX_CPU_ISA`` forces a level (a lower one to compare paths, or
+``portable`` for the plain C loops); a level this CPU cannot run is refused, never loaded. The
+choice is logged once.
+
+A library is built into ``$LONGCTX_CACHE_DIR`` (default
 ``~/.cache/longctx``), under a name that hashes the source, the headers beside it, the compiler
-command and the CPU's flags, so a home directory shared by different machines never loads a
+command (the level's flags included) and the CPU's flags, so a home directory shared by different machines never loads a
 foreign build, and a changed header rebuilds its users. Builds are written to a temporary name
 and renamed, so concurrent processes (test workers, sequence-
 parallel ranks) never load a half-written file. ``LONGCTX_CPU_KERNEL=0`` switches every C
@@ -19,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -30,8 +40,20 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger("longctx.kernels")
+
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]  # + the ISA level's (isa_flags)
+# x86 levels, best first: the compiler flags and the /proc/cpuinfo features each needs
+X86_LEVELS = {
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"],
+                   {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx2", "fma"}),
+    "avx512": (["-march=x86-64-v4", "-mtune=native"],
+               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"}),
+    "avx2": (["-march=x86-64-v3", "-mtune=native"], {"avx2", "fma", "f16c", "bmi2"}),
+    "portable": (["-march=x86-64", "-mtune=native"], set()),
+}
+OTHER_LEVELS = {"native": (["-march=native"], set()), "portable": ([], set())}
 # what a failed or refused build raises; kernel modules catch these and fall back
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
 
@@ -65,6 +87,39 @@ def set_omp_threads(num: int) -> None:
         setter(num)
 
 
+def _levels() -> dict[str, tuple[list[str], set[str]]]:
+    return X86_LEVELS if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386") else OTHER_LEVELS
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_isa(forced: str | None) -> tuple[str, str]:
+    """(level, how it was chosen) or raises RuntimeError for a level that cannot run here."""
+    levels, have = _levels(), set(_cpu_flags().split())
+    if forced:
+        if forced not in levels:
+            raise RuntimeError(f"LONGCTX_CPU_ISA={forced!r} is not one of {', '.join(levels)}")
+        missing = levels[forced][1] - have
+        if missing:
+            raise RuntimeError(f"LONGCTX_CPU_ISA={forced} needs CPU features this machine lacks: "
+                               f"{', '.join(sorted(missing))}")
+        level, why = forced, "forced by LONGCTX_CPU_ISA"
+    else:
+        level = next(name for name, (_, needs) in levels.items() if needs <= have)
+        why = "the best this CPU supports"
+    log.info("C kernels: instruction set %s (%s)", level, why)
+    return level, why
+
+
+def isa() -> str:
+    """The instruction-set level the C kernels are built for here (see the module's text).
+    Raises RuntimeError when ``LONGCTX_CPU_ISA`` names one this CPU cannot run."""
+    return _choose_isa(os.environ.get("LONGCTX_CPU_ISA") or None)[0]
+
+
+def isa_flags() -> list[str]:
+    return list(_levels()[isa()][0])
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -88,7 +143,8 @@ def build(source: Path) -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it may include
-    for part in (source.read_bytes(), *headers, " ".join([compiler, *FLAGS]).encode(),
+    flags = [*FLAGS[:1], *isa_flags(), *FLAGS[1:]]  # appended FLAGS (tests: -mno-avx2) come last
+    for part in (source.read_bytes(), *headers, " ".join([compiler, *flags]).encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -97,7 +153,7 @@ def build(source: Path) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+            proc = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
@@ -133,6 +189,9 @@ class KernelLibrary:
                         self._lib, self._status = lib, "ok"
                     except BUILD_ERRORS as exc:
                         self._status = f"unavailable: {exc}"
+                if self._lib is None:  # once per library and process
+                    log.warning("C kernel %s not used (%s): the torch paths run instead",
+                                self.source.name, self._status)
         return self._lib
 
     def available(self) -> bool:

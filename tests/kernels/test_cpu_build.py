@@ -1,0 +1,91 @@
+"""The C kernels' instruction-set dispatch (kernels/cpu_build.py): the level follows the CPU's
+features, LONGCTX_CPU_ISA forces one, a level the CPU cannot run or an unknown name is refused
+with the reason (the kernels then report it and the torch paths run), and each level builds a
+library of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from longctx.kernels import cpu_build
+
+AVX512 = "avx512f avx512bw avx512vl avx512dq avx512cd avx2 fma f16c bmi2"
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend the CPU (x86) has the given /proc/cpuinfo flags."""
+    def set_flags(flags: str):
+        monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 " + flags)
+        monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
+        cpu_build._choose_isa.cache_clear()
+    yield set_flags
+    cpu_build._choose_isa.cache_clear()
+
+
+@pytest.mark.parametrize("flags,level", [(AVX512 + " avx512_bf16", "avx512bf16"), (AVX512, "avx512"),
+                                         ("avx avx2 fma f16c bmi2", "avx2"), ("avx avx2", "portable"),
+                                         ("", "portable")])
+def test_the_best_level_the_cpu_has(cpu, monkeypatch, flags, level):
+    monkeypatch.delenv("LONGCTX_CPU_ISA", raising=False)
+    cpu(flags)
+    assert cpu_build.isa() == level
+    assert cpu_build.isa_flags() == cpu_build.X86_LEVELS[level][0]
+
+
+def test_a_forced_level(cpu, monkeypatch):
+    cpu(AVX512 + " avx512_bf16")
+    monkeypatch.setenv("LONGCTX_CPU_ISA", "avx2")
+    assert cpu_build.isa() == "avx2" and "-march=x86-64-v3" in cpu_build.isa_flags()
+    monkeypatch.setenv("LONGCTX_CPU_ISA", "portable")
+    assert cpu_build.isa_flags()[0] == "-march=x86-64"
+
+
+def test_a_level_the_cpu_cannot_run_or_an_unknown_one_is_refused(cpu, monkeypatch):
+    cpu("avx avx2 fma f16c bmi2")
+    monkeypatch.setenv("LONGCTX_CPU_ISA", "avx512bf16")
+    with pytest.raises(RuntimeError, match="needs CPU features this machine lacks: avx512_bf16, avx512bw"):
+        cpu_build.isa()
+    monkeypatch.setenv("LONGCTX_CPU_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="'sse9' is not one of avx512bf16, avx512, avx2, portable"):
+        cpu_build.isa()
+
+
+REFUSED = textwrap.dedent("""
+    import logging
+    logging.basicConfig(level=logging.INFO)
+    import torch
+    from longctx.kernels import cpu_linear
+    from longctx.model.llama import choose_cpu_matmul
+    assert not cpu_linear.available()
+    print(cpu_linear.status())
+    assert choose_cpu_matmul("auto", torch.float32) in ("onednn", "blas")
+""")
+
+
+def test_a_refused_level_leaves_the_torch_paths_and_says_why(tmp_path):
+    env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path), "LONGCTX_CPU_ISA": "sse9"}
+    proc = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("unavailable: LONGCTX_CPU_ISA='sse9' is not one of "
+                                   + ", ".join(cpu_build._levels()))
+    assert "C kernel linear_rows.c not used" in proc.stderr  # logged once, at load
+
+
+def test_each_level_builds_its_own_library(tmp_path, monkeypatch):
+    if not cpu_build.enabled() or cpu_build.isa() == "portable":
+        pytest.skip("needs the C kernels and a level above portable")
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path))
+    source = cpu_build.CSRC / "linear_rows.c"
+    try:
+        cpu_build.build(source)
+    except cpu_build.BUILD_ERRORS as exc:
+        pytest.skip(f"no build here: {exc}")
+    monkeypatch.setenv("LONGCTX_CPU_ISA", "portable")
+    cpu_build.build(source)
+    assert len(list((tmp_path / "cpu_kernels").glob("linear_rows-*.so"))) == 2
