@@ -1,7 +1,7 @@
 """The CPU weight-product kernel (``csrc/linear_rows.c``): built on first use, called through
 ctypes.
 
-Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` and a float32
+Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` and a float32 or bfloat16
 ``[out, in]`` weight (the checkpoint's layout), optionally with the decoder layer's RMSNorm or
 SwiGLU applied to ``x`` first and a residual added after (one call per product instead of
 several torch ops), and saying whether and up to how many rows it runs
@@ -37,12 +37,13 @@ SOURCE = cpu_build.CSRC / "linear_rows.c"
 # rows (4 layers) 44.8 vs 38.5 / 38.8, where BLAS's blocked GEMM won over the dot products.
 DOT_MAX_ROWS = 64
 UNBOUNDED = 1 << 62
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's WT_F32 / WT_BF16
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_linear_rows
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
     rope = lib.longctx_rope_inplace
@@ -73,7 +74,7 @@ def max_rows() -> int:
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` takes this input for this weight (the caller then uses it)."""
     return (x.dim() == 2 and 1 <= x.shape[0] <= max_rows() and x.dtype == torch.float32
-            and x.device.type == "cpu" and weight.dtype == torch.float32 and available())
+            and x.device.type == "cpu" and weight.dtype in WEIGHT_TYPES and available())
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:
@@ -86,8 +87,9 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32 (rows may be strided), weight [N, K] float32 contiguous, bias [N] ->
-    x @ weight.T + bias, [M, N] float32.
+    """x [M, K] float32 (rows may be strided), weight [N, K] float32 or bfloat16 contiguous,
+    bias [N] float32 -> x @ weight.T + bias, [M, N] float32 (a bfloat16 weight is widened to
+    float32 as it is read: the product is float32's on the rounded weights).
 
     ``norm_weight`` [K]: x is RMS-normalised first (``norm_weight * x / sqrt(mean(x^2) + eps)``
     per row, as the model's RMSNorm). ``swiglu``: x is [M, 2K] and the product takes
@@ -103,8 +105,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         what = "2K (SwiGLU halves)" if swiglu else "K"
         raise ValueError(f"x [M, {what}] and weight [N, K] must agree on K, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        raise ValueError(f"x and weight must be float32, got {x.dtype} and {weight.dtype}")
+    if x.dtype != torch.float32 or weight.dtype not in WEIGHT_TYPES:
+        raise ValueError(f"x must be float32 and weight float32 or bfloat16, got {x.dtype} and {weight.dtype}")
     if x.device.type != "cpu" or weight.device.type != "cpu":
         raise ValueError("x and weight must be on the CPU")
     rows, (num_out, k) = x.shape[0], weight.shape
@@ -132,7 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{out.dtype} {tuple(out.shape)}")
     prologue = 1 if norm_weight is not None else 2 if swiglu else 0
     rc = lib.longctx_linear_rows(
-        x.data_ptr(), max(x.stride(0), x.shape[1]), rows, weight.data_ptr(), num_out, k,
+        x.data_ptr(), max(x.stride(0), x.shape[1]), rows, weight.data_ptr(), WEIGHT_TYPES[weight.dtype], num_out, k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), num_out, prologue,
         None if norm_weight is None else norm_weight.data_ptr(), eps,
         None if residual is None else residual.data_ptr(),

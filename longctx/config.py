@@ -93,8 +93,9 @@ class ModelLoadConfig:
         default="auto", metadata={"help": "auto | torch | triton | flash-attn (auto: by device)"})
     cpu_matmul: str = field(
         default="auto", metadata={"help": "auto | kernel | onednn | blas: the CPU weight products "
-                                          "(auto: for float32 the C row kernel where it builds, "
-                                          "else oneDNN pre-packed, else BLAS; BLAS for bf16/fp16)"})
+                                          "(auto: for float32 and bfloat16 the C row kernel where "
+                                          "it builds, else oneDNN pre-packed (float32), else BLAS; "
+                                          "BLAS for float16)"})
     enforce_eager: bool = field(
         default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
                                          "instead of replaying CUDA graphs captured at start-up"})
@@ -113,8 +114,11 @@ class ModelLoadConfig:
                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                f"got {self.attention_backend!r}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _check(self.cpu_matmul not in ("kernel", "onednn") or self.dtype in ("float32", "auto"),
-               f"cpu_matmul={self.cpu_matmul!r} is for float32 models, got dtype={self.dtype!r} "
+        _check(self.cpu_matmul != "onednn" or self.dtype in ("float32", "auto"),
+               f"cpu_matmul='onednn' is for float32 models, got dtype={self.dtype!r} "
+               "(use cpu_matmul='auto' or 'blas')")
+        _check(self.cpu_matmul != "kernel" or self.dtype in ("float32", "bfloat16", "auto"),
+               f"cpu_matmul='kernel' is for float32 and bfloat16 models, got dtype={self.dtype!r} "
                "(use cpu_matmul='auto' or 'blas')")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
 

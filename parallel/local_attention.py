@@ -29,7 +29,11 @@ import torch
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's fused kernel on [1, heads, len, D] operands -> out, lse [1, heads, len]."""
+    """The device's fused kernel on [1, heads, len, D] operands -> out, lse [1, heads, len].
+    K/V in another dtype than q (bf16 pages under a bf16 model's fp32 activations on the CPU)
+    are converted to q's."""
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if q.device.type == "cuda":
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)

@@ -11,7 +11,7 @@ from longctx import LLM, SamplingParams
 from longctx.config import ConfigError
 from longctx.kernels import cpu_linear
 from longctx.model.llama import Linear, choose_cpu_matmul, onednn_linear_available
-from tiny_models import hf_greedy, make_engine_checkpoint
+from tiny_models import first_logits_and_tokens, hf_greedy, make_engine_checkpoint
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"row kernel {cpu_linear.status()}")
@@ -70,10 +70,15 @@ def test_row_kernel_linear_takes_no_rows():
 
 
 @needs_kernel
-def test_row_kernel_refuses_half_precision():
-    layer = _linear(16, 8, False).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="float32"):
-        layer.use_row_kernel()
+def test_row_kernel_takes_bfloat16_and_refuses_float16():
+    layer = _linear(16, 8, True).to(torch.bfloat16)
+    layer.bias.data = layer.bias.data.float()  # the model makes biases fp32 (use_row_kernel)
+    expected = torch.nn.functional.linear(torch.ones(3, 16), layer.weight_t.float().t(), layer.bias)
+    layer.use_row_kernel()
+    assert layer.weight.dtype == torch.bfloat16 and tuple(layer.weight.shape) == (8, 16)
+    torch.testing.assert_close(layer(torch.ones(3, 16)), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        _linear(16, 8, False).to(torch.float16).use_row_kernel()
 
 
 @needs_onednn
@@ -85,14 +90,17 @@ def test_packing_refuses_half_precision():
 
 def test_choice_rules():
     assert choose_cpu_matmul("blas", torch.float32) == "blas"
-    assert choose_cpu_matmul("auto", torch.bfloat16) == "blas"
+    assert choose_cpu_matmul("auto", torch.bfloat16) == ("kernel" if cpu_linear.available() else "blas")
+    assert choose_cpu_matmul("auto", torch.float16) == "blas"
     fallback = "onednn" if onednn_linear_available() else "blas"
     assert choose_cpu_matmul("auto", torch.float32) == ("kernel" if cpu_linear.available() else fallback)
-    with pytest.raises(ConfigError, match="float32 models"):
-        choose_cpu_matmul("kernel", torch.bfloat16)
-    for choice in ("kernel", "onednn"):  # refused before any loading
-        with pytest.raises(ConfigError, match=f"cpu_matmul='{choice}' is for float32 models"):
-            LLM("unused", cpu_matmul=choice, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="float32 and bfloat16 models"):
+        choose_cpu_matmul("kernel", torch.float16)
+    # refused before any loading
+    with pytest.raises(ConfigError, match="cpu_matmul='onednn' is for float32 models"):
+        LLM("unused", cpu_matmul="onednn", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="cpu_matmul='kernel' is for float32 and bfloat16 models"):
+        LLM("unused", cpu_matmul="kernel", dtype="float16")
     with pytest.raises(ConfigError, match="cpu_matmul must be one of"):
         LLM("unused", cpu_matmul="mkl")
 
@@ -139,3 +147,40 @@ def test_sequence_parallel_shares_row_kernel_weights(tmp_path):
         out = llm.generate({"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == hf_greedy(hf, prompt, 6)
+
+
+@needs_kernel
+def test_bfloat16_model_on_the_row_kernel(tmp_path):
+    """dtype='bfloat16' on the CPU: bf16 matrices and embedding (a tied head shares it), bf16 KV
+    pages, fp32 activations. Its first logits equal HF float32's on the bf16-rounded weights
+    within 2e-2 (the KV pages round K and V to bf16 too), its greedy tokens equal theirs, and
+    lookahead, a prefix hit and sequence parallelism give the same tokens."""
+    hf = make_engine_checkpoint(tmp_path, tie_word_embeddings=True)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(param.bfloat16().float())
+    prompt = torch.randint(3, 160, (150,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = hf_greedy(hf, prompt, params.max_tokens)
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=64, block_size=16, lookahead=False) as llm:
+        engine, model = llm.engine, llm.engine.model
+        assert engine.cpu_matmul == "kernel" and model.act_dtype == torch.float32
+        assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+        assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+        assert model.layers[0].input_layernorm.weight.dtype == torch.float32
+        assert engine.kv_dtype == torch.bfloat16
+        logits, tokens = first_logits_and_tokens(llm, prompt, params)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, hf_logits, rtol=0, atol=2e-2)
+        assert tokens == expected
+        again = llm.generate({"prompt_token_ids": prompt}, params)[0]  # the prefix store's pages
+        assert llm.cache_stats().hit_tokens["device"] > 0 and again.outputs[0].token_ids == expected
+    with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=64, block_size=16,
+             lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+    with LLM(str(tmp_path), dtype="bfloat16", sequence_parallel_size=2, block_size=16,
+             max_num_batched_tokens=32) as llm:
+        assert llm.engine.model.act_dtype == torch.float32
+        assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected

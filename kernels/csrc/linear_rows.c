@@ -1,5 +1,5 @@
-/* y = x @ W^T (+ bias) on the CPU for float32 weights held as the checkpoint has them
- * ([out, in], row-major, HF's layout): the weight products of decode, batched decode, lookahead
+/* y = x @ W^T (+ bias) on the CPU for float32 or bfloat16 weights held as the checkpoint has
+ * them ([out, in], row-major, HF's layout): the weight products of decode, batched decode, lookahead
  * verification and prefill chunks.
  *
  * Why C: with one to a few dozen rows these products are a stream over the weights, and the
@@ -11,7 +11,9 @@
  * plain copy of its weights and one code path for every step.
  *
  *   x    [M, K] float32, row stride ldx (elements); [M, 2K] for the SwiGLU prologue
- *   w    [N, K] float32, contiguous
+ *   w    [N, K] float32 or bfloat16 (wt), contiguous; bfloat16 weights are widened to float32 in
+ *        registers (a shift), so activations, products and sums stay float32 and a bf16 model
+ *        reads half the bytes per step
  *   bias [N] float32 or NULL
  *   y    [M, N] float32, row stride ldy
  *
@@ -33,13 +35,15 @@
  * products spend a load per FMA. K goes in blocks of up to PANEL_K and rows in blocks of
  * PANEL_M so the panels and the x rows stay in cache for any model width and step.
  * (bench_linear.py has the figures per row count.) AVX2 + FMA with intrinsics where the
- * compiler targets them (-march=native); plain C dot products otherwise.
+ * compiler targets them (kernels/cpu_build.py picks the instruction set); the dot products run
+ * 16 lanes wide where AVX-512 is there; plain C dot products otherwise.
  *
  * Built at first use by kernels/cpu_linear.py with the machine's compiler.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -62,7 +66,41 @@
 #define PANEL_K 2048 /* most of K per panel block (a multiple of 8): 2048 x 32 floats = 256 KB, in L2 */
 #endif
 
+/* Weights are float32 (WT_F32) or bfloat16 (WT_BF16: the top half of a float32, read back by a
+ * 16-bit shift, so every product and sum stays float32 and only the stored weight is rounded).
+ * The element index i counts weights, whatever their width. */
+enum { WT_F32 = 0, WT_BF16 = 1 };
+
+static inline float wscalar(const void *w, int64_t i, int wt) {
+    if (wt == WT_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)w)[i];
+}
+
 #if HAVE_AVX2
+static inline __m256 wload8(const void *w, int64_t i, int wt) {
+    if (wt == WT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define HAVE_AVX512 1
+static inline __m512 wload16(const void *w, int64_t i, int wt) {
+    if (wt == WT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16));
+    return _mm512_loadu_ps((const float *)w + i);
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -72,35 +110,59 @@ static inline float hsum(__m256 v) {
 
 /* y[m][n] for m < MB, n < NB of a tile: NB weight rows against MB x rows over the whole K. MB and
  * NB are constants at every call site, so the loops unroll and acc stays in registers. */
-static inline __attribute__((always_inline)) void tile(int NB, int MB, const float *w, int K,
-                                                       const float *x, int64_t ldx, float *out) {
+static inline __attribute__((always_inline)) void tile(int WT, int NB, int MB, const void *w, int64_t r0,
+                                                       int K, const float *x, int64_t ldx, float *out) {
     __m256 acc[8][8];
     for (int n = 0; n < NB; n++)
         for (int m = 0; m < MB; m++) acc[n][m] = _mm256_setzero_ps();
     int k = 0;
+#if HAVE_AVX512
+    /* 16 lanes: half the loads, widenings and FMAs per weight (the bf16 stream needs them to
+     * keep up with memory); the two halves are folded into the 8-lane sums. For float32 tiles
+     * with fewer than 8 sums (one weight row against 4-7 x rows) it measured slower than 8
+     * lanes (AMD EPYC, 4 rows: 28 vs 24.5 ms over the model's matrices), so those keep 8. */
+    if (K >= 16 && (WT == WT_BF16 || NB * MB >= 8)) {
+        __m512 acc16[8][8];
+        for (int n = 0; n < NB; n++)
+            for (int m = 0; m < MB; m++) acc16[n][m] = _mm512_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+            __m512 xv[8];
+            for (int m = 0; m < MB; m++) xv[m] = _mm512_loadu_ps(x + m * ldx + k);
+            for (int n = 0; n < NB; n++) {
+                const __m512 wv = wload16(w, (r0 + n) * K + k, WT);
+                for (int m = 0; m < MB; m++) acc16[n][m] = _mm512_fmadd_ps(wv, xv[m], acc16[n][m]);
+            }
+        }
+        for (int n = 0; n < NB; n++)
+            for (int m = 0; m < MB; m++)
+                acc[n][m] = _mm256_add_ps(_mm512_castps512_ps256(acc16[n][m]), _mm512_extractf32x8_ps(acc16[n][m], 1));
+    }
+#endif
     for (; k + 8 <= K; k += 8) {
         __m256 xv[8];
         for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
         for (int n = 0; n < NB; n++) {
-            const __m256 wv = _mm256_loadu_ps(w + (int64_t)n * K + k);
+            const __m256 wv = wload8(w, (r0 + n) * K + k, WT);
             for (int m = 0; m < MB; m++) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
         }
     }
     for (int n = 0; n < NB; n++)
         for (int m = 0; m < MB; m++) {
             float s = hsum(acc[n][m]);
-            for (int kk = k; kk < K; kk++) s += w[(int64_t)n * K + kk] * x[m * ldx + kk];
+            for (int kk = k; kk < K; kk++) s += wscalar(w, (r0 + n) * K + kk, WT) * x[m * ldx + kk];
             out[m * 8 + n] = s;
         }
 }
 #else
-static inline void tile(int NB, int MB, const float *w, int K, const float *x, int64_t ldx, float *out) {
+static inline void tile(int WT, int NB, int MB, const void *w, int64_t r0, int K, const float *x, int64_t ldx,
+                        float *out) {
     for (int n = 0; n < NB; n++)
         for (int m = 0; m < MB; m++) {
-            const float *wr = w + (int64_t)n * K, *xr = x + m * ldx;
+            const float *xr = x + m * ldx;
+            const int64_t base = (r0 + n) * K;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int k = 0; k < K; k++) s += wr[k] * xr[k];
+            for (int k = 0; k < K; k++) s += wscalar(w, base + k, WT) * xr[k];
             out[m * 8 + n] = s;
         }
 }
@@ -112,12 +174,12 @@ typedef struct {
     int64_t ldr;
 } Epilogue;
 
-static inline __attribute__((always_inline)) void run_tile(int NB, int MB, const float *w, int K,
+static inline __attribute__((always_inline)) void run_tile(int WT, int NB, int MB, const void *w, int K,
                                                            const float *x, int64_t ldx,
                                                            Epilogue ep, int n0, float *y,
                                                            int64_t ldy) {
     float out[64];
-    tile(NB, MB, w + (int64_t)n0 * K, K, x, ldx, out);
+    tile(WT, NB, MB, w, n0, K, x, ldx, out);
     for (int m = 0; m < MB; m++)
         for (int n = 0; n < NB; n++) {
             float v = out[m * 8 + n];
@@ -133,11 +195,13 @@ static inline Epilogue tile_ep(Epilogue ep, int m) {
     return ep;
 }
 
-static void slice(const float *x, int64_t ldx, int M, const float *w, int K, Epilogue ep,
-                  int n_begin, int n_end, float *y, int64_t ldy) {
+/* Inlined once per weight type (WT a constant at both call sites). */
+static inline __attribute__((always_inline)) void slice(int WT, const float *x, int64_t ldx, int M, const void *w,
+                                                        int K, Epilogue ep, int n_begin, int n_end, float *y,
+                                                        int64_t ldy) {
     int m = 0;
     for (; m + 8 <= M; m += 8) /* eight rows against one weight row: each weight read once */
-        for (int n = n_begin; n < n_end; n++) run_tile(1, 8, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
+        for (int n = n_begin; n < n_end; n++) run_tile(WT, 1, 8, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
     const int rest = M - m;
     if (rest == 0) return;
     const float *xr = x + m * ldx;
@@ -146,28 +210,28 @@ static void slice(const float *x, int64_t ldx, int M, const float *w, int K, Epi
     int n = n_begin;
     switch (rest) {
     case 1:
-        for (; n + 8 <= n_end; n += 8) run_tile(8, 1, w, K, xr, ldx, er, n, yr, ldy);
-        for (; n < n_end; n++) run_tile(1, 1, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n + 8 <= n_end; n += 8) run_tile(WT, 8, 1, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 1, w, K, xr, ldx, er, n, yr, ldy);
         break;
     case 2:
-        for (; n + 4 <= n_end; n += 4) run_tile(4, 2, w, K, xr, ldx, er, n, yr, ldy);
-        for (; n < n_end; n++) run_tile(1, 2, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n + 4 <= n_end; n += 4) run_tile(WT, 4, 2, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 2, w, K, xr, ldx, er, n, yr, ldy);
         break;
     case 3:
-        for (; n + 3 <= n_end; n += 3) run_tile(3, 3, w, K, xr, ldx, er, n, yr, ldy);
-        for (; n < n_end; n++) run_tile(1, 3, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n + 3 <= n_end; n += 3) run_tile(WT, 3, 3, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 3, w, K, xr, ldx, er, n, yr, ldy);
         break;
     case 4:
-        for (; n < n_end; n++) run_tile(1, 4, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 4, w, K, xr, ldx, er, n, yr, ldy);
         break;
     case 5:
-        for (; n < n_end; n++) run_tile(1, 5, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 5, w, K, xr, ldx, er, n, yr, ldy);
         break;
     case 6:
-        for (; n < n_end; n++) run_tile(1, 6, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 6, w, K, xr, ldx, er, n, yr, ldy);
         break;
     default:
-        for (; n < n_end; n++) run_tile(1, 7, w, K, xr, ldx, er, n, yr, ldy);
+        for (; n < n_end; n++) run_tile(WT, 1, 7, w, K, xr, ldx, er, n, yr, ldy);
         break;
     }
 }
@@ -191,20 +255,20 @@ static inline void transpose8(__m256 r[8]) {
 
 /* wp[s][k][j] = w[n0 + 16 s + j][k0 + k] for k < kb and the slice's ns rows, 0 for j past them
  * (s < 2). */
-static void pack_panels(const float *w, int K, int k0, int kb, int n0, int ns, float *wp) {
+static void pack_panels(const void *w, int wt, int K, int k0, int kb, int n0, int ns, float *wp) {
     for (int jb = 0; jb < 32; jb += 8) {
         float *dst = wp + (int64_t)(jb / 16) * kb * 16 + jb % 16;
-        const float *src[8];
-        for (int i = 0; i < 8; i++) src[i] = jb + i < ns ? w + (int64_t)(n0 + jb + i) * K + k0 : NULL;
+        int64_t src[8]; /* element index of each weight row's k0, -1 past the slice */
+        for (int i = 0; i < 8; i++) src[i] = jb + i < ns ? (int64_t)(n0 + jb + i) * K + k0 : -1;
         int k = 0;
         for (; k + 8 <= kb; k += 8) {
             __m256 r[8];
-            for (int i = 0; i < 8; i++) r[i] = src[i] ? _mm256_loadu_ps(src[i] + k) : _mm256_setzero_ps();
+            for (int i = 0; i < 8; i++) r[i] = src[i] >= 0 ? wload8(w, src[i] + k, wt) : _mm256_setzero_ps();
             transpose8(r);
             for (int c = 0; c < 8; c++) _mm256_store_ps(dst + (int64_t)(k + c) * 16, r[c]);
         }
         for (; k < kb; k++)
-            for (int i = 0; i < 8; i++) dst[(int64_t)k * 16 + i] = src[i] ? src[i][k] : 0.0f;
+            for (int i = 0; i < 8; i++) dst[(int64_t)k * 16 + i] = src[i] >= 0 ? wscalar(w, src[i] + k, wt) : 0.0f;
     }
 }
 
@@ -267,13 +331,13 @@ static int panel_block(int K) {
  * blocks (panel_block) so that a block's panels stay in L2 whatever the model's width (one
  * block up to 2,048: measured faster here than smaller blocks in L1, which add passes over
  * y); each block's sums are added into y. */
-static void slice_panels(const float *x, int64_t ldx, int M, const float *w, int K, Epilogue ep,
+static void slice_panels(const float *x, int64_t ldx, int M, const void *w, int wt, int K, Epilogue ep,
                          int n_begin, int n_end, float *y, int64_t ldy, float *wp) {
     const int ns = n_end - n_begin, block = panel_block(K);
     for (int k0 = 0; k0 < K; k0 += block) {
         const int kb = K - k0 < block ? K - k0 : block;
         const int first = k0 == 0, last = k0 + kb == K;
-        pack_panels(w, K, k0, kb, n_begin, ns, wp);
+        pack_panels(w, wt, K, k0, kb, n_begin, ns, wp);
         for (int m = 0; m < M; m += 6) /* a block of x rows meets both panels while in L1 */
             for (int s = 0; s * 16 < ns; s++) {
                 const float *ws = wp + (int64_t)s * kb * 16;
@@ -338,10 +402,11 @@ static void swiglu_row(const float *g, const float *u, int K, float *t) {
 }
 
 /* Returns 0, or a negative code for arguments it does not take (-2: out of memory). */
-int longctx_linear_rows(const float *x, int64_t ldx, int M, const float *w, int N, int K,
+int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int wt, int N, int K,
                         const float *bias, float *y, int64_t ldy, int prologue,
                         const float *norm_w, float eps, const float *res, int64_t ldr) {
     if (M < 1 || N < 1 || K < 1 || ldy < N || prologue < 0 || prologue > 2) return -1;
+    if (wt != WT_F32 && wt != WT_BF16) return -1;
     if (ldx < (prologue == 2 ? 2 * (int64_t)K : K) || (prologue == 1 && !norm_w) || (res && ldr < N))
         return -1;
     float *tmp = NULL;
@@ -394,7 +459,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const float *w, int 
 #pragma omp for schedule(static)
                 for (int s = 0; s < num_slices; s++) {
                     const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
-                    slice_panels(x + m0 * ldx, ldx, mb, w, K, tile_ep(ep, m0), n0, n1, y + m0 * ldy, ldy, wp);
+                    slice_panels(x + m0 * ldx, ldx, mb, w, wt, K, tile_ep(ep, m0), n0, n1, y + m0 * ldy, ldy, wp);
                 }
             }
         }
@@ -406,7 +471,10 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const float *w, int 
 #pragma omp parallel for schedule(static)
     for (int s = 0; s < num_slices; s++) {
         const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
-        slice(x, ldx, M, w, K, ep, n0, n1, y, ldy);
+        if (wt == WT_BF16)
+            slice(WT_BF16, x, ldx, M, w, K, ep, n0, n1, y, ldy);
+        else
+            slice(WT_F32, x, ldx, M, w, K, ep, n0, n1, y, ldy);
     }
     free(tmp);
     return 0;

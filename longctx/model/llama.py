@@ -11,9 +11,9 @@ metadata says which tokens belong to which sequence.
 Shape legend: T tokens in this step, E hidden size, H query heads, Hkv kv heads, D head dim,
 F MLP intermediate size, V vocabulary.
 
-Weights: q/k/v and gate/up are fused into one matrix each. How a CPU model in fp32 holds them
-is ``cpu_matmul`` (``choose_cpu_matmul``): by default ("kernel") in the checkpoint's ``[out, in]``
-layout, multiplied by the C kernel of ``longctx.kernels.cpu_linear`` for every step it takes
+Weights: q/k/v and gate/up are fused into one matrix each. How a CPU model in fp32 or bf16
+holds them is ``cpu_matmul`` (``choose_cpu_matmul``): by default ("kernel") in the checkpoint's
+``[out, in]`` layout, multiplied by the C kernel of ``longctx.kernels.cpu_linear`` for every step it takes
 (``cpu_linear.max_rows()``: all of them where it has its panel path; decode, batched decode
 and lookahead verification stream the weights near the read bandwidth, prefill chunks run
 register-blocked panels) and by BLAS on the same copy above that, with a tied LM head sharing
@@ -46,10 +46,13 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
-    """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32
-    when it builds here, else oneDNN when this torch has it, else BLAS (bf16/fp16 always BLAS:
-    the other two are float32 only). A choice that cannot run here raises ``ConfigError``."""
+    """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32 and
+    bfloat16 when it builds here, else oneDNN for float32 when this torch has it, else BLAS
+    (float16 always BLAS). A choice that cannot run here raises ``ConfigError``."""
     if requested == "blas":
         return "blas"
     if requested == "onednn":
@@ -57,16 +60,16 @@ def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
             raise ConfigError("cpu_matmul='onednn' but this torch build has no oneDNN linear ops")
         return "onednn"
     if requested == "kernel":
-        if dtype != torch.float32:
-            raise ConfigError(f"cpu_matmul='kernel' is for float32 models, not {dtype}")
+        if dtype not in ROW_KERNEL_DTYPES:
+            raise ConfigError(f"cpu_matmul='kernel' is for float32 and bfloat16 models, not {dtype}")
         if not cpu_linear.available():
             raise ConfigError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()} "
                               "(use cpu_matmul='auto' to fall back)")
         return "kernel"
+    if dtype in ROW_KERNEL_DTYPES and cpu_linear.available():
+        return "kernel"
     if dtype != torch.float32:
         return "blas"
-    if cpu_linear.available():
-        return "kernel"
     return "onednn" if onednn_linear_available() else "blas"
 
 
@@ -87,8 +90,8 @@ class Linear(nn.Module):
         """Hold the weight as [out, in] for the row kernel (``weight_t`` transposed once)."""
         if self.weight_t is None:
             raise ValueError("use_row_kernel needs the [in, out] weight (already converted or packed?)")
-        if self.weight_t.device.type != "cpu" or self.weight_t.dtype != torch.float32:
-            raise ValueError("the row kernel is for float32 weights on the CPU, got "
+        if self.weight_t.device.type != "cpu" or self.weight_t.dtype not in ROW_KERNEL_DTYPES:
+            raise ValueError("the row kernel is for float32 or bfloat16 weights on the CPU, got "
                              f"{self.weight_t.dtype} on {self.weight_t.device}")
         self.weight = self.weight_t.detach().t().contiguous()
         self.weight_t = None
@@ -108,8 +111,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_row_kernel(x):
             return cpu_linear.linear(x, self.weight, self.bias)
-        if self.weight is not None:
-            return nn.functional.linear(x, self.weight, self.bias)
+        if self.weight is not None:  # past max_rows(): BLAS, on float32 copies of bf16 weights
+            weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+            return nn.functional.linear(x, weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.bias is not None:
@@ -229,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         # LM head, transposed [E, V]; for tied embeddings the loader fills it from the embedding
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.act_dtype: torch.dtype | None = None  # set by use_row_kernel: activations' dtype
 
     def pack_linears_onednn(self, rows_hint: int = PACK_ROWS_HINT) -> None:
         """Hold every matrix pre-packed for oneDNN (see ``Linear``). CPU, fp32 only."""
@@ -239,28 +244,35 @@ class LlamaForCausalLM(nn.Module):
 
     def use_row_kernel(self) -> None:
         """Hold every matrix [out, in] for the C row kernel (see ``Linear``); a tied LM head
-        shares the embedding's memory instead of holding a copy. CPU, fp32 only."""
+        shares the embedding's memory instead of holding a copy. CPU, fp32 or bf16 weights; the
+        activations are fp32 either way (norm weights and biases become fp32)."""
         embed = self.embed_tokens.weight
-        tied = (self.config.tie_word_embeddings and embed.dtype == torch.float32
+        tied = (self.config.tie_word_embeddings and embed.dtype in ROW_KERNEL_DTYPES
                 and tuple(embed.shape) == (self.config.vocab_size, self.config.hidden_size))
         for module in self.modules():
             if isinstance(module, Linear) and module.weight is None and not (tied and module is self.lm_head):
                 module.use_row_kernel()
         if tied:
             self.lm_head.weight_t = None
-        self._own_remaining_parameters()
+        self._own_remaining_parameters(keep_dtype=(self.embed_tokens,))
         if tied:  # the embedding's own (just cloned) memory
             self.lm_head.weight = self.embed_tokens.weight.detach()
+        self.act_dtype = torch.float32
 
-    def _own_remaining_parameters(self) -> None:
+    def _own_remaining_parameters(self, keep_dtype: tuple[nn.Module, ...] | None = None) -> None:
         # The loaded weights are views of one storage (the memory-mapped weight cache), which
         # lives on while any of them does: give the parameters left (embedding, norms, biases)
         # their own memory so the mapping, and the converted matrices' old copies with it, are
         # released (benchmarks/bench_load.py reports the memory after a load).
+        # With ``keep_dtype`` (the row kernel) the rest become fp32, the activations' dtype,
+        # except in the modules named there (the embedding keeps the weights' dtype).
         for module in self.modules():
             for name, param in module._parameters.items():
                 if param is not None:
-                    module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
+                    data = param.detach()
+                    if keep_dtype is not None and module not in keep_dtype:
+                        data = data.float()
+                    module._parameters[name] = nn.Parameter(data.clone(), requires_grad=False)
 
     def uses_row_kernel(self) -> bool:
         return any(isinstance(m, Linear) and m.weight is not None for m in self.modules())
@@ -280,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_for(input_ids.device).cos_sin(
             positions, getattr(attn_meta, "max_position", None))  # (T, D/2) each
         x = self.embed_tokens(input_ids)  # (T, E)
+        if self.act_dtype is not None and x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)  # bf16 weights on the row kernel: fp32 activations
         for layer in self.layers:
             x = layer(x, cos, sin, backend, attn_meta)
         return self.norm(x)

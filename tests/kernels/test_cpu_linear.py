@@ -1,5 +1,5 @@
 """The compiled CPU weight-product kernel (kernels/csrc/linear_rows.c) against a float64
-reference: every row-block path of the dot products (1, 2, 3, 4 rows and their mixes up to 16)
+reference: float32 and bfloat16 weights, every row-block path of the dot products (1, 2, 3, 4 rows and their mixes up to 16)
 and of the panels (17 rows on: six-row blocks and their remainders, partial 16-column panels,
 several K blocks, several row blocks), weight row counts that leave every tile remainder, K
 that is and is not a multiple of the 8-lane vector, bias, the RMSNorm and SwiGLU prologues and
@@ -50,6 +50,27 @@ def _operands(rows, n, k, bias, seed):
 def test_matches_reference(rows, n, k, bias):
     x, w, b = _operands(rows, n, k, bias, seed=rows * 1000 + n + k)
     torch.testing.assert_close(cpu_linear.linear(x, w, b), _reference(x, w, b), rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 64])
+@pytest.mark.parametrize("n,k", [(37, 77), (203, 576), (40, 4100)])
+def test_bfloat16_weights_give_the_float32_product_of_the_rounded_weights(rows, n, k):
+    """bf16 weights are widened in registers: the result matches a float64 product of the
+    rounded weights on every row path (dot products, panels, several K blocks) and the float32
+    kernel's on the same weights (not bit for bit: with AVX-512 the bf16 dot products always run
+    16 lanes wide, float32's only where that measured faster)."""
+    x, w, b = _operands(rows, n, k, True, seed=rows * 7 + n + k)
+    w16 = w.bfloat16()
+    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
+    got = cpu_linear.linear(x, w16, b, residual=residual)
+    torch.testing.assert_close(got, _reference(x, w16.float(), b) + residual, rtol=1e-5, atol=5e-5)
+    norm_w = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
+    pairs = [(got, cpu_linear.linear(x, w16.float(), b, residual=residual)),
+             (cpu_linear.linear(x, w16, norm_weight=norm_w), cpu_linear.linear(x, w16.float(), norm_weight=norm_w))]
+    for mine, float32s in pairs:
+        torch.testing.assert_close(mine, float32s, rtol=1e-5, atol=5e-5)
+    assert cpu_linear.supports(x, w16)
 
 
 @needs_kernel
@@ -159,8 +180,11 @@ def test_bad_arguments_are_refused():
     x, w, b = _operands(2, 8, 16, True, seed=5)
     with pytest.raises(ValueError, match="agree on K"):
         cpu_linear.linear(x[:, :15], w)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="x must be float32 and weight float32 or bfloat16"):
         cpu_linear.linear(x.bfloat16(), w)
+    with pytest.raises(ValueError, match="x must be float32 and weight float32 or bfloat16"):
+        cpu_linear.linear(x, w.half())
+    assert not cpu_linear.supports(x, w.half())
     with pytest.raises(ValueError, match="contiguous"):
         cpu_linear.linear(x, w.t().contiguous().t())
     with pytest.raises(ValueError, match="bias must be"):
@@ -216,6 +240,11 @@ NO_AVX2 = textwrap.dedent("""
         torch.testing.assert_close(cpu_linear.linear(x, w), (x.double() @ w.double().T).float(),
                                    rtol=1e-5, atol=2e-5)
     assert not cpu_linear.supports(torch.randn(65, 77), w)
+    w16 = w.bfloat16()
+    for rows in (1, 3, 9):  # the plain loops widen bf16 weights too
+        x = torch.randn(rows, 77)
+        torch.testing.assert_close(cpu_linear.linear(x, w16), (x.double() @ w16.double().T).float(),
+                                   rtol=1e-5, atol=2e-5)
     print("dot products only")
 """)
 
