@@ -45,13 +45,16 @@ log = logging.getLogger("longctx.kernels")
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]  # + the ISA level's (isa_flags)
 # x86 levels, best first: the compiler flags and the /proc/cpuinfo features each needs
+_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 X86_LEVELS = {
-    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"],
-                   {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx2", "fma"}),
-    "avx512": (["-march=x86-64-v4", "-mtune=native"],
-               {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma"}),
-    "avx2": (["-march=x86-64-v3", "-mtune=native"], {"avx2", "fma", "f16c", "bmi2"}),
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"], _V4 | {"avx512_bf16"}),
+    "avx512": (["-march=x86-64-v4", "-mtune=native"], _V4),
+    "avx2": (["-march=x86-64-v3", "-mtune=native"], _V3),
     "portable": (["-march=x86-64", "-mtune=native"], set()),
+    # only when the CPU's features cannot be read (no /proc/cpuinfo), or when forced
+    "native": (["-march=native"], set()),
 }
 OTHER_LEVELS = {"native": (["-march=native"], set()), "portable": ([], set())}
 # what a failed or refused build raises; kernel modules catch these and fall back
@@ -95,6 +98,9 @@ def _levels() -> dict[str, tuple[list[str], set[str]]]:
 def _choose_isa(forced: str | None) -> tuple[str, str]:
     """(level, how it was chosen) or raises RuntimeError for a level that cannot run here."""
     levels, have = _levels(), set(_cpu_flags().split())
+    if levels is X86_LEVELS and not have and not forced:  # features unknown: trust the compiler
+        log.info("C kernels: instruction set native (this CPU's features could not be read)")
+        return "native", "this CPU's features could not be read"
     if forced:
         if forced not in levels:
             raise RuntimeError(f"LONGCTX_CPU_ISA={forced!r} is not one of {', '.join(levels)}")
@@ -121,13 +127,14 @@ def isa_flags() -> list[str]:
 
 
 def _cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo's first flags line), or "" where unknown."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return line.partition(":")[2]
     except OSError:
         pass
-    return platform.processor()
+    return ""
 
 
 def cache_dir() -> Path:
@@ -145,7 +152,7 @@ def build(source: Path) -> ctypes.CDLL:
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it may include
     flags = [*FLAGS[:1], *isa_flags(), *FLAGS[1:]]  # appended FLAGS (tests: -mno-avx2) come last
     for part in (source.read_bytes(), *headers, " ".join([compiler, *flags]).encode(),
-                 _cpu_flags().encode(), platform.machine().encode()):
+                 (_cpu_flags() or platform.processor()).encode(), platform.machine().encode()):
         key.update(part)
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -189,9 +196,9 @@ class KernelLibrary:
                         self._lib, self._status = lib, "ok"
                     except BUILD_ERRORS as exc:
                         self._status = f"unavailable: {exc}"
-                if self._lib is None:  # once per library and process
-                    log.warning("C kernel %s not used (%s): the torch paths run instead",
-                                self.source.name, self._status)
+                if self._lib is None:  # once per library and process (a choice made by the user: INFO)
+                    log.log(logging.INFO if not enabled() else logging.WARNING,
+                            "C kernel %s not used (%s): the torch paths run instead", self.source.name, self._status)
         return self._lib
 
     def available(self) -> bool:

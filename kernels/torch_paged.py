@@ -358,7 +358,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             runs = block_runs(blocks)
             if (1 < len(runs) <= MAX_RUNS and ctx_len >= MIN_RUN_TOKENS * len(runs)
-                    and q_len <= RUNS_MAX_Q):
+                    and q_len <= RUNS_MAX_Q and k_cache.dtype == q.dtype):
                 o, l = _attend_runs(q[start:end], k_cache, v_cache, blocks, runs, ctx_len, scale,
                                     seq_tree)
                 out[start:end] = o
@@ -366,6 +366,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 continue
             k = sequence_kv(k_cache, tables[b], ctx_len)  # (S, Hkv, D)
             v = sequence_kv(v_cache, tables[b], ctx_len)
+            if k.dtype != q.dtype:  # bf16 pages under fp32 activations (a bf16 model on the CPU)
+                k, v = k.to(q.dtype), v.to(q.dtype)
         if q_len <= SMALL_Q:
             visible = None
             if seq_tree is not None or q_len > 1:

@@ -122,9 +122,10 @@ class RankExecutor:
             pos = torch.tensor([flat.positions[t] for t in mine], dtype=torch.long, device=self.device)
             hidden = self.model(ids, pos, self.attention, step)  # (T_r, E)
         else:
+            act = self.model.act_dtype or self.kv.dtype  # fp32 for a bf16 model on the row kernel
             self.attention.idle(c.num_hidden_layers, step, self.kv.layers[0][0],
-                                c.num_attention_heads, c.num_key_value_heads)
-            hidden = torch.empty((0, c.hidden_size), dtype=self.kv.dtype, device=self.device)
+                                c.num_attention_heads, c.num_key_value_heads, act)
+            hidden = torch.empty((0, c.hidden_size), dtype=act, device=self.device)
         return self._logits(hidden, mine, owned, flat.sample_rows)
 
     def _seqs(self, batch: ScheduledBatch, flat: Any) -> list[StepSeq]:
@@ -525,7 +526,8 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     backend = "nccl" if device.type == "cuda" else "gloo"  # a CPU engine on a GPU machine too
     board = None
     if device.type == "cpu" and board_supported():
-        slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), TORCH_DTYPES[load.dtype].itemsize)
+        act = model.act_dtype or TORCH_DTYPES[load.dtype]  # the messages carry activations
+        slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), act.itemsize)
         board = ShmBoard(world, slot)
     folder = tempfile.TemporaryDirectory(prefix="longctx-sp-")
     init_method = f"file://{os.path.join(folder.name, 'rendezvous')}"

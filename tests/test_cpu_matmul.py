@@ -90,7 +90,8 @@ def test_packing_refuses_half_precision():
 
 def test_choice_rules():
     assert choose_cpu_matmul("blas", torch.float32) == "blas"
-    assert choose_cpu_matmul("auto", torch.bfloat16) == ("kernel" if cpu_linear.available() else "blas")
+    panels = cpu_linear.available() and cpu_linear.max_rows() == cpu_linear.UNBOUNDED
+    assert choose_cpu_matmul("auto", torch.bfloat16) == ("kernel" if panels else "blas")
     assert choose_cpu_matmul("auto", torch.float16) == "blas"
     fallback = "onednn" if onednn_linear_available() else "blas"
     assert choose_cpu_matmul("auto", torch.float32) == ("kernel" if cpu_linear.available() else fallback)

@@ -50,9 +50,10 @@ ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
-    """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32 and
-    bfloat16 when it builds here, else oneDNN for float32 when this torch has it, else BLAS
-    (float16 always BLAS). A choice that cannot run here raises ``ConfigError``."""
+    """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32
+    when it builds here and for bfloat16 when it has its panel path (AVX2 and up), else oneDNN
+    for float32 when this torch has it, else BLAS (float16 always BLAS). A choice that cannot run
+    here raises ``ConfigError``."""
     if requested == "blas":
         return "blas"
     if requested == "onednn":
@@ -66,7 +67,10 @@ def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
             raise ConfigError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()} "
                               "(use cpu_matmul='auto' to fall back)")
         return "kernel"
-    if dtype in ROW_KERNEL_DTYPES and cpu_linear.available():
+    # bf16 only with the panel path: without it (portable builds) steps past max_rows() would
+    # widen whole bf16 matrices for BLAS on every call
+    if cpu_linear.available() and (dtype == torch.float32 or (
+            dtype == torch.bfloat16 and cpu_linear.max_rows() == cpu_linear.UNBOUNDED)):
         return "kernel"
     if dtype != torch.float32:
         return "blas"

@@ -14,14 +14,15 @@ import pytest
 
 from longctx.kernels import cpu_build
 
-AVX512 = "avx512f avx512bw avx512vl avx512dq avx512cd avx2 fma f16c bmi2"
+V3 = "cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
+AVX512 = V3 + " avx512f avx512bw avx512vl avx512dq avx512cd"
 
 
 @pytest.fixture
 def cpu(monkeypatch):
     """Pretend the CPU (x86) has the given /proc/cpuinfo flags."""
     def set_flags(flags: str):
-        monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 " + flags)
+        monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: " fpu sse sse2 " + flags)
         monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
         cpu_build._choose_isa.cache_clear()
     yield set_flags
@@ -29,13 +30,25 @@ def cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("flags,level", [(AVX512 + " avx512_bf16", "avx512bf16"), (AVX512, "avx512"),
-                                         ("avx avx2 fma f16c bmi2", "avx2"), ("avx avx2", "portable"),
-                                         ("", "portable")])
+                                         (V3, "avx2"), (V3.replace("movbe", ""), "portable"),
+                                         ("avx avx2 fma", "portable"), ("", "portable")])
 def test_the_best_level_the_cpu_has(cpu, monkeypatch, flags, level):
     monkeypatch.delenv("LONGCTX_CPU_ISA", raising=False)
     cpu(flags)
     assert cpu_build.isa() == level
     assert cpu_build.isa_flags() == cpu_build.X86_LEVELS[level][0]
+
+
+def test_unknown_features_leave_it_to_the_compiler(monkeypatch):
+    """No /proc/cpuinfo flags on x86: -march=native, not the slowest level."""
+    monkeypatch.delenv("LONGCTX_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: "")
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
+    cpu_build._choose_isa.cache_clear()
+    try:
+        assert cpu_build.isa() == "native" and cpu_build.isa_flags() == ["-march=native"]
+    finally:
+        cpu_build._choose_isa.cache_clear()
 
 
 def test_a_forced_level(cpu, monkeypatch):
@@ -47,12 +60,13 @@ def test_a_forced_level(cpu, monkeypatch):
 
 
 def test_a_level_the_cpu_cannot_run_or_an_unknown_one_is_refused(cpu, monkeypatch):
-    cpu("avx avx2 fma f16c bmi2")
+    cpu(V3)
     monkeypatch.setenv("LONGCTX_CPU_ISA", "avx512bf16")
-    with pytest.raises(RuntimeError, match="needs CPU features this machine lacks: avx512_bf16, avx512bw"):
+    with pytest.raises(RuntimeError, match="needs CPU features this machine lacks: avx512_bf16, avx512bw, "
+                                           "avx512cd, avx512dq, avx512f, avx512vl"):
         cpu_build.isa()
     monkeypatch.setenv("LONGCTX_CPU_ISA", "sse9")
-    with pytest.raises(RuntimeError, match="'sse9' is not one of avx512bf16, avx512, avx2, portable"):
+    with pytest.raises(RuntimeError, match="'sse9' is not one of avx512bf16, avx512, avx2, portable, native"):
         cpu_build.isa()
 
 

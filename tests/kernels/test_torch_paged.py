@@ -12,7 +12,7 @@ import pytest
 import torch
 from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
 
-from longctx.kernels import torch_paged
+from longctx.kernels import reference, torch_paged
 
 CASES = {
     "decode": Case((1, 1), (75, 161), num_kv_heads=2, group=3, seed=31),
@@ -76,3 +76,24 @@ def test_block_runs():
     assert torch_paged.block_runs([]) == []
     assert torch_paged.block_runs([4, 5, 6, 0, 1, 9]) == [(4, 3), (0, 2), (9, 1)]
     assert torch_paged.block_runs([3, 2]) == [(3, 1), (2, 1)]
+
+
+@pytest.mark.parametrize("name", ["decode", "verify-q5", "tree7", "many-kv-heads"])
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("max_runs", [0, 16])
+def test_float32_queries_over_bfloat16_pages(monkeypatch, name, kernels, max_runs):
+    """A bf16 model on the CPU row kernel has fp32 activations over bf16 pages: every form (the
+    compiled kernels, and the torch forms with and without runs) takes that mix and matches the
+    reference on the pages widened to fp32."""
+    monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", kernels)
+    monkeypatch.setattr(torch_paged, "MAX_RUNS", max_runs)
+    monkeypatch.setattr(torch_paged, "MIN_RUN_TOKENS", 1)
+    case = CASES[name]
+    batch = make_batch(case)
+    mixed = dataclasses.replace(batch, k_cache=batch.k_cache.bfloat16(), v_cache=batch.v_cache.bfloat16())
+    widened = dataclasses.replace(batch, k_cache=mixed.k_cache.float(), v_cache=mixed.v_cache.float())
+    out, lse = torch_paged.paged_attention(*mixed.args(), tree_mask=mixed.tree_mask)
+    ref_out, ref_lse = reference.paged_attention(*widened.args(), tree_mask=widened.tree_mask)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
