@@ -122,6 +122,24 @@ def isa() -> str:
     return _choose_isa(os.environ.get("LONGCTX_CPU_ISA") or None)[0]
 
 
+VECTOR_LEVELS = ("avx512bf16", "avx512", "avx2")  # the levels with the kernels' intrinsic paths
+
+
+@functools.lru_cache(maxsize=None)
+def _vectorized(forced: str | None) -> bool:
+    try:
+        return _choose_isa(forced)[0] in VECTOR_LEVELS
+    except RuntimeError:
+        return False
+
+
+def vectorized() -> bool:
+    """Whether the kernels here have their intrinsic paths (AVX2 and up). Without them (the
+    ``portable`` and ``native`` builds: plain C loops) they measured slower than the torch
+    paths on the AMD EPYC (benchmarks/bench_cpu_isa.py), so the engine takes them only with."""
+    return _vectorized(os.environ.get("LONGCTX_CPU_ISA") or None)
+
+
 def isa_flags() -> list[str]:
     return list(_levels()[isa()][0])
 

@@ -49,7 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode, cpu_flash, kv_quant
+from . import cpu_build, cpu_decode, cpu_flash, kv_quant
 from .reference import causal_visibility
 from .reference import merge_attn_states as merge_attn_states  # same math; exported here
 
@@ -93,7 +93,9 @@ def dequantized_kv(cache: torch.Tensor, scale: torch.Tensor, block_row: list[int
 # 5.0 ms with the decode kernel vs 2.3-2.6 / 2.6-2.7 / 3.7-4.0 ms with the flash kernel; a
 # 2,048-token prefill chunk over 0-6K cached tokens 0.60-0.67 s per layer vs 0.69-0.77 s with
 # PyTorch's flash kernel (the torch forms below, which remain for no compiler, a 16-bit cache
-# without a kernel, or LONGCTX_CPU_KERNEL=0).
+# without a kernel, LONGCTX_CPU_KERNEL=0, or a build without the kernels' intrinsic paths:
+# bench_cpu_isa.py, 30 layers' decode at 8K, the portable build 87.8-94.4 ms vs 57.4-62.8 ms
+# for these forms).
 USE_CPU_KERNEL = True
 TAKES_STEP_CACHE = True  # paged_attention / write_kv accept step_cache (attention.py)
 CPU_KERNEL_MAX_ROWS = 20
@@ -335,7 +337,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # the compiled kernels: the decode kernel up to CPU_KERNEL_MAX_ROWS query rows per KV
         # head (it takes causal masks as ancestor words), the flash kernel above
         kernel, words = None, seq_tree
-        if USE_CPU_KERNEL:
+        if USE_CPU_KERNEL and cpu_build.vectorized():  # plain C loops lose to torch here
             if q_len * (q.shape[1] // k_cache.shape[2]) > CPU_KERNEL_MAX_ROWS:
                 if cpu_flash.supports(q[start:end], k_cache, tree=seq_tree is not None):
                     kernel = cpu_flash

@@ -94,7 +94,7 @@ def test_choice_rules():
     assert choose_cpu_matmul("auto", torch.bfloat16) == ("kernel" if panels else "blas")
     assert choose_cpu_matmul("auto", torch.float16) == "blas"
     fallback = "onednn" if onednn_linear_available() else "blas"
-    assert choose_cpu_matmul("auto", torch.float32) == ("kernel" if cpu_linear.available() else fallback)
+    assert choose_cpu_matmul("auto", torch.float32) == ("kernel" if panels else fallback)
     with pytest.raises(ConfigError, match="float32 and bfloat16 models"):
         choose_cpu_matmul("kernel", torch.float16)
     # refused before any loading

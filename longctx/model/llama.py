@@ -20,6 +20,10 @@ register-blocked panels) and by BLAS on the same copy above that, with a tied LM
 the embedding's memory. "onednn" holds them pre-packed for oneDNN,
 "blas" transposed (``[in, out]``; ``x @ W_t`` is BLAS's fastest one-row form here); every
 other model uses "blas". See benchmarks/bench_linear.py and docs/architecture.md.
+A bf16 model on the row kernel keeps its matrices and embedding in bf16 and computes in fp32
+(``act_dtype``): the kernel widens the weights as it reads them, at every step. (BLAS's bf16
+product on bf16-rounded activations is twice as fast at 64 rows, bench_cpu_isa.py, but its
+prefill changed the real model's greedy tokens against fp32's; tests/test_real_model.py.)
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
     """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32
-    when it builds here and for bfloat16 when it has its panel path (AVX2 and up), else oneDNN
-    for float32 when this torch has it, else BLAS (float16 always BLAS). A choice that cannot run
-    here raises ``ConfigError``."""
+    and bfloat16 where it builds with its vector paths (AVX2 and up), else oneDNN for float32
+    when this torch has it, else BLAS (float16 always BLAS). A choice that cannot run here
+    raises ``ConfigError``."""
     if requested == "blas":
         return "blas"
     if requested == "onednn":
@@ -67,10 +71,9 @@ def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
             raise ConfigError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()} "
                               "(use cpu_matmul='auto' to fall back)")
         return "kernel"
-    # bf16 only with the panel path: without it (portable builds) steps past max_rows() would
-    # widen whole bf16 matrices for BLAS on every call
-    if cpu_linear.available() and (dtype == torch.float32 or (
-            dtype == torch.bfloat16 and cpu_linear.max_rows() == cpu_linear.UNBOUNDED)):
+    # only with the kernel's intrinsic paths: its plain C loops (portable builds) measured
+    # slower than BLAS (bench_cpu_isa.py: one row 57 vs 44 ms over the model's matrices)
+    if dtype in ROW_KERNEL_DTYPES and cpu_linear.available() and cpu_linear.max_rows() == cpu_linear.UNBOUNDED:
         return "kernel"
     if dtype != torch.float32:
         return "blas"

@@ -51,6 +51,19 @@ def test_unknown_features_leave_it_to_the_compiler(monkeypatch):
         cpu_build._choose_isa.cache_clear()
 
 
+@pytest.mark.parametrize("forced,fast", [("avx2", True), ("avx512", True), ("portable", False), ("sse9", False)])
+def test_the_kernels_count_as_fast_only_with_their_vector_paths(cpu, monkeypatch, forced, fast):
+    """The engine takes the compiled kernels only where they have intrinsic paths (the plain C
+    loops measured slower than torch's); a refused level is not fast either."""
+    cpu(AVX512)
+    cpu_build._vectorized.cache_clear()
+    monkeypatch.setenv("LONGCTX_CPU_ISA", forced)
+    try:
+        assert cpu_build.vectorized() is fast
+    finally:
+        cpu_build._vectorized.cache_clear()
+
+
 def test_a_forced_level(cpu, monkeypatch):
     cpu(AVX512 + " avx512_bf16")
     monkeypatch.setenv("LONGCTX_CPU_ISA", "avx2")
