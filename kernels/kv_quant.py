@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import cpu_decode
+
 # index_reduce_ ("prod", "amax") is what keeps the scale update free of host reads
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
 
@@ -59,8 +61,6 @@ def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
     """``write_int8`` of K and V; on the CPU one call of the compiled kernel (the same bytes,
     without ~15 small torch ops per tensor per layer), where it is available."""
     if not k_cache.is_cuda:
-        from . import cpu_decode
-
         if cpu_decode.available() and cpu_decode.write_int8_kv(k_cache, v_cache, k_scale, v_scale, k, v,
                                                                   plan.slots, plan.starts):
             return

@@ -325,6 +325,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu
     direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernel can write into it
+    compiled = USE_CPU_KERNEL and cpu_build.vectorized()  # plain C loops lose to torch here
     for b, ctx_len in enumerate(ctx_lens):
         start, end = cu[b], cu[b + 1]
         q_len = end - start
@@ -337,7 +338,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # the compiled kernels: the decode kernel up to CPU_KERNEL_MAX_ROWS query rows per KV
         # head (it takes causal masks as ancestor words), the flash kernel above
         kernel, words = None, seq_tree
-        if USE_CPU_KERNEL and cpu_build.vectorized():  # plain C loops lose to torch here
+        if compiled:
             if q_len * (q.shape[1] // k_cache.shape[2]) > CPU_KERNEL_MAX_ROWS:
                 if cpu_flash.supports(q[start:end], k_cache, tree=seq_tree is not None):
                     kernel = cpu_flash

@@ -82,8 +82,10 @@ class PagedAttentionBackend:
         quant, rot = {}, None
         if scales:  # int8 pages: each sequence's first new row starts the only page that may hold values
             quant = {"k_scale": scales[0], "v_scale": scales[1]}
-            if ROTATE_INT8:
-                rot = kv_quant.rotation(q.shape[-1], q.device)
+            if ROTATE_INT8:  # the same matrix in every layer of the step
+                rot = meta.step_cache.get("int8.rotation")
+                if rot is None:
+                    rot = meta.step_cache["int8.rotation"] = kv_quant.rotation(q.shape[-1], q.device)
                 q, k, v = ((x.float() @ rot).to(x.dtype) for x in (q, k, v))
             starts = meta.step_cache.get("int8.starts")
             if starts is None:

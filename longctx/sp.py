@@ -355,7 +355,7 @@ class ShardedKVPool:
         self.local, self.world, self.executor, self.ranks = local, world, executor, ranks
         self.num_blocks = local.num_blocks * world
         self.block_size, self.dtype, self.device = local.block_size, local.dtype, local.device
-        self.page_dtype, self.quantized = local.page_dtype, False
+        self.page_dtype, self.quantized = local.page_dtype, local.quantized
         self.page_shape = local.page_shape
 
     def _run(self, command: str, *args: Any) -> Any:

@@ -371,12 +371,12 @@ class PagedSPAttention:
         return out, lse
 
     def idle(self, num_layers: int, step: ShardedStep, like: torch.Tensor, num_heads: int,
-             num_kv_heads: int, dtype: torch.dtype | None = None) -> None:
+             num_kv_heads: int, dtype: torch.dtype) -> None:
         """A rank that owns no token of the step still serves every layer's exchange. ``like``:
-        a KV page (head dim, device); ``dtype``: the activations' (default: the page's; a bf16
-        model on the CPU row kernel has fp32 activations over bf16 pages)."""
+        a KV page (head dim, device); ``dtype``: the activations' (a bf16 model on the CPU
+        row kernel has fp32 activations over bf16 pages)."""
         head_dim = like.shape[-1]
-        empty_q = like.new_empty((0, num_heads, head_dim), dtype=dtype or like.dtype)
-        empty_kv = like.new_empty((0, num_kv_heads, head_dim), dtype=dtype or like.dtype)
+        empty_q = like.new_empty((0, num_heads, head_dim), dtype=dtype)
+        empty_kv = like.new_empty((0, num_kv_heads, head_dim), dtype=dtype)
         for layer in range(num_layers):
             self.forward(layer, empty_q, empty_kv, empty_kv, step)

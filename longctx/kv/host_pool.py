@@ -26,9 +26,8 @@ class HostKVPool:
         num_layers, _, *page = device_pool.page_shape
         shape = (num_pages, *page)  # (NH, BS, Hkv, D); int8 pages: (NH, page bytes with scales)
         pin = device_pool.device.type == "cuda"
-        dtype = getattr(device_pool, "page_dtype", device_pool.dtype)
-        self.layers = [(torch.empty(shape, dtype=dtype, pin_memory=pin),
-                        torch.empty(shape, dtype=dtype, pin_memory=pin))
+        self.layers = [(torch.empty(shape, dtype=device_pool.page_dtype, pin_memory=pin),
+                        torch.empty(shape, dtype=device_pool.page_dtype, pin_memory=pin))
                        for _ in range(num_layers)]
         self.device_pool = device_pool
 
@@ -36,7 +35,7 @@ class HostKVPool:
         """The device pool is one set of CPU tensors: copy layer by layer between the pools,
         without gathering whole pages (``[P, L, 2, ...]``) on the way."""
         return (getattr(self.device_pool, "layers", None) is not None and self.device_pool.device.type == "cpu"
-                and not getattr(self.device_pool, "quantized", False))
+                and not self.device_pool.quantized)
 
     def write_back(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pages into host pages (same order)."""

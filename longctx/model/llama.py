@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from longctx.config import ConfigError
-from longctx.kernels import cpu_linear
+from longctx.kernels import cpu_build, cpu_linear
 
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
@@ -50,7 +50,7 @@ def onednn_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+ROW_KERNEL_DTYPES = tuple(cpu_linear.WEIGHT_TYPES)  # the weight dtypes the row kernel reads
 
 
 def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
@@ -74,7 +74,7 @@ def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
     # only with the kernel's intrinsic paths: its plain C loops (portable builds) measured
     # slower than BLAS (bench_cpu_isa.py, cpu-isa-vm.json: one row 55.8-57.7 vs 45.1 ms over
     # the model's matrices, 4 rows 222-226 vs 66 ms)
-    if dtype in ROW_KERNEL_DTYPES and cpu_linear.available() and cpu_linear.max_rows() == cpu_linear.UNBOUNDED:
+    if dtype in ROW_KERNEL_DTYPES and cpu_linear.available() and cpu_build.vectorized():
         return "kernel"
     if dtype != torch.float32:
         return "blas"
