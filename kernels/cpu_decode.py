@@ -1,11 +1,13 @@
 """The CPU decode-attention kernel (``csrc/paged_decode.c``): built on first use, called
-through ctypes.
+through ctypes, registered as the torch operator ``longctx::paged_decode``.
 
-Owns: loading the C source's library (``cpu_build.py`` compiles and caches it) and
-``attend``: a few new tokens of one sequence against its pages, ``(out, lse)`` with the
-conventions of ``reference.py``. Never: choosing when to use it (``torch_paged`` does), or
-failing a run: with no compiler, a failed build or ``LONGCTX_CPU_KERNEL=0`` it reports itself
-unavailable (``status()`` says why) and the torch path runs instead.
+Owns: loading the C source's library (``cpu_build.py`` compiles and caches it), the operator
+(a step's whole varlen batch per call, the thread count passed in; a fake implementation for
+``torch.compile``), ``attend_batch`` (its checked Python entry) and ``attend`` (one sequence):
+a few new tokens per sequence against its pages, ``(out, lse)`` with the conventions of
+``reference.py``. Never: choosing when to use it (``torch_paged`` does), or failing a run: with
+no compiler, a failed build or ``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable
+(``status()`` says why) and the torch path runs instead.
 
 Why a compiled kernel: decode attention streams the whole KV of a sequence against a handful of
 query rows. BLAS reads it at 4-8 GB/s in that shape here (``benchmarks/bench_kernels.py``)
@@ -24,8 +26,8 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "attend", "prepare", "checked_arguments", "check_scales", "Blocks",
-           "MAX_ROWS", "SPLIT_TOKENS"]
+__all__ = ["available", "status", "attend", "attend_batch", "prepare", "checked_arguments", "check_scales",
+           "check_batch", "batch_tables", "Blocks", "Tables", "MAX_ROWS", "SPLIT_TOKENS"]
 
 SOURCE = cpu_build.CSRC / "paged_decode.c"
 MAX_ROWS = 128  # query rows per KV head (q_len * group); the C file's MAX_ROWS
@@ -35,43 +37,67 @@ SPLIT_TOKENS = 512  # tokens per work item: enough items for the threads, few me
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # int8: pages of kv_quant.py
 
 
-# The C signature both attention kernels share (paged_decode.c, paged_flash.c): q, k_cache,
-# v_cache, k_scale, v_scale (int8 caches; NULL otherwise), dtype, blocks, block_size, ctx_len,
-# q_len, num_heads, num_kv, d, scale, tail_words, split_tokens / num_splits, work, out, lse.
-ATTENTION_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_void_p]
+# The C batch signature both attention kernels share (paged_decode.c, paged_flash.c): q,
+# k_cache, v_cache, k_scale, v_scale (int8 caches; NULL otherwise), dtype, block_table,
+# table_rows, table_stride, num_blocks, ctx_lens, cu_q, total_q, seqs, [splits: flash only],
+# num_seqs, block_size, num_heads, num_kv, d, scale, words, [split_tokens: decode only],
+# threads, out, lse.
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+BATCH_HEAD = [_P, _P, _P, _P, _P, _I, _P, _I, _I64, _I, _P, _P, _I, _P]
+BATCH_SHAPE = [_I, _I, _I, _I, _I, ctypes.c_float, _P]
+BATCH_TAIL = [_I, _P, _P]
+ERRORS = {-1: "unknown cache dtype or missing int8 scales", -2: "bad head layout (num_heads, num_kv, head_dim)",
+          -3: "a sequence's query or context length is out of range", -4: "out of memory",
+          -5: "a sequence outside the block table, q or the cache (block ids, query rows)"}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.longctx_paged_decode
+    fn = lib.longctx_paged_decode_batch
     fn.restype = ctypes.c_int
-    fn.argtypes = ATTENTION_ARGTYPES
+    fn.argtypes = [*BATCH_HEAD, *BATCH_SHAPE, _I, *BATCH_TAIL]
     write = lib.longctx_int8_write_kv
     write.restype = ctypes.c_int
-    write.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    write.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+
+def _int8_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode kernel is {status()}")
+    if k_cache.dtype != torch.int8 or k_cache.dim() != 4:
+        raise ValueError(f"int8 writes need int8 [NB, BS, Hkv, D] caches, got {k_cache.dtype} {tuple(k_cache.shape)}")
+    check_scales(k_cache, k_scale, v_scale)
+    if v_cache.dtype != torch.int8 or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous()
+                                                                              and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous int8 caches of one shape")
+    _, block_size, heads, dim = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[1:]) != (heads, dim) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 [T, {heads}, {dim}], got {t.dtype} {tuple(t.shape)}")
+    _meta("slots", slots, 1, torch.int64)
+    _meta("starts", starts, 1, torch.int64)
+    if k.shape[0] != slots.shape[0] or v.shape[0] != slots.shape[0]:
+        raise ValueError(f"k, v and slots disagree on rows: {k.shape[0]}, {v.shape[0]}, {slots.shape[0]}")
+    old = torch.empty(max(starts.numel(), 1) * heads, dtype=torch.float32)
+    rc = lib.longctx_int8_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+                                   k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(), starts.data_ptr(),
+                                   starts.numel(), k_cache.shape[0], block_size, heads, dim, old.data_ptr())
+    if rc != 0:
+        raise ValueError(f"int8 write rejected its arguments (code {rc}"
+                         f"{': a slot outside the cache or a start outside the rows' if rc == -2 else ''})")
 
 
 def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor) -> bool:
-    """``kv_quant.write_int8`` for K and V in one C call (same bytes); False when the library
-    is not available here (the caller then runs the torch form). slots/starts int64 [T]/[R]."""
-    lib = _load()
-    if lib is None:
+    """``kv_quant.write_int8`` for K and V in one C call (same bytes), through the operator
+    ``torch.ops.longctx.int8_write_kv``; False when the library is not available here (the
+    caller then runs the torch form). slots/starts int64 [T]/[R]."""
+    if not available():
         return False
-    k = k.to(torch.float32).contiguous()
-    v = v.to(torch.float32).contiguous()
-    slots, starts = slots.contiguous(), starts.contiguous()
-    _, block_size, heads, dim = k_cache.shape
-    old = torch.empty(max(starts.numel(), 1) * heads, dtype=torch.float32)
-    rc = lib.longctx_int8_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
-                                   k.data_ptr(), v.data_ptr(), slots.data_ptr(), slots.numel(), starts.data_ptr(),
-                                   starts.numel(), block_size, heads, dim, old.data_ptr())
-    if rc != 0:
-        raise ValueError(f"int8 write rejected its arguments (code {rc})")
+    int8_write_kv(k_cache, v_cache, k_scale, v_scale, k.to(torch.float32).contiguous(),
+                  v.to(torch.float32).contiguous(), slots.contiguous(), starts.contiguous())
     return True
 
 
@@ -162,6 +188,172 @@ def checked_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return blocks, out, lse
 
 
+class Tables(NamedTuple):
+    """A step's sequences as the batch kernels take them (``batch_tables``): the block table
+    int32 [B, W], context lengths int32 [B] and query offsets ``cu_q`` int32 [B + 1], all
+    contiguous on the CPU. The kernels check each sequence they read against them and the cache
+    (block ids inside the cache, query rows inside q)."""
+
+    block_table: torch.Tensor
+    ctx_lens: torch.Tensor
+    cu_q: torch.Tensor
+
+
+def batch_tables(block_table: torch.Tensor | list[list[int]], ctx_lens: torch.Tensor | list[int],
+                 cu_q: torch.Tensor | list[int]) -> Tables:
+    """``Tables`` from a step's metadata (tensors or lists; ragged table rows are padded)."""
+    if isinstance(block_table, list):
+        width = max((len(r) for r in block_table), default=0)
+        block_table = torch.tensor([r + [0] * (width - len(r)) for r in block_table], dtype=torch.int32)
+    t = Tables(*(torch.as_tensor(x).to(device="cpu", dtype=torch.int32).contiguous()
+                 for x in (block_table, ctx_lens, cu_q)))
+    rows = t.ctx_lens.shape[0]
+    if t.block_table.dim() != 2 or t.block_table.shape[0] != rows or tuple(t.cu_q.shape) != (rows + 1,):
+        raise ValueError(f"block_table [B, W], ctx_lens [B] and cu_q [B + 1] disagree: "
+                         f"{tuple(t.block_table.shape)}, {tuple(t.ctx_lens.shape)}, {tuple(t.cu_q.shape)}")
+    return t
+
+
+def _meta(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype = torch.int32) -> None:
+    if t.dtype != dtype or t.dim() != dim or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor with {dim} dims, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _layout_ok(t: torch.Tensor, dtype: torch.dtype, dim: int) -> bool:
+    return t.dtype == dtype and t.dim() == dim and t.is_cpu and t.is_contiguous()
+
+
+def check_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
+                ctx_lens: torch.Tensor, cu_q: torch.Tensor, seqs: torch.Tensor,
+                words: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The checks a batch kernel's operator makes before handing pointers to C (shared with
+    ``cpu_flash``): every tensor's dtype, shape and layout. What depends on the values (block
+    ids, query offsets, lengths) the C side checks per sequence it reads. A first pass tests
+    everything at once (it runs once per layer); only a failure spells out what was wrong."""
+    f32, i32 = torch.float32, torch.int32
+    shape, kshape = q.shape, k_cache.shape
+    if (_layout_ok(q, f32, 3) and k_cache.dtype in DTYPES and k_cache.dim() == 4 and k_cache.is_cpu
+            and k_cache.is_contiguous() and v_cache.dtype == k_cache.dtype and v_cache.shape == kshape
+            and v_cache.is_cpu and v_cache.is_contiguous() and kshape[3] == shape[2] and shape[1] % kshape[2] == 0
+            and (k_cache.dtype == torch.int8) == (k_scale is not None) and (k_scale is None) == (v_scale is None)
+            and _layout_ok(block_table, i32, 2) and _layout_ok(ctx_lens, i32, 1) and _layout_ok(cu_q, i32, 1)
+            and _layout_ok(seqs, i32, 1) and block_table.shape[0] == ctx_lens.shape[0] == cu_q.shape[0] - 1
+            and (words is None or (_layout_ok(words, torch.int64, 1) and words.shape[0] == shape[0]))
+            and out.dtype == f32 and out.shape == shape and out.is_contiguous()
+            and lse.dtype == f32 and lse.shape == shape[:2] and lse.is_contiguous()):
+        if k_scale is not None:
+            check_scales(k_cache, k_scale, v_scale)
+        return
+    _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
+    raise ValueError("the batch kernel's arguments are not as it takes them (see cpu_decode.check_batch)")
+
+
+def _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out,
+                   lse) -> None:
+    """check_batch's failure: raise ValueError saying which argument is wrong."""
+    if q.dtype != torch.float32 or q.dim() != 3 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError(f"q must be a contiguous float32 [T, H, D] CPU tensor, got {q.dtype} {tuple(q.shape)}")
+    total, num_heads, head_dim = q.shape
+    if (k_cache.dim() != 4 or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype
+            or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
+        raise ValueError(f"k_cache and v_cache must be contiguous CPU [NB, BS, Hkv, D] caches of one shape and a "
+                         f"dtype in {list(DTYPES)}, got {k_cache.dtype} {tuple(k_cache.shape)} and "
+                         f"{v_cache.dtype} {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
+        raise ValueError(f"q [T, H, D] {tuple(q.shape)} does not fit the cache's [NB, BS, Hkv, D] "
+                         f"{tuple(k_cache.shape)} (same D, H a multiple of Hkv)")
+    check_scales(k_cache, k_scale, v_scale)
+    _meta("block_table", block_table, 2)
+    _meta("ctx_lens", ctx_lens, 1)
+    _meta("cu_q", cu_q, 1)
+    _meta("seqs", seqs, 1)
+    if block_table.shape[0] != ctx_lens.shape[0] or cu_q.shape[0] != ctx_lens.shape[0] + 1:
+        raise ValueError(f"block_table [B, W], ctx_lens [B] and cu_q [B + 1] disagree: "
+                         f"{tuple(block_table.shape)}, {tuple(ctx_lens.shape)}, {tuple(cu_q.shape)}")
+    if words is not None:
+        _meta("words", words, 1, torch.int64)
+        if words.shape[0] != total:
+            raise ValueError(f"words must hold one int64 per query row ({total}), got {tuple(words.shape)}")
+    for name, t, shape in (("out", out, (total, num_heads, head_dim)), ("lse", lse, (total, num_heads))):
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+
+
+def batch_pointers(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q) -> list:
+    """The leading C arguments both batch kernels take (``BATCH_HEAD`` without seqs)."""
+    return [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
+            DTYPES[k_cache.dtype], block_table.data_ptr(), block_table.shape[0], block_table.shape[1],
+            k_cache.shape[0], ctx_lens.data_ptr(), cu_q.data_ptr(), q.shape[0]]
+
+
+def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, block_table: torch.Tensor, ctx_lens: torch.Tensor,
+                  cu_q: torch.Tensor, seqs: torch.Tensor, words: torch.Tensor | None, scale: float,
+                  split_tokens: int, num_threads: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode kernel is {status()}")
+    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
+    rc = lib.longctx_paged_decode_batch(
+        *batch_pointers(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q),
+        seqs.data_ptr(), seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
+        None if words is None else words.data_ptr(), split_tokens, num_threads, out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"paged_decode rejected its arguments (code {rc}: {ERRORS.get(rc, 'unknown')}): "
+                         f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)} {k_cache.dtype}")
+
+
+def _no_op(*args, **kwargs) -> None:  # the fake of an operator that only writes into its arguments
+    return None
+
+
+paged_decode = cpu_build.define_op(
+    "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+    "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor? words, float scale, "
+    "int split_tokens, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_decode, _no_op)
+int8_write_kv = cpu_build.define_op(
+    "int8_write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, "
+    "Tensor v, Tensor slots, Tensor starts) -> ()", _int8_write_kv, _no_op)
+paged_decode.__doc__ = """``torch.ops.longctx.paged_decode``: a step's varlen batch through the decode kernel,
+written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
+
+
+def attend_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: Tables,
+                 seqs: torch.Tensor, scale: float, words: torch.Tensor | None = None, *,
+                 out: torch.Tensor, lse: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, split_tokens: int = SPLIT_TOKENS,
+                 num_threads: int | None = None) -> None:
+    """The sequences ``seqs`` (int32 indices into ``tables``) of a step in one call: q [T, H, D]
+    float32 holds every sequence's new tokens (``tables.cu_q``), the last ``q_len`` of its
+    ``ctx_len``; their rows of ``out`` [T, H, D] / ``lse`` [T, H] (contiguous float32) are
+    written. ``words`` [T] int64: bit j of a row's word lets it see new token j of its
+    sequence (None: causal among the new tokens). int8 caches need ``k_scale``/``v_scale``.
+    ``num_threads``: OpenMP threads (default torch's count). At most ``MAX_Q`` new tokens and
+    ``MAX_ROWS`` rows per KV head per sequence."""
+    paged_decode(q, k_cache, v_cache, k_scale, v_scale, tables.block_table, tables.ctx_lens, tables.cu_q,
+                 seqs, words, scale, split_tokens, torch.get_num_threads() if num_threads is None else num_threads,
+                 out, lse)
+
+
+def single(q: torch.Tensor, blocks: Blocks, words: torch.Tensor | None,
+           all_visible: bool) -> tuple[Tables, torch.Tensor, torch.Tensor | None]:
+    """One sequence as a batch of one (``attend``): its tables, ``seqs`` and words (with
+    ``all_visible``, None becomes words that let every new token see every other)."""
+    q_len = q.shape[0]
+    tables = Tables(blocks.table.view(1, -1), torch.tensor([blocks.ctx_len], dtype=torch.int32),
+                    torch.tensor([0, q_len], dtype=torch.int32))
+    if words is None and all_visible and q_len > 1:
+        words = torch.full((q_len,), (1 << q_len) - 1, dtype=torch.int64)
+    elif words is not None:
+        words = words.to(torch.int64).contiguous()
+    return tables, torch.zeros(1, dtype=torch.int32), words
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            blocks: list[int] | Blocks, ctx_len: int, scale: float,
            tail_words: torch.Tensor | None = None, split_tokens: int = SPLIT_TOKENS, *,
@@ -174,27 +366,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (None: all of them). ``out``/``lse``: contiguous float32 tensors of those shapes to write
     into. int8 caches (``kv_quant.py``): ``k_scale``/``v_scale`` contiguous float32
     [NB, Hkv], required (ValueError without them). Check ``supports`` first."""
-    lib = _load()
-    if lib is None:
+    if not available():
         raise RuntimeError(f"the CPU decode kernel is {status()}")
-    q_len, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[2]
     blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse,
                                          k_scale, v_scale)
-    qf = q.float().contiguous()
-    words = None if tail_words is None else tail_words.to(torch.int64).contiguous()
-    rows = q_len * (num_heads // num_kv)
-    num_splits = (ctx_len + split_tokens - 1) // split_tokens
-    all_rows = num_kv * rows
-    work = torch.empty(all_rows * head_dim + num_splits * all_rows * (head_dim + 2), dtype=torch.float32)
-    rc = lib.longctx_paged_decode(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        None if k_scale is None else k_scale.data_ptr(),
-        None if v_scale is None else v_scale.data_ptr(), DTYPES[k_cache.dtype],
-        blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,
-        scale, None if words is None else words.data_ptr(), split_tokens, work.data_ptr(),
-        out.data_ptr(), lse.data_ptr())
-    if rc != 0:
-        raise ValueError(f"paged_decode rejected its arguments (code {rc}): q {tuple(q.shape)}, "
-                         f"cache {tuple(k_cache.shape)} {k_cache.dtype}, ctx_len {ctx_len}")
+    tables, seqs, words = single(q, blocks, tail_words, all_visible=True)
+    attend_batch(q.float().contiguous(), k_cache, v_cache, tables, seqs, scale, words, out=out, lse=lse,
+                 k_scale=k_scale, v_scale=v_scale, split_tokens=split_tokens)
     return out.to(q.dtype), lse

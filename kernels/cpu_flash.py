@@ -1,9 +1,12 @@
 """The CPU flash-attention kernel for many query rows (``csrc/paged_flash.c``): prefill chunks
-and lookahead verification over the pages, built on first use, called through ctypes.
+and lookahead verification over the pages, built on first use, called through ctypes,
+registered as the torch operator ``longctx::paged_flash``.
 
 Owns: loading the C source's library (``cpu_build.py`` compiles and caches it), choosing how
-many KV splits a step gets, and ``attend``: the new tokens of one sequence against its pages,
-``(out, lse)`` with the conventions of ``reference.py``. Never: choosing when to use it
+many KV splits a sequence gets, the operator (a step's whole varlen batch per call, the thread
+count passed in; a fake implementation for ``torch.compile``), ``attend_batch`` and ``attend``
+(one sequence): the new tokens against their pages, ``(out, lse)`` with the conventions of
+``reference.py``. Never: choosing when to use it
 (``torch_paged`` does), or failing a run: with no compiler, a failed build or
 ``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable (``status()`` says why) and the torch
 path runs instead.
@@ -22,9 +25,10 @@ import ctypes
 import torch
 
 from . import cpu_build
-from .cpu_decode import ATTENTION_ARGTYPES, DTYPES, Blocks, checked_arguments, prepare
+from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, ERRORS, Blocks, Tables, _no_op, batch_pointers,
+                         check_batch, checked_arguments, prepare, single)
 
-__all__ = ["available", "status", "supports", "attend", "num_splits", "Blocks", "prepare"]
+__all__ = ["available", "status", "supports", "attend", "attend_batch", "num_splits", "Blocks", "prepare"]
 
 SOURCE = cpu_build.CSRC / "paged_flash.c"
 ROW_BLOCK = 96  # query rows per work item (the C file's RB)
@@ -34,9 +38,9 @@ SPLIT_MIN_TOKENS = 512  # a KV split is never shorter than this
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.longctx_paged_flash
+    fn = lib.longctx_paged_flash_batch
     fn.restype = ctypes.c_int
-    fn.argtypes = ATTENTION_ARGTYPES
+    fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, *BATCH_SHAPE, *BATCH_TAIL]
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
@@ -55,17 +59,59 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, tree: bool = False) -> bool
             and (not tree or q_len <= MAX_TREE_Q) and available())
 
 
-def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int) -> int:
-    """KV splits for a step: enough work items to keep torch's threads busy when the rows alone
-    give few (verification), none when they give plenty (a prefill chunk)."""
+def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int, threads: int | None = None) -> int:
+    """KV splits for a sequence: enough work items to keep the threads (default torch's) busy
+    when the rows alone give few (verification), none when they give plenty (a prefill chunk)."""
     items = num_kv * -(-q_len * group // ROW_BLOCK)
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if threads is None else threads
     if items >= 4 * threads:
         return 1
     splits = -(-4 * threads // items)
     while (items * splits) % threads:  # every thread gets the same number of items
         splits += 1
     return max(1, min(splits, ctx_len // SPLIT_MIN_TOKENS))
+
+
+def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, block_table: torch.Tensor, ctx_lens: torch.Tensor,
+                 cu_q: torch.Tensor, seqs: torch.Tensor, splits: torch.Tensor, words: torch.Tensor | None,
+                 scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU flash kernel is {status()}")
+    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
+    if splits.dtype != torch.int32 or tuple(splits.shape) != tuple(seqs.shape) or not splits.is_contiguous():
+        raise ValueError(f"splits must be a contiguous int32 tensor like seqs {tuple(seqs.shape)}, got "
+                         f"{splits.dtype} {tuple(splits.shape)}")
+    rc = lib.longctx_paged_flash_batch(
+        *batch_pointers(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q),
+        seqs.data_ptr(), splits.data_ptr(), seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2],
+        q.shape[2], scale, None if words is None else words.data_ptr(), num_threads, out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"paged_flash rejected its arguments (code {rc}: {ERRORS.get(rc, 'unknown')}): "
+                         f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)} {k_cache.dtype}, splits {splits.tolist()}")
+
+
+paged_flash = cpu_build.define_op(
+    "paged_flash(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+    "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor splits, Tensor? words, "
+    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_flash, _no_op)
+paged_flash.__doc__ = """``torch.ops.longctx.paged_flash``: a step's varlen batch through the flash kernel,
+written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
+
+
+def attend_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: Tables,
+                 seqs: torch.Tensor, scale: float, words: torch.Tensor | None = None, *,
+                 out: torch.Tensor, lse: torch.Tensor, splits: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 num_threads: int | None = None) -> None:
+    """The sequences ``seqs`` (int32 indices into ``tables``) of a step in one call, as
+    ``cpu_decode.attend_batch`` (same q, out, lse, words, scales), any number of new tokens
+    each (at most 63 with ``words``). ``splits`` int32, one per entry of ``seqs``: its KV
+    splits (``num_splits``). ``num_threads``: OpenMP threads (default torch's count)."""
+    paged_flash(q, k_cache, v_cache, k_scale, v_scale, tables.block_table, tables.ctx_lens, tables.cu_q,
+                seqs, splits, words, scale, torch.get_num_threads() if num_threads is None else num_threads,
+                out, lse)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -81,8 +127,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``out``/``lse``: contiguous float32 tensors of those shapes to write into. int8 caches
     (``kv_quant.py``): ``k_scale``/``v_scale`` contiguous float32 [NB, Hkv], required
     (ValueError without them). Check ``supports`` first."""
-    lib = _load()
-    if lib is None:
+    if not available():
         raise RuntimeError(f"the CPU flash kernel is {status()}")
     q_len, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
@@ -90,21 +135,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"tree_words must have shape ({q_len},), got {tuple(tree_words.shape)}")
     blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse,
                                          k_scale, v_scale)
-    group = num_heads // num_kv
-    splits = num_splits(q_len, group, num_kv, ctx_len) if splits is None else splits
-    qf = q.float().contiguous()
-    words = None if tree_words is None else tree_words.to(torch.int64).contiguous()
-    work = torch.empty(splits * num_kv * q_len * group * (head_dim + 2) if splits > 1 else 0,
-                       dtype=torch.float32)
-    rc = lib.longctx_paged_flash(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        None if k_scale is None else k_scale.data_ptr(),
-        None if v_scale is None else v_scale.data_ptr(), DTYPES[k_cache.dtype],
-        blocks.table.data_ptr(), blocks.block_size, ctx_len, q_len, num_heads, num_kv, head_dim,
-        scale, None if words is None else words.data_ptr(), splits, work.data_ptr(),
-        out.data_ptr(), lse.data_ptr())
-    if rc != 0:
-        raise ValueError(f"paged_flash rejected its arguments (code {rc}): q {tuple(q.shape)}, "
-                         f"cache {tuple(k_cache.shape)} {k_cache.dtype}, ctx_len {ctx_len}, "
-                         f"splits {splits}")
+    splits = num_splits(q_len, num_heads // num_kv, num_kv, ctx_len) if splits is None else splits
+    tables, seqs, words = single(q, blocks, tree_words, all_visible=False)
+    attend_batch(q.float().contiguous(), k_cache, v_cache, tables, seqs, scale, words, out=out, lse=lse,
+                 splits=torch.tensor([splits], dtype=torch.int32), k_scale=k_scale, v_scale=v_scale)
     return out.to(q.dtype), lse

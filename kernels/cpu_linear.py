@@ -1,5 +1,5 @@
 """The CPU weight-product kernel (``csrc/linear_rows.c``): built on first use, called through
-ctypes.
+ctypes, registered as the torch operators ``longctx::linear_rows`` and ``longctx::rope_``.
 
 Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` and a float32 or bfloat16
 ``[out, in]`` weight (the checkpoint's layout), optionally with the decoder layer's RMSNorm or
@@ -45,7 +45,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
+                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     rope = lib.longctx_rope_inplace
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
@@ -84,17 +84,9 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:
                          f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
-           residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32 (rows may be strided), weight [N, K] float32 or bfloat16 contiguous,
-    bias [N] float32 -> x @ weight.T + bias, [M, N] float32 (a bfloat16 weight is widened to
-    float32 as it is read: the product is float32's on the rounded weights).
-
-    ``norm_weight`` [K]: x is RMS-normalised first (``norm_weight * x / sqrt(mean(x^2) + eps)``
-    per row, as the model's RMSNorm). ``swiglu``: x is [M, 2K] and the product takes
-    ``silu(x[:, :K]) * x[:, K:]``. ``residual`` [M, N]: added to the result. ``out``: a
-    contiguous [M, N] float32 tensor to write into."""
+def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 norm_weight: torch.Tensor | None, eps: float, swiglu: bool, residual: torch.Tensor | None,
+                 num_threads: int, out: torch.Tensor) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU linear kernel is {status()}")
@@ -116,8 +108,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError("norm_weight and swiglu are two different prologues; give one")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous (the [out, in] matrix)")
-    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < x.shape[1]):  # e.g. an expanded row
-        x = x.contiguous()
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < x.shape[1]):
+        raise ValueError(f"x needs contiguous rows, got strides {x.stride()}")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (num_out,)
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 [{num_out}], got {bias.dtype} {tuple(bias.shape)}")
@@ -127,28 +119,58 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{tuple(norm_weight.shape)}")
     if residual is not None:
         _check_rows("residual", residual, rows, num_out)
-    if out is None:
-        out = torch.empty(rows, num_out, dtype=torch.float32)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, num_out) or not out.is_contiguous():
+    if out.dtype != torch.float32 or tuple(out.shape) != (rows, num_out) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor of shape {(rows, num_out)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
     prologue = 1 if norm_weight is not None else 2 if swiglu else 0
     rc = lib.longctx_linear_rows(
         x.data_ptr(), max(x.stride(0), x.shape[1]), rows, weight.data_ptr(), WEIGHT_TYPES[weight.dtype], num_out, k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), num_out, prologue,
         None if norm_weight is None else norm_weight.data_ptr(), eps,
         None if residual is None else residual.data_ptr(),
-        max(residual.stride(0), num_out) if residual is not None else 0)
+        max(residual.stride(0), num_out) if residual is not None else 0, num_threads)
     if rc != 0:
         raise ValueError(f"linear_rows rejected its arguments (code {rc}): x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
+
+
+def _no_op(*args, **kwargs) -> None:  # the fake of an operator that only writes into its arguments
+    return None
+
+
+linear_rows = cpu_build.define_op(
+    "linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, bool swiglu, "
+    "Tensor? residual, int num_threads, Tensor(a!) out) -> ()", _linear_rows, _no_op)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, swiglu: bool = False,
+           residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided), weight [N, K] float32 or bfloat16 contiguous,
+    bias [N] float32 -> x @ weight.T + bias, [M, N] float32 (a bfloat16 weight is widened to
+    float32 as it is read: the product is float32's on the rounded weights).
+
+    ``norm_weight`` [K]: x is RMS-normalised first (``norm_weight * x / sqrt(mean(x^2) + eps)``
+    per row, as the model's RMSNorm). ``swiglu``: x is [M, 2K] and the product takes
+    ``silu(x[:, :K]) * x[:, K:]``. ``residual`` [M, N]: added to the result. ``out``: a
+    contiguous [M, N] float32 tensor to write into. ``num_threads``: OpenMP threads (default
+    torch's count). Runs the operator ``torch.ops.longctx.linear_rows``."""
+    if not available():
+        raise RuntimeError(f"the CPU linear kernel is {status()}")
+    if x.dim() == 2 and (x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1])):
+        x = x.contiguous()  # e.g. an expanded row
+    if out is None:
+        out = torch.empty(x.shape[0] if x.dim() == 2 else 0, weight.shape[0] if weight.dim() == 2 else 0,
+                          dtype=torch.float32)
+    linear_rows(x, weight, bias, norm_weight, eps, swiglu, residual,
+                torch.get_num_threads() if num_threads is None else num_threads, out)
     return out
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in place: x [T, heads, D] float32 (heads and D contiguous, rows may be
-    strided, e.g. the q and k heads of a fused qkv row), cos/sin [T, D/2] float32. The same
-    arithmetic as ``longctx.model.rope.apply_rotary``, bit for bit. Returns x."""
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU linear kernel is {status()}")
@@ -162,9 +184,22 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
             raise ValueError(f"{name} must be a contiguous float32 [{rows}, {d // 2}], got {t.dtype} "
                              f"{tuple(t.shape)}")
     if rows == 0:
-        return x
+        return
     rc = lib.longctx_rope_inplace(x.data_ptr(), rows, max(x.stride(0), heads * d), heads, d,
                                   cos.data_ptr(), sin.data_ptr())
     if rc != 0:
         raise ValueError(f"rope rejected its arguments (code {rc}): x {tuple(x.shape)}")
+
+
+rope_op = cpu_build.define_op("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", _rope, _no_op)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in place: x [T, heads, D] float32 (heads and D contiguous, rows may be
+    strided, e.g. the q and k heads of a fused qkv row), cos/sin [T, D/2] float32. The same
+    arithmetic as ``longctx.model.rope.apply_rotary``, bit for bit. Returns x. Runs the operator
+    ``torch.ops.longctx.rope_``."""
+    if not available():
+        raise RuntimeError(f"the CPU linear kernel is {status()}")
+    rope_op(x, cos, sin)
     return x

@@ -267,9 +267,9 @@ def _attend_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 class _StepPlan:
     """What ``paged_attention`` derives from a step's metadata that is the same in every layer:
-    the host lists, and per sequence the kernel's checked block table and causal words. Kept in
-    the step's ``step_cache`` (``AttentionMetadata.step_cache``), so the model's layers derive
-    it once per step instead of once each."""
+    the host lists, the kernels' tables, and which sequences go to which compiled kernel. Kept
+    in the step's ``step_cache`` (``AttentionMetadata.step_cache``), so the model's layers
+    derive it once per step instead of once each."""
 
     def __init__(self, block_table: torch.Tensor, context_lens: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, host: tuple | None = None) -> None:
@@ -282,23 +282,43 @@ class _StepPlan:
         else:
             self.tables, self.ctx_lens = block_table.tolist(), context_lens.tolist()
             self.cu = cu_seqlens_q.tolist()
-        self.kernel_blocks: dict[tuple[int, int, int], cpu_decode.Blocks] = {}
-        self.causal_words: dict[int, torch.Tensor] = {}
+        self.block_table = block_table
+        self.kernel_tables: cpu_decode.Tables | None = None
+        self.routes: dict[tuple, tuple] = {}
 
-    def blocks_for_kernel(self, b: int, blocks: list[int], k_cache: torch.Tensor) -> cpu_decode.Blocks:
-        key = (b, k_cache.shape[0], k_cache.shape[1])
-        found = self.kernel_blocks.get(key)
-        if found is None:
-            found = self.kernel_blocks[key] = cpu_decode.prepare(blocks, self.ctx_lens[b], k_cache)
+    def route(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool) -> tuple:
+        """(decode seqs, flash seqs with their splits, torch seqs) for this layout: the decode
+        kernel up to CPU_KERNEL_MAX_ROWS query rows per KV head (it takes causal masks as
+        ancestor words), the flash kernel above, the torch forms for the rest."""
+        group = q.shape[1] // k_cache.shape[2]
+        key = (group, q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree)
+        found = self.routes.get(key)
+        if found is not None:
+            return found
+        decode, flash, splits, rest = [], [], [], []
+        compiled = USE_CPU_KERNEL and cpu_build.vectorized()  # plain C loops lose to torch here
+        threads = torch.get_num_threads()
+        for b, ctx_len in enumerate(self.ctx_lens):
+            q_len = self.cu[b + 1] - self.cu[b]
+            if q_len == 0:
+                continue
+            view = q[self.cu[b]:self.cu[b + 1]]
+            if compiled and q_len * group > CPU_KERNEL_MAX_ROWS:
+                if cpu_flash.supports(view, k_cache, tree=tree):
+                    flash.append(b)
+                    splits.append(cpu_flash.num_splits(q_len, group, k_cache.shape[2], ctx_len, threads))
+                    continue
+            elif compiled and cpu_decode.supports(view, k_cache):
+                decode.append(b)
+                continue
+            rest.append(b)
+        as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        found = self.routes[key] = (as_int32(decode) if decode else None,
+                                    (as_int32(flash), as_int32(splits)) if flash else None, rest)
+        if (decode or flash) and self.kernel_tables is None:
+            self.kernel_tables = cpu_decode.batch_tables(
+                self.block_table if self.block_table.numel() else self.tables, self.ctx_lens, self.cu)
         return found
-
-    def causal(self, q_len: int) -> torch.Tensor:
-        """Ancestor words of ``q_len`` causal new tokens (token i sees new tokens 0..i)."""
-        words = self.causal_words.get(q_len)
-        if words is None:
-            words = self.causal_words[q_len] = torch.tensor(
-                [(1 << (i + 1)) - 1 for i in range(q_len)], dtype=torch.int64)
-        return words
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -310,10 +330,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Same contract as ``reference.paged_attention`` (``out`` may be given to fill).
     ``step_cache``: a dict that lives for one step (the same metadata in every call), where
     the per-step plan is kept between layers. int8 caches need ``k_scale``/``v_scale``
-    (contiguous fp32 [NB, Hkv]; ValueError otherwise)."""
+    (contiguous fp32 [NB, Hkv]; ValueError otherwise).
+
+    The sequences the compiled kernels take go to them in one call per kernel (the operators
+    ``torch.ops.longctx.paged_decode`` / ``paged_flash``, a varlen batch each); the torch forms
+    below take the rest one sequence at a time."""
     cpu_decode.check_scales(k_cache, k_scale, v_scale)
     quantized = k_cache.dtype == torch.int8
-    scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -324,37 +347,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if step_cache is not None:
             step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu
-    direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernel can write into it
-    compiled = USE_CPU_KERNEL and cpu_build.vectorized()  # plain C loops lose to torch here
-    for b, ctx_len in enumerate(ctx_lens):
+    if tree_mask is not None:
+        too_long = [cu[b + 1] - cu[b] for b in range(len(ctx_lens)) if cu[b + 1] - cu[b] > 63]
+        if too_long:
+            raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {too_long[0]}")
+    decode, flash, rest = plan.route(q, k_cache, tree_mask is not None)
+    if decode is not None or flash is not None:
+        direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernels write into it
+        target = out if direct else torch.empty(q.shape, dtype=torch.float32)
+        qf = q.float().contiguous()
+        words = None if tree_mask is None else tree_mask.to(torch.int64).contiguous()
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
+        if decode is not None:
+            cpu_decode.attend_batch(qf, k_cache, v_cache, plan.kernel_tables, decode, scale, words,
+                                    out=target, lse=lse, **scales)
+        if flash is not None:
+            cpu_flash.attend_batch(qf, k_cache, v_cache, plan.kernel_tables, flash[0], scale, words,
+                                   out=target, lse=lse, splits=flash[1], **scales)
+        if not direct:
+            for idx in (decode, None if flash is None else flash[0]):
+                if idx is not None:
+                    for b in idx.tolist():
+                        out[cu[b]:cu[b + 1]] = target[cu[b]:cu[b + 1]]
+    for b in rest:
+        ctx_len = ctx_lens[b]
         start, end = cu[b], cu[b + 1]
         q_len = end - start
-        if q_len == 0:
-            continue
         seq_tree = tree_mask[start:end] if tree_mask is not None else None
-        if seq_tree is not None and q_len > 63:
-            raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {q_len}")
         blocks = tables[b][:(ctx_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
-        # the compiled kernels: the decode kernel up to CPU_KERNEL_MAX_ROWS query rows per KV
-        # head (it takes causal masks as ancestor words), the flash kernel above
-        kernel, words = None, seq_tree
-        if compiled:
-            if q_len * (q.shape[1] // k_cache.shape[2]) > CPU_KERNEL_MAX_ROWS:
-                if cpu_flash.supports(q[start:end], k_cache, tree=seq_tree is not None):
-                    kernel = cpu_flash
-            elif cpu_decode.supports(q[start:end], k_cache):
-                kernel = cpu_decode
-                if words is None and q_len > 1:  # causal among the new tokens
-                    words = plan.causal(q_len)
-        if kernel is not None:
-            prepared = plan.blocks_for_kernel(b, blocks, k_cache)
-            if direct:
-                kernel.attend(q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words,
-                              out=out[start:end], lse=lse[start:end], **scales)
-            else:
-                out[start:end], lse[start:end] = kernel.attend(
-                    q[start:end], k_cache, v_cache, prepared, ctx_len, scale, words, **scales)
-            continue
         if quantized:  # the sequence's pages, dequantised (a gathered copy, so no runs)
             k = dequantized_kv(k_cache, k_scale, blocks, ctx_len, q.dtype)  # (S, Hkv, D)
             v = dequantized_kv(v_cache, v_scale, blocks, ctx_len, q.dtype)

@@ -23,7 +23,8 @@
  *   prologue 2 (SwiGLU):  the product takes silu(x[:, :K]) * x[:, K:];
  *   residual [M, N] (row stride ldr) or NULL: added to y.
  *
- * Work: output rows of W are cut into slices of SLICE rows over torch's OpenMP threads.
+ * Work: output rows of W are cut into slices of SLICE rows over the OpenMP threads the caller
+ * asks for (torch's count).
  * Below PANEL_MIN_ROWS rows (dot products): within a slice, rows of x are taken eight at a time
  * against one weight row, so a step of up to eight rows reads each weight once, while it
  * streams in; the remaining rows go against several weight rows at once (eight for a single x
@@ -401,11 +402,13 @@ static void swiglu_row(const float *g, const float *u, int K, float *t) {
     for (; k < K; k++) t[k] = swiglu(g[k], u[k]);
 }
 
-/* Returns 0, or a negative code for arguments it does not take (-2: out of memory). */
+/* Returns 0, or a negative code for arguments it does not take (-2: out of memory). threads:
+ * the OpenMP threads to use (the caller passes torch's count: OpenMP's own setting is per
+ * calling thread, and a server's worker thread would otherwise get every core). */
 int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int wt, int N, int K,
                         const float *bias, float *y, int64_t ldy, int prologue,
-                        const float *norm_w, float eps, const float *res, int64_t ldr) {
-    if (M < 1 || N < 1 || K < 1 || ldy < N || prologue < 0 || prologue > 2) return -1;
+                        const float *norm_w, float eps, const float *res, int64_t ldr, int threads) {
+    if (M < 1 || N < 1 || K < 1 || ldy < N || prologue < 0 || prologue > 2 || threads < 1) return -1;
     if (wt != WT_F32 && wt != WT_BF16) return -1;
     if (ldx < (prologue == 2 ? 2 * (int64_t)K : K) || (prologue == 1 && !norm_w) || (res && ldr < N))
         return -1;
@@ -413,7 +416,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
     if (prologue != 0) { /* the rows the product takes, computed once: M x K floats */
         tmp = malloc(sizeof(float) * (size_t)M * (size_t)K);
         if (!tmp) return -2;
-#pragma omp parallel for schedule(static) if (M >= 8)
+#pragma omp parallel for schedule(static) if (M >= 8) num_threads(threads)
         for (int m = 0; m < M; m++) {
             const float *xr = x + m * ldx;
             float *t = tmp + (int64_t)m * K;
@@ -435,11 +438,6 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
     const int num_slices = (N + SLICE - 1) / SLICE;
 #if HAVE_AVX2
     if (M >= PANEL_MIN_ROWS) { /* every thread's panels in one allocation, before the parallel region */
-#ifdef _OPENMP
-        const int threads = omp_get_max_threads();
-#else
-        const int threads = 1;
-#endif
         const size_t per_thread = (size_t)panel_block(K) * 32;
         float *pool = aligned_alloc(64, sizeof(float) * per_thread * (size_t)threads);
         if (!pool) {
@@ -468,7 +466,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
         return 0;
     }
 #endif
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int s = 0; s < num_slices; s++) {
         const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
         if (wt == WT_BF16)

@@ -1,5 +1,5 @@
-/* Paged attention for a few new tokens of one sequence on the CPU (decode and small lookahead
- * verification), reading K/V straight from the pages.
+/* Paged attention for a few new tokens of each sequence of a step on the CPU (decode and small
+ * lookahead verification), reading K/V straight from the pages, the whole varlen batch per call.
  *
  * Why C: decode attention is a stream over the whole KV of a sequence, a handful of query rows
  * against every cached token. BLAS has no good shape for it (an M = 3..9 GEMM or a GEMV per
@@ -7,10 +7,11 @@
  * torch formulation either wastes flops (a block-diagonal query operand) or materialises
  * [S, rows, D] products. This kernel reads each K/V row once per KV head, keeps the query
  * rows and their accumulators in L1 and uses an online softmax (flash-decoding): the context
- * is cut into splits, each (KV head, split) is one work item, and the splits are merged by
- * log-sum-exp at the end.
+ * is cut into splits, each (sequence, split) is one work item over all KV heads, and the splits
+ * are merged by log-sum-exp at the end.
  *
- * Layout and conventions are those of kernels/reference.py:
+ * Layout and conventions are those of kernels/reference.py, per sequence (the batch entry at
+ * the end says how a step's sequences are found):
  *   q      [L, H, D] float32, contiguous (the caller converts)
  *   caches [num_blocks, block_size, Hkv, D], float32, bfloat16 or int8, contiguous
  *   int8 caches (kernels/kv_quant.py): k_scale / v_scale [num_blocks, Hkv] float32, a row's
@@ -29,11 +30,12 @@
  * width) the rows are converted into float32 copies for the float loops. See "int8 pages" below.
  *
  * Built at first use by kernels/cpu_decode.py with the machine's compiler
- * (-O3 -march=native -fopenmp); it links the OpenMP runtime torch already loaded, so torch's
- * thread count applies.
+ * (-fopenmp, the instruction set kernels/cpu_build.py picks); it links the OpenMP runtime torch
+ * already loaded, and the caller passes torch's thread count.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "split_merge.h"
@@ -533,43 +535,118 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
     }
 }
 
-/* Returns 0, or a negative code for arguments this kernel does not take (the caller checks
- * them first; this is a second line). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and
- * v_scale then required, else ignored). work holds
- * num_heads * q_len * d + num_splits * num_heads * q_len * (d + 2) floats. */
-int longctx_paged_decode(const float *q, const void *k_cache, const void *v_cache,
-                         const float *k_scale, const float *v_scale, int dtype,
-                         const int32_t *blocks, int block_size, int ctx_len, int q_len,
-                         int num_heads, int num_kv, int d, float scale,
-                         const uint64_t *tail_words, int split_tokens, float *work,
-                         float *out, float *lse) {
+/* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
+ * q[cu_q[s] .. cu_q[s + 1]) and whose pages are block_table[s * table_stride ..] (ctx_lens[s]
+ * tokens). Every (sequence, split) is one work item, shared out over `threads` OpenMP threads
+ * (the caller passes torch's count), then each row's splits are merged. words: per query row of
+ * the whole step (indexed like q's rows), bit j lets the row see new token j of its sequence;
+ * NULL: causal among each sequence's new tokens. out [T, H, D] / lse [T, H] rows of the chosen
+ * sequences are written, others are left alone.
+ *
+ * Returns 0, or a negative code for arguments this kernel does not take (the caller checks them
+ * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
+ * cache, see batch_seq_ok). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
+ * required, else ignored). */
+int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *v_cache,
+                               const float *k_scale, const float *v_scale, int dtype,
+                               const int32_t *block_table, int table_rows, int64_t table_stride,
+                               int num_blocks, const int32_t *ctx_lens, const int32_t *cu_q,
+                               int total_q, const int32_t *seqs,
+                               int num_seqs, int block_size, int num_heads, int num_kv, int d,
+                               float scale, const uint64_t *words, int split_tokens, int threads,
+                               float *out, float *lse) {
     if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
     if (dtype == 2 && (!k_scale || !v_scale)) return -1;
-    if (num_kv <= 0 || num_heads % num_kv != 0 || d > MAX_D || q_len < 1 || q_len > 63) return -2;
+    if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D) return -2;
+    if (split_tokens < 1 || threads < 1 || block_size < 1 || num_seqs < 0) return -3;
+    if (num_seqs == 0) return 0;
     const int group = num_heads / num_kv;
-    const int rows = q_len * group;
-    if (rows > MAX_ROWS || ctx_len < q_len || split_tokens < 1) return -3;
-    const int num_splits = (ctx_len + split_tokens - 1) / split_tokens;
-    const int all_rows = num_kv * rows;
-    const int64_t item_floats = (int64_t)all_rows * (d + 2);
-    float *qs = work, *states = work + (int64_t)all_rows * d;
-    for (int kvh = 0; kvh < num_kv; kvh++)
-        for (int r = 0; r < rows; r++) {
-            const float *src = q + ((int64_t)(r / group) * num_heads + kvh * group + r % group) * d;
-            float *dst = qs + ((int64_t)kvh * rows + r) * d;
-            for (int x = 0; x < d; x++) dst[x] = src[x] * scale;
+    uint64_t causal[63]; /* new token i sees new tokens 0..i */
+    for (int i = 0; i < 63; i++) causal[i] = ((uint64_t)2 << i) - 1;
+    /* per sequence: where its scaled queries and split states start, and its first item */
+    int64_t *q_at = malloc(sizeof(int64_t) * 2 * (size_t)num_seqs);
+    int *first_item = malloc(sizeof(int) * ((size_t)num_seqs + 1));
+    if (!q_at || !first_item) {
+        free(q_at);
+        free(first_item);
+        return -4;
+    }
+    int64_t *state_at = q_at + num_seqs, floats = 0;
+    first_item[0] = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        if (!batch_seq_ok(seqs[i], table_rows, block_table, table_stride, num_blocks, block_size, ctx_lens, cu_q,
+                          total_q)) {
+            free(q_at);
+            free(first_item);
+            return -5;
         }
-
-#pragma omp parallel for schedule(static)
-    for (int split = 0; split < num_splits; split++) {
+        const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], ctx_len = ctx_lens[s];
+        const int all_rows = num_kv * q_len * group;
+        if (q_len < 1 || q_len > 63 || q_len * group > MAX_ROWS || ctx_len < q_len) {
+            free(q_at);
+            free(first_item);
+            return -3;
+        }
+        const int splits = (ctx_len + split_tokens - 1) / split_tokens;
+        q_at[i] = floats;
+        state_at[i] = floats + (int64_t)all_rows * d;
+        floats = state_at[i] + (int64_t)splits * all_rows * (d + 2);
+        first_item[i + 1] = first_item[i] + splits;
+    }
+    float *work = malloc(sizeof(float) * (size_t)floats);
+    if (!work) {
+        free(q_at);
+        free(first_item);
+        return -4;
+    }
+    for (int i = 0; i < num_seqs; i++) { /* the queries per KV head, scaled */
+        const int s = seqs[i], rows = (cu_q[s + 1] - cu_q[s]) * group;
+        const float *qs = q + (int64_t)cu_q[s] * num_heads * d;
+        for (int kvh = 0; kvh < num_kv; kvh++)
+            for (int r = 0; r < rows; r++) {
+                const float *src = qs + ((int64_t)(r / group) * num_heads + kvh * group + r % group) * d;
+                float *dst = work + q_at[i] + ((int64_t)kvh * rows + r) * d;
+                for (int x = 0; x < d; x++) dst[x] = src[x] * scale;
+            }
+    }
+    const int items = first_item[num_seqs];
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int item = 0; item < items; item++) {
+        int i = 0, hi = num_seqs - 1; /* the sequence: the last one whose first item <= item */
+        while (i < hi) {
+            const int mid = (i + hi + 1) / 2;
+            if (first_item[mid] <= item) i = mid; else hi = mid - 1;
+        }
+        const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], ctx_len = ctx_lens[s];
+        const int all_rows = num_kv * q_len * group, split = item - first_item[i];
         const int t0 = split * split_tokens;
         const int t1 = (t0 + split_tokens < ctx_len) ? t0 + split_tokens : ctx_len;
-        float *state = states + split * item_floats;
-        attend_split(qs, k_cache, v_cache, k_scale, v_scale, dtype, blocks, block_size, ctx_len,
-                     q_len, num_heads, num_kv, d, tail_words, t0, t1, state, state + all_rows,
-                     state + 2 * all_rows);
+        const uint64_t *tail = words ? words + cu_q[s] : q_len > 1 ? causal : NULL;
+        float *state = work + state_at[i] + (int64_t)split * all_rows * (d + 2);
+        attend_split(work + q_at[i], k_cache, v_cache, k_scale, v_scale, dtype,
+                     block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
+                     num_kv, d, tail, t0, t1, state, state + all_rows, state + 2 * all_rows);
     }
-    merge_splits(states, num_splits, item_floats, all_rows, rows, group, num_heads, d, 0, out, lse);
+    /* merge: one flat loop over every sequence's rows */
+    int64_t total_rows = 0;
+    for (int i = 0; i < num_seqs; i++) total_rows += (int64_t)num_kv * (cu_q[seqs[i] + 1] - cu_q[seqs[i]]) * group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t flat = 0; flat < total_rows; flat++) {
+        int i = 0;
+        int64_t at = flat;
+        for (;; i++) { /* few sequences per step: a walk is enough */
+            const int64_t n = (int64_t)num_kv * (cu_q[seqs[i] + 1] - cu_q[seqs[i]]) * group;
+            if (at < n) break;
+            at -= n;
+        }
+        const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], rows = q_len * group;
+        const int splits = first_item[i + 1] - first_item[i];
+        merge_row(work + state_at[i], splits, (int64_t)num_kv * rows * (d + 2), num_kv * rows, (int)at, rows,
+                  group, num_heads, d, 0, out + (int64_t)cu_q[s] * num_heads * d, lse + (int64_t)cu_q[s] * num_heads);
+    }
+    free(work);
+    free(q_at);
+    free(first_item);
     return 0;
 }
 
@@ -635,8 +712,13 @@ static void int8_write_one(int8_t *cache, float *scale, const float *x, const in
 
 int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, float *v_scale,
                           const float *k, const float *v, const int64_t *slots, int64_t n,
-                          const int64_t *starts, int64_t r_count, int bs, int h, int d, float *old) {
+                          const int64_t *starts, int64_t r_count, int64_t num_blocks, int bs, int h, int d,
+                          float *old) {
     if (bs < 1 || h < 1 || d < 1 || n < 0 || r_count < 0) return -1;
+    for (int64_t t = 0; t < n; t++) /* slots inside the cache, starts inside the rows */
+        if (slots[t] < 0 || slots[t] >= num_blocks * bs) return -2;
+    for (int64_t r = 0; r < r_count; r++)
+        if (starts[r] < 0 || starts[r] >= n) return -2;
     int8_write_one(k_cache, k_scale, k, slots, n, starts, r_count, bs, h, d, old);
     int8_write_one(v_cache, v_scale, v, slots, n, starts, r_count, bs, h, d, old);
     return 0;

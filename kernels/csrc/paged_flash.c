@@ -1,5 +1,5 @@
 /* Paged flash attention on the CPU for many query rows per KV head: prefill chunks and
- * lookahead verification, reading K/V straight from the pages.
+ * lookahead verification, reading K/V straight from the pages, a step's varlen batch per call.
  *
  * Why another kernel: paged_decode.c scores one query row at a time (dot products along the
  * head dim), which is right when a step has a few rows and the cost is the KV stream, and
@@ -14,10 +14,11 @@
  * the exponentials are exp2. Fully masked key tiles (beyond the causal diagonal of a row block)
  * are never computed.
  *
- * Work items are (KV head, row block, KV split); a step with few row blocks (verification)
+ * Work items are (sequence, KV head, row block, KV split); a step with few row blocks (verification)
  * splits the keys too and merges the splits by log-sum-exp at the end, as flash-decoding does.
  *
- * Layout and conventions are those of kernels/reference.py:
+ * Layout and conventions are those of kernels/reference.py, per sequence (the batch entry at
+ * the end says how a step's sequences are found):
  *   q      [L, H, D] float32, contiguous (the caller converts)
  *   caches [num_blocks, block_size, Hkv, D], float32, bfloat16 or int8, contiguous
  *   int8 caches (kernels/kv_quant.py): k_scale / v_scale [num_blocks, Hkv] float32, a row's
@@ -33,8 +34,8 @@
  * per tile against O(keys * D * rows) for the products, which stay the float ones, and gives
  * exactly the values reference.py dequantises to.
  *
- * Built at first use by kernels/cpu_flash.py (through cpu_build.py) with -O3 -march=native
- * -fopenmp; without AVX2/FMA the same loops run in plain C.
+ * Built at first use by kernels/cpu_flash.py (through cpu_build.py) with -O3 -fopenmp and the
+ * instruction set cpu_build.py picks; without AVX2/FMA the same loops run in plain C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -452,79 +453,133 @@ static void scratch_init(Scratch *s, float *base, int d) {
     memset(s->zero, 0, sizeof(float) * (size_t)d);
 }
 
-/* Returns 0, or a negative code for arguments this kernel does not take (the caller checks
- * them first; this is a second line). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and
- * v_scale then required, else ignored). With num_splits > 1, work holds
- * num_splits * num_kv * L * group * (d + 2) floats (the splits' partial states). */
-int longctx_paged_flash(const float *q, const void *k_cache, const void *v_cache,
-                        const float *k_scale, const float *v_scale, int dtype,
-                        const int32_t *blocks, int block_size, int ctx_len, int q_len,
-                        int num_heads, int num_kv, int d, float scale,
-                        const uint64_t *tail_words, int num_splits, float *work,
-                        float *out, float *lse) {
+/* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
+ * q[cu_q[s] .. cu_q[s + 1]), whose pages are block_table[s * table_stride ..] (ctx_lens[s]
+ * tokens) and whose keys are cut into splits[i] KV splits. Every (sequence, KV head, row block,
+ * split) is one work item, shared out over `threads` OpenMP threads (the caller passes torch's
+ * count); split sequences are merged at the end. words: per query row of the whole step
+ * (indexed like q's rows), bit j lets the row see new token j of its sequence; NULL: causal
+ * among each sequence's new tokens. out [T, H, D] / lse [T, H] rows of the chosen sequences are
+ * written, others are left alone.
+ *
+ * Returns 0, or a negative code for arguments this kernel does not take (the caller checks them
+ * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
+ * cache, see batch_seq_ok). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
+ * required, else ignored). */
+int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v_cache,
+                              const float *k_scale, const float *v_scale, int dtype,
+                              const int32_t *block_table, int table_rows, int64_t table_stride,
+                              int num_blocks, const int32_t *ctx_lens, const int32_t *cu_q,
+                              int total_q, const int32_t *seqs,
+                              const int32_t *splits, int num_seqs, int block_size, int num_heads,
+                              int num_kv, int d, float scale, const uint64_t *words, int threads,
+                              float *out, float *lse) {
     if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
     if (dtype == 2 && (!k_scale || !v_scale)) return -1;
-    if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D || q_len < 1) return -2;
-    if (ctx_len < q_len || block_size < 1 || num_splits < 1 || (tail_words && q_len > 63)) return -3;
-    const Args a = {q, k_cache, v_cache, k_scale, v_scale, dtype, blocks, block_size, ctx_len,
-                    q_len, num_heads, num_kv, d, scale, tail_words};
-    const int group = num_heads / num_kv, rows = q_len * group;
-    const int num_rb = (rows + RB - 1) / RB;
-    const int split_len = (ctx_len + num_splits - 1) / num_splits;
-    const int items = num_kv * num_rb * num_splits;
-    const int all_rows = num_kv * rows;
-    const int64_t split_floats = (int64_t)all_rows * (d + 2);
-    const float ln2 = 0.693147180559945309f;
-    /* every thread's scratch in one allocation made before the parallel region, so a failed
-     * allocation returns here instead of leaving some threads out of the work-sharing loop */
-#ifdef _OPENMP
-    const int max_threads = omp_get_max_threads();
-#else
-    const int max_threads = 1;
-#endif
+    if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D) return -2;
+    if (block_size < 1 || threads < 1 || num_seqs < 0) return -3;
+    if (num_seqs == 0) return 0;
+    const int group = num_heads / num_kv;
+    /* per sequence: its arguments, where its split states start, and its first item */
+    Args *args = malloc(sizeof(Args) * (size_t)num_seqs);
+    int64_t *state_at = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    int *first_item = malloc(sizeof(int) * ((size_t)num_seqs + 1));
     const size_t per_thread = scratch_floats(d);
-    float *pool = aligned_alloc(64, per_thread * max_threads * sizeof(float));
-    if (!pool) return -4;
+    float *pool = aligned_alloc(64, per_thread * (size_t)threads * sizeof(float));
+    float *work = NULL;
+    int rc = (!args || !state_at || !first_item || !pool) ? -4 : 0;
+    int64_t floats = 0;
+    if (rc == 0) first_item[0] = 0;
+    for (int i = 0; rc == 0 && i < num_seqs; i++) {
+        if (!batch_seq_ok(seqs[i], table_rows, block_table, table_stride, num_blocks, block_size, ctx_lens, cu_q,
+                          total_q)) {
+            rc = -5;
+            break;
+        }
+        const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], ctx_len = ctx_lens[s];
+        if (q_len < 1 || ctx_len < q_len || splits[i] < 1 || (words && q_len > 63)) {
+            rc = -3;
+            break;
+        }
+        const Args one = {q + (int64_t)cu_q[s] * num_heads * d, k_cache, v_cache, k_scale, v_scale, dtype,
+                          block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
+                          num_kv, d, scale, words ? words + cu_q[s] : NULL};
+        args[i] = one;
+        const int num_rb = (q_len * group + RB - 1) / RB;
+        state_at[i] = floats;
+        if (splits[i] > 1) floats += (int64_t)splits[i] * num_kv * q_len * group * (d + 2);
+        first_item[i + 1] = first_item[i] + num_kv * num_rb * splits[i];
+    }
+    if (rc == 0 && floats > 0 && !(work = malloc(sizeof(float) * (size_t)floats))) rc = -4;
+    if (rc != 0) {
+        free(args);
+        free(state_at);
+        free(first_item);
+        free(pool);
+        return rc;
+    }
+    const int items = first_item[num_seqs];
+    const float ln2 = 0.693147180559945309f;
 
-#pragma omp parallel num_threads(max_threads)
+#pragma omp parallel num_threads(threads)
     {
-        Scratch s;
+        Scratch sc;
 #ifdef _OPENMP
-        scratch_init(&s, pool + per_thread * (size_t)omp_get_thread_num(), d);
+        scratch_init(&sc, pool + per_thread * (size_t)omp_get_thread_num(), d);
 #else
-        scratch_init(&s, pool, d);
+        scratch_init(&sc, pool, d);
 #endif
         /* row blocks last to first: under the causal mask the last ones have the most keys */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
-            const int split = item % num_splits;
-            const int rb = num_rb - 1 - (item / num_splits) % num_rb;
-            const int kvh = item / (num_splits * num_rb);
+            int i = 0, hi = num_seqs - 1; /* the sequence: the last one whose first item <= item */
+            while (i < hi) {
+                const int mid = (i + hi + 1) / 2;
+                if (first_item[mid] <= item) i = mid; else hi = mid - 1;
+            }
+            const Args *a = &args[i];
+            const int num_splits = splits[i], rows = a->q_len * group, ctx_len = a->ctx_len;
+            const int num_rb = (rows + RB - 1) / RB, local = item - first_item[i];
+            const int split = local % num_splits;
+            const int rb = num_rb - 1 - (local / num_splits) % num_rb;
+            const int kvh = local / (num_splits * num_rb);
+            const int split_len = (ctx_len + num_splits - 1) / num_splits;
             const int r0 = rb * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
             const int k0 = split * split_len, k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
-            attend_item(&a, kvh, r0, r1, k0, k1, &s);
-            const int rbp = (r1 - r0 + 7) / 8 * 8;
+            attend_item(a, kvh, r0, r1, k0, k1, &sc);
+            const int rbp = (r1 - r0 + 7) / 8 * 8, all_rows = num_kv * rows;
+            float *o_seq = out + (int64_t)cu_q[seqs[i]] * num_heads * d;
+            float *lse_seq = lse + (int64_t)cu_q[seqs[i]] * num_heads;
             for (int r = 0; r < r1 - r0; r++) {
                 const int row = r0 + r, t = row / group, hq = kvh * group + row % group;
                 if (num_splits == 1) {
-                    float *o = out + ((int64_t)t * num_heads + hq) * d;
-                    const float total = s.l[r];
+                    float *o = o_seq + ((int64_t)t * num_heads + hq) * d;
+                    const float total = sc.l[r];
                     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                    for (int x = 0; x < d; x++) o[x] = s.ot[(int64_t)x * rbp + r] * inv;
-                    lse[t * num_heads + hq] = total > 0.0f ? (s.m[r] + log2f(total)) * ln2 : -INFINITY;
+                    for (int x = 0; x < d; x++) o[x] = sc.ot[(int64_t)x * rbp + r] * inv;
+                    lse_seq[t * num_heads + hq] = total > 0.0f ? (sc.m[r] + log2f(total)) * ln2 : -INFINITY;
                 } else { /* partial state: m, l, unnormalised row */
-                    float *state = work + split * split_floats;
+                    float *state = work + state_at[i] + (int64_t)split * all_rows * (d + 2);
                     const int at = kvh * rows + row;
-                    state[at] = s.m[r];
-                    state[all_rows + at] = s.l[r];
+                    state[at] = sc.m[r];
+                    state[all_rows + at] = sc.l[r];
                     float *acc = state + 2 * all_rows + (int64_t)at * d;
-                    for (int x = 0; x < d; x++) acc[x] = s.ot[(int64_t)x * rbp + r];
+                    for (int x = 0; x < d; x++) acc[x] = sc.ot[(int64_t)x * rbp + r];
                 }
             }
         }
     }
+    for (int i = 0; i < num_seqs; i++) {
+        if (splits[i] == 1) continue;
+        const int s = seqs[i], rows = (cu_q[s + 1] - cu_q[s]) * group;
+        merge_splits(work + state_at[i], splits[i], (int64_t)num_kv * rows * (d + 2), num_kv * rows, rows, group,
+                     num_heads, d, 1, out + (int64_t)cu_q[s] * num_heads * d, lse + (int64_t)cu_q[s] * num_heads,
+                     threads);
+    }
+    free(work);
+    free(args);
+    free(state_at);
+    free(first_item);
     free(pool);
-    if (num_splits == 1) return 0;
-    merge_splits(work, num_splits, split_floats, all_rows, rows, group, num_heads, d, 1, out, lse);
     return 0;
 }

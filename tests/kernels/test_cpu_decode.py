@@ -86,11 +86,16 @@ def test_torch_paged_sends_short_steps_to_the_kernel(monkeypatch):
     if not cpu_build.vectorized():
         pytest.skip("without the kernels' vector paths the engine keeps the torch forms (cpu_build.vectorized)")
     calls = []
-    real = cpu_decode.attend
-    monkeypatch.setattr(cpu_decode, "attend", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = cpu_decode.attend_batch
+
+    def record(q, k_cache, v_cache, tables, seqs, *a, **k):  # one entry per call: the new tokens per sequence
+        calls.append([int(tables.cu_q[s + 1] - tables.cu_q[s]) for s in seqs.tolist()])
+        return real(q, k_cache, v_cache, tables, seqs, *a, **k)
+
+    monkeypatch.setattr(cpu_decode, "attend_batch", record)
     check_against_reference(torch_paged, make_batch(Case((1, 5, 40), (80, 60, 90), num_kv_heads=2,
                                                          group=3, seed=21)), torch.float32)
-    assert calls == [1, 5]  # 40 new tokens x group 3 = 120 rows > CPU_KERNEL_MAX_ROWS: flash
+    assert calls == [[1, 5]]  # one call; 40 new tokens x group 3 = 120 rows > CPU_KERNEL_MAX_ROWS: flash
     calls.clear()
     monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", False)
     check_against_reference(torch_paged, make_batch(Case((1,), (80,), seed=22)), torch.float32)

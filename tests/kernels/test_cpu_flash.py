@@ -126,15 +126,20 @@ def test_torch_paged_sends_long_steps_to_the_flash_kernel(monkeypatch):
     if not cpu_build.vectorized():
         pytest.skip("without the kernels' vector paths the engine keeps the torch forms (cpu_build.vectorized)")
     calls = []
-    real = cpu_flash.attend
-    monkeypatch.setattr(cpu_flash, "attend", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = cpu_flash.attend_batch
+
+    def record(q, k_cache, v_cache, tables, seqs, *a, **k):  # one entry per call: the new tokens per sequence
+        calls.append([int(tables.cu_q[s + 1] - tables.cu_q[s]) for s in seqs.tolist()])
+        return real(q, k_cache, v_cache, tables, seqs, *a, **k)
+
+    monkeypatch.setattr(cpu_flash, "attend_batch", record)
     case = Case((1, 5, 7, 40), (80, 60, 70, 90), num_kv_heads=2, group=3, seed=21)
     check_against_reference(torch_paged, make_batch(case), torch.float32)
-    assert calls == [7, 40]  # 7 x 3 = 21 rows > 20; 1 and 5 tokens stay with the decode kernel
+    assert calls == [[7, 40]]  # one call; 7 x 3 = 21 rows > 20; 1 and 5 tokens stay with the decode kernel
     calls.clear()
     tree = dataclasses.replace(case, trees=(None, None, TWO_BRANCH_TREE, None))
     check_against_reference(torch_paged, make_batch(tree), torch.float32)
-    assert calls == [7, 40]
+    assert calls == [[7, 40]]
     calls.clear()
     monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", False)
     check_against_reference(torch_paged, make_batch(case), torch.float32)

@@ -273,13 +273,17 @@ def test_torch_paged_sends_int8_steps_to_the_kernels(monkeypatch):
         pytest.skip("without the kernels' vector paths the engine keeps the torch forms (cpu_build.vectorized)")
     calls = []
     for module in (cpu_decode, cpu_flash):
-        real = module.attend
-        monkeypatch.setattr(module, "attend", lambda *a, real=real, module=module, **k: (
-            calls.append((module.__name__.rsplit(".", 1)[-1], a[0].shape[0], k["k_scale"] is not None))
-            or real(*a, **k)))
+        real = module.attend_batch
+
+        def record(q, k_cache, v_cache, tables, seqs, *a, real=real, module=module, **k):
+            calls.append((module.__name__.rsplit(".", 1)[-1],
+                          [int(tables.cu_q[s + 1] - tables.cu_q[s]) for s in seqs.tolist()], k["k_scale"] is not None))
+            return real(q, k_cache, v_cache, tables, seqs, *a, **k)
+
+        monkeypatch.setattr(module, "attend_batch", record)
     data = int8_batch(PAGED_CASES["mixed-steps"])
     check_int8(paged_impl(), data)
-    assert calls == [("cpu_decode", 1, True), ("cpu_decode", 5, True), ("cpu_flash", 40, True)]
+    assert calls == [("cpu_decode", [1, 5], True), ("cpu_flash", [40], True)]
     out = torch.full_like(data.batch.q, float("nan"))
     got, _ = torch_paged.paged_attention(*data.batch.args(), out=out, step_cache={}, **data.scales)
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
