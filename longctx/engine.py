@@ -204,9 +204,6 @@ class LLMEngine:
             cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=profile_kv_cache_gb(
                 self.model, backend, self.device, sched.max_num_batched_tokens, cache.gpu_memory_utilization))
         self.kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, self.dtype)
-        if self.kv_dtype == torch.int8 and parallel.sequence_parallel_size > 1:
-            raise ValueError("kv_cache_dtype='int8' does not work with sequence_parallel_size > 1 yet: "
-                             "the ring attention of the ranks reads float pages only")
         num_blocks = num_blocks_for(self.model_config, cache, self.kv_dtype)  # per rank
         self.sequence_parallel_size = parallel.sequence_parallel_size
         if parallel.sequence_parallel_size > 1:

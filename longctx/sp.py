@@ -46,12 +46,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from longctx.attention import ROTATE_INT8
 from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
-from longctx.kv.device_pool import DeviceKVPool
+from longctx.kv.device_pool import DeviceKVPool, kv_storage_dtype
 from longctx.model.llama import LlamaForCausalLM
 from longctx.model.loader import TORCH_DTYPES
 from longctx.parallel.comm import RingComm, init_distributed, init_from_env
-from longctx.kernels import cpu_linear
+from longctx.kernels import cpu_linear, kv_quant
 from longctx.kernels.cpu_build import set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
                                         local_slot, slot_owner)
@@ -91,7 +92,7 @@ class RankExecutor:
         self.threads = threads
         self.alone_threads = min(usable_cores(), threads * world) if device.type == "cpu" else threads
         self.config = model.config
-        self.attention = PagedSPAttention(kv.layers, self.comm, kernels, model.config.head_dim)
+        self.attention = PagedSPAttention(kv.caches, self.comm, kernels, model.config.head_dim, ROTATE_INT8)
         # small steps split every product by output features where the model multiplies with
         # the row kernel (its [out, in] matrices slice without a copy); else they run on rank 0
         self.column_split = (ColumnSplit(self.comm, cpu_linear.linear)
@@ -204,7 +205,7 @@ class RankExecutor:
             if local:
                 dist.send(self.kv.read_pages([b for _, b in local]), 0, group=self.cpu_group)
             return None
-        pages = torch.empty((len(block_ids), *self.kv.page_shape), dtype=self.kv.dtype)
+        pages = torch.empty((len(block_ids), *self.kv.page_shape), dtype=self.kv.page_dtype)
         for r in range(self.world):
             part = self._mine(block_ids, r)
             if not part:
@@ -212,7 +213,7 @@ class RankExecutor:
             if r == 0:
                 got = self.kv.read_pages([b for _, b in part])
             else:
-                got = torch.empty((len(part), *self.kv.page_shape), dtype=self.kv.dtype)
+                got = torch.empty((len(part), *self.kv.page_shape), dtype=self.kv.page_dtype)
                 dist.recv(got, r, group=self.cpu_group)
             pages[torch.tensor([i for i, _ in part])] = got
         return pages
@@ -222,7 +223,7 @@ class RankExecutor:
         if self.rank != 0:
             local = self._mine(block_ids, self.rank)
             if local:
-                got = torch.empty((len(local), *self.kv.page_shape), dtype=self.kv.dtype)
+                got = torch.empty((len(local), *self.kv.page_shape), dtype=self.kv.page_dtype)
                 dist.recv(got, 0, group=self.cpu_group)
                 self.kv.write_pages([b for _, b in local], got)
             return
@@ -239,21 +240,33 @@ class RankExecutor:
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy token slots ``src`` to ``dst`` (global slots) in every layer, across ranks:
         the owners of the sources contribute their rows to one all-reduce (every other row is
-        zero, so the sum is exact), and the owners of the destinations write them."""
+        zero, so the sum is exact), and the owners of the destinations write them. int8 pages:
+        the rows travel dequantised (fp32) and are written again under the destination pages'
+        scales, as ``DeviceKVPool.move_slots`` does in one process."""
         bs, world = self.kv.block_size, self.world
         c = self.config
+        quantized = self.kv.quantized
         rows = torch.zeros((len(src), c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim),
-                           dtype=self.kv.dtype, device=self.device)
+                           dtype=torch.float32 if quantized else self.kv.dtype, device=self.device)
         have = [i for i, s in enumerate(src) if slot_owner(s, bs, world) == self.rank]
         if have:
             idx = torch.tensor([local_slot(src[i], bs, world) for i in have], device=self.device)
             at = torch.tensor(have, device=self.device)
-            for layer, (k, v) in enumerate(self.kv.layers):
-                rows[at, layer, 0] = k.view(-1, *k.shape[2:])[idx]
-                rows[at, layer, 1] = v.view(-1, *v.shape[2:])[idx]
+            for layer, caches in enumerate(self.kv.caches):
+                for j in range(2):
+                    cache = caches[j]
+                    rows[at, layer, j] = (kv_quant.dequantize_rows(cache, caches[2 + j], idx) if quantized
+                                          else cache.view(-1, *cache.shape[2:])[idx])
         dist.all_reduce(rows)
         put = [i for i, s in enumerate(dst) if slot_owner(s, bs, world) == self.rank]
-        if put:
+        if put and quantized:
+            local = torch.tensor([local_slot(dst[i], bs, world) for i in put], dtype=torch.long)
+            starts = kv_quant.run_starts(local, bs).to(self.device)
+            idx, at = local.to(self.device), torch.tensor(put, device=self.device)
+            for layer, caches in enumerate(self.kv.caches):
+                for j in range(2):
+                    kv_quant.write_int8(caches[j], caches[2 + j], rows[at, layer, j], idx, starts)
+        elif put:
             idx = torch.tensor([local_slot(dst[i], bs, world) for i in put], device=self.device)
             at = torch.tensor(put, device=self.device)
             for layer, (k, v) in enumerate(self.kv.layers):
@@ -440,8 +453,16 @@ def _receive_command(shm: ShmControl | None, group: Any) -> tuple:
     return message
 
 
+def rank_pool(model: LlamaForCausalLM, num_blocks: int, cache: CacheConfig, load: ModelLoadConfig,
+              device: torch.device) -> DeviceKVPool:
+    """One rank's pages: the model's dtype, or int8 with ``kv_cache_dtype='int8'``."""
+    dtype = TORCH_DTYPES[load.dtype]
+    return DeviceKVPool(model.config, num_blocks, cache.block_size, dtype, device,
+                        kv_storage_dtype(cache.kv_cache_dtype, dtype))
+
+
 def _worker_main(rank: int, world: int, init_method: str, backend: str, model: Any, load: ModelLoadConfig,
-                 num_blocks: int, block_size: int, timeout_s: float, threads: int, parent: int,
+                 num_blocks: int, cache: CacheConfig, timeout_s: float, threads: int, parent: int,
                  board: ShmBoard | None, ready: Any) -> None:
     """A worker rank: join the group, then run rank 0's commands until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
@@ -463,7 +484,7 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
     from longctx.attention import select_backend
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
-    kv = DeviceKVPool(model.config, num_blocks, block_size, TORCH_DTYPES[load.dtype], device)
+    kv = rank_pool(model, num_blocks, cache, load, device)
     def alive() -> bool:
         return os.getppid() == parent
 
@@ -534,7 +555,7 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, name=f"longctx-sp-rank{rank}", daemon=True,
-                         args=(rank, world, init_method, backend, shared, load, num_blocks, cache.block_size,
+                         args=(rank, world, init_method, backend, shared, load, num_blocks, cache,
                                parallel.sp_timeout_s, threads, os.getpid(), board, ready))
              for rank in range(1, world)]
     for proc in procs:
@@ -563,7 +584,7 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
 
     shm_control = ShmControl(board, 0, parallel.sp_timeout_s, alive) if board is not None else None
     ranks = _Ranks(procs, control, folder, shm_control)
-    local = DeviceKVPool(model.config, num_blocks, cache.block_size, TORCH_DTYPES[load.dtype], device)
+    local = rank_pool(model, num_blocks, cache, load, device)
     comm = ShmComm(board, 0, RingComm(), parallel.sp_timeout_s, alive) if board is not None else RingComm()
     executor = RankExecutor(model, local, kernels, 0, world, device, threads, comm, control)
     log.info("sequence parallelism: %d ranks (workers %s), %d threads each, exchanges over %s", world,
@@ -589,7 +610,7 @@ def _join_torchrun(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheC
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)
     ranks = _Ranks([], control, tempfile.TemporaryDirectory(prefix="longctx-sp-"), None)
-    local = DeviceKVPool(model.config, num_blocks, cache.block_size, TORCH_DTYPES[load.dtype], device)
+    local = rank_pool(model, num_blocks, cache, load, device)
     executor = RankExecutor(model, local, kernels, 0, world, device, threads, RingComm(), control)
     log.info("sequence parallelism under torchrun: %d ranks over torch.distributed (%s)", world, backend)
     return SequenceParallelRunner(executor, ShardedKVPool(local, world, executor, ranks), ranks)
@@ -607,8 +628,9 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
-    kv = DeviceKVPool(model.config, num_blocks_for(model.config, cache, TORCH_DTYPES[load.dtype]), cache.block_size,
-                      TORCH_DTYPES[load.dtype], device)
+    dtype = TORCH_DTYPES[load.dtype]
+    kv = rank_pool(model, num_blocks_for(model.config, cache, kv_storage_dtype(cache.kv_cache_dtype, dtype)),
+                   cache, load, device)
     executor = RankExecutor(model, kv, kernels, rank, world, device, threads, RingComm(), control)
     dist.barrier(group=control)
     serve_commands(executor, None, control)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from longctx.kernels import kv_quant
 from longctx.kernels.cpu_build import set_cpu_threads
 
 from .comm import RingComm
@@ -149,6 +150,16 @@ class ShardedStep:
         mine = [(t, s) for t, s in enumerate(slots) if slot_owner(s, block_size, world) == rank]
         self.write_rows = _long([t for t, _ in mine], device)
         self.write_slots = _long([local_slot(s, block_size, world) for _, s in mine], device)
+        # int8 pages: part (b) reads the step's new K/V as stored (quantised), as one process
+        # does; each rank sends the rows it wrote, and token t's comes from row written_at[t]
+        written = [[t for t, s in enumerate(slots) if slot_owner(s, block_size, world) == r] for r in range(world)]
+        self.max_written = max(1, max(len(w) for w in written))
+        at = [0] * len(slots)
+        for r, rows in enumerate(written):
+            for i, t in enumerate(rows):
+                at[t] = r * self.max_written + i
+        self.written_at = _long(at, device)
+        self.has_own_part = any(seq.num_new > 1 for seq in seqs)  # the same on every rank
         self._plan_cached_part(block_size, device)
         self._plan_own_part(all_tokens if owned is None else owned[rank], device)
 
@@ -277,14 +288,21 @@ class ColumnSplit:
 
 class PagedSPAttention:
     """The attention backend of a model whose KV pages are spread over ``comm``'s ranks.
-    ``kv_layers``: this rank's pages per layer (K, V) ``[NB_r, BS, Hkv, D]``; ``kernels``:
-    ``longctx.kernels.torch_paged`` (CPU) or ``triton_attention`` (CUDA)."""
+    ``kv_layers``: this rank's pages per layer, (K, V) ``[NB_r, BS, Hkv, D]``, or for int8
+    pages (K, V, K scale, V scale) with the scales fp32 ``[NB_r, Hkv]`` (``kv_quant.py``);
+    ``kernels``: ``longctx.kernels.torch_paged`` (CPU) or ``triton_attention`` (CUDA).
+    ``rotate_int8``: int8 pages hold K/V turned by ``kv_quant.rotation`` (as the one-process
+    backend writes them, ``attention.ROTATE_INT8``): q, k and v are turned on the way in and
+    the output turned back, so every rank reads and writes pages as one process would."""
 
-    def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], comm: RingComm,
-                 kernels: Any, head_dim: int) -> None:
+    def __init__(self, kv_layers: list[tuple[torch.Tensor, ...]], comm: RingComm,
+                 kernels: Any, head_dim: int, rotate_int8: bool = True) -> None:
         self.kv_layers, self.comm, self.kernels = kv_layers, comm, kernels
         self.scale = 1.0 / math.sqrt(head_dim)
         self.name = f"sequence-parallel[{comm.world_size}]"
+        quantized = len(kv_layers[0]) == 4 if kv_layers else False
+        self.rotation = (kv_quant.rotation(head_dim, kv_layers[0][0].device)
+                         if quantized and rotate_int8 else None)
 
     def _extra(self, step: ShardedStep) -> dict:
         return {"step_cache": step.kernel_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
@@ -303,6 +321,11 @@ class PagedSPAttention:
     def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  step: ShardedStep) -> torch.Tensor:
         num_heads, num_kv = q.shape[1], k.shape[1]
+        k_cache, v_cache, *scales = self.kv_layers[layer_idx]
+        quant = {"k_scale": scales[0], "v_scale": scales[1]} if scales else {}
+        rot = self.rotation
+        if rot is not None:  # int8 pages hold turned K/V (see the class)
+            q, k, v = ((x.float() @ rot).to(x.dtype) for x in (q, k, v))
         if step.replicated:  # every rank computed every token's q, k, v
             q_all, k_all, v_all = q, k, v
         else:
@@ -310,11 +333,12 @@ class PagedSPAttention:
             mine = F.pad(mine, (0, 0, 0, 0, 0, step.max_owned - mine.shape[0]))
             every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.gather_rows)  # (T, ., D)
             q_all, k_all, v_all = every.split([num_heads, num_kv, num_kv], dim=1)
-        k_cache, v_cache = self.kv_layers[layer_idx]
-        if step.write_rows.numel():
+        if step.write_rows.numel():  # int8: write_kv finds the rows that enter a page holding values
             self.kernels.write_kv(k_cache, v_cache, k_all[step.write_rows], v_all[step.write_rows],
-                                  step.write_slots, **self._extra(step))
-        cached_out, cached_lse = self._cached_part(q_all, k_cache, v_cache, step)
+                                  step.write_slots, **quant, **self._extra(step))
+        cached_out, cached_lse = self._cached_part(q_all, k_cache, v_cache, step, quant)
+        if quant and step.has_own_part:  # (b) reads the new K/V as the pages hold them now
+            k_all, v_all = self._stored_rows(k_cache, v_cache, quant, step, q_all.dtype)
         if step.replicated:  # every rank needs every token's result
             received = self.comm.all_gather(pack_state(cached_out, cached_lse))  # (N, T, H, D + 1)
         else:
@@ -328,25 +352,46 @@ class PagedSPAttention:
             out, lse, first = parts_out[0].clone(), parts_lse[0].clone(), 1
         for r in range(first, self.comm.world_size):
             merge_into(out, lse, parts_out[r], parts_lse[r])
+        if rot is not None:
+            out = out.float() @ rot.T
         return out.to(q.dtype)
 
+    def _stored_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, quant: dict, step: ShardedStep,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's K/V of the step as its int8 page holds it after the step's writes
+        (a later row may have rescaled its page), dequantised: one all-gather of the rows each
+        rank wrote. -> k, v [T, Hkv, D] in ``dtype``."""
+        num_kv, d = k_cache.shape[2], k_cache.shape[3]
+        mine = torch.zeros((step.max_written, 2, num_kv, d), dtype=torch.float32, device=k_cache.device)
+        n = step.write_slots.numel()
+        if n:
+            mine[:n, 0] = kv_quant.dequantize_rows(k_cache, quant["k_scale"], step.write_slots)
+            mine[:n, 1] = kv_quant.dequantize_rows(v_cache, quant["v_scale"], step.write_slots)
+        every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.written_at)  # (T, 2, Hkv, D)
+        return every[:, 0].to(dtype), every[:, 1].to(dtype)
+
     def _cached_part(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a): every query of the step over this rank's pages before the step's tokens."""
+                     step: ShardedStep, quant: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a): every query of the step over this rank's pages before the step's tokens
+        (``quant``: an int8 cache's scales)."""
         if step.paged_rows is not None and step.paged_is_all:  # e.g. decode: one call, every query
             o, l = self.kernels.paged_attention(q, k_cache, v_cache, step.paged_table, step.paged_lens,
                                                 step.paged_cu, scale=self.scale, tree_mask=step.paged_words,
-                                                **self._extra(step))
+                                                **quant, **self._extra(step))
             return o.float(), l
         out, lse = empty_state(q)  # (T, H, D) fp32, (T, H)
         if step.paged_rows is not None:
             o, l = self.kernels.paged_attention(q[step.paged_rows], k_cache, v_cache, step.paged_table,
                                                 step.paged_lens, step.paged_cu, scale=self.scale,
-                                                tree_mask=step.paged_words, **self._extra(step))
+                                                tree_mask=step.paged_words, **quant, **self._extra(step))
             out[step.paged_rows], lse[step.paged_rows] = o.float(), l
         for rows, pages, tokens in step.dense:
-            keys = k_cache.index_select(0, pages).flatten(0, 1)[:tokens]  # (tokens, Hkv, D)
-            values = v_cache.index_select(0, pages).flatten(0, 1)[:tokens]
+            keys, values = k_cache.index_select(0, pages), v_cache.index_select(0, pages)
+            if quant:  # int8 pages, dequantised into the queries' dtype
+                keys = kv_quant.dequantize(keys, quant["k_scale"].index_select(0, pages), q.dtype)
+                values = kv_quant.dequantize(values, quant["v_scale"].index_select(0, pages), q.dtype)
+            keys = keys.flatten(0, 1)[:tokens]  # (tokens, Hkv, D)
+            values = values.flatten(0, 1)[:tokens]
             o, l = attend(q[rows], keys, values, causal=False, scale=self.scale)
             out[rows], lse[rows] = o.float(), l
         return out, lse

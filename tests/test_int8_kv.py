@@ -211,9 +211,37 @@ def test_an_old_disk_file_is_a_miss(tiny_engine_folder, tmp_path):
     again.close()
 
 
-def test_int8_with_sequence_parallelism_is_refused(tiny_engine_folder):
-    with pytest.raises(ValueError, match="int8.*sequence_parallel_size"):
-        LLM(tiny_engine_folder, kv_cache_dtype="int8", sequence_parallel_size=2)
+def test_int8_with_sequence_parallelism_equals_one_process(tiny_engine_folder):
+    """Two ranks, each holding its share of the int8 pages, give one process's int8 tokens:
+    chunked prefill (each rank quantises the rows of its pages; a chunk's own new tokens are
+    read back as stored, as one process reads them), paged decode over both ranks' pages,
+    lookahead (accepted drafts moved across ranks and requantised there) and a host-tier hit
+    (pages travel as their int8 bytes with their scales). The third prompt's tokens differ
+    between float and int8 pages on this model, so a rank path that read float K/V would fail."""
+    repetitive = (PROMPT[:40] * 4)[:150]
+    prompts = [{"prompt_token_ids": p} for p in (PROMPT, repetitive, random_tokens(90, seed=3))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    opts = dict(block_size=16, max_num_batched_tokens=32, lookahead=True)
+    one = LLM(tiny_engine_folder, **opts, kv_cache_dtype="int8", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    one.close()
+    floats = LLM(tiny_engine_folder, **opts, enable_prefix_caching=False)
+    float_third = floats.generate(prompts[2], params)[0].outputs[0].token_ids
+    floats.close()
+    assert float_third != want[2]
+    sp = LLM(tiny_engine_folder, **opts, kv_cache_dtype="int8", sequence_parallel_size=2, num_blocks=20,
+             host_cache_gb=0.01)  # 20 pages per rank: two 300-token prompts push PROMPT's out
+    try:
+        assert sp.engine.kv.quantized and sp.engine.kv.local.layers[0][0].dtype == torch.int8
+        outs = sp.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0  # drafts were accepted and moved
+        for seed in (9, 10):
+            sp.generate({"prompt_token_ids": random_tokens(300, seed=seed)}, GREEDY)
+        assert sp.generate(prompts[0], params)[0].outputs[0].token_ids == want[0]
+        assert sp.cache_stats().hit_tokens["host"] > 0
+    finally:
+        sp.close()
 
 
 @pytest.mark.parametrize("seed", range(4))
