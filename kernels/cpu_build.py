@@ -199,10 +199,15 @@ def build(source: Path) -> ctypes.CDLL:
 OPS = torch.library.Library("longctx", "FRAGMENT")
 
 
-def define_op(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+def _writes_only(*args, **kwargs) -> None:
+    return None
+
+
+def define_op(schema: str, impl: Callable, fake: Callable = _writes_only) -> torch._ops.OpOverload:
     """Register ``longctx::<schema>`` with ``impl`` for CPU tensors and ``fake`` for fake and
-    meta tensors (shapes only; the mutating ops here return nothing, so theirs do nothing).
-    Returns the op's default overload, the thing callers call."""
+    meta tensors (shapes only; by default nothing, the fake of an operator that only writes
+    into its arguments and returns nothing, as every one here does). Returns the op's default
+    overload, the thing callers call."""
     name = schema.split("(", 1)[0]
     if hasattr(torch.ops.longctx, name):  # this file imported under a second name (e.g. a script's path)
         return getattr(torch.ops.longctx, name).default

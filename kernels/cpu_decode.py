@@ -308,17 +308,13 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)} {k_cache.dtype}")
 
 
-def _no_op(*args, **kwargs) -> None:  # the fake of an operator that only writes into its arguments
-    return None
-
-
 paged_decode = cpu_build.define_op(
     "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
     "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor? words, float scale, "
-    "int split_tokens, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_decode, _no_op)
+    "int split_tokens, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_decode)
 int8_write_kv = cpu_build.define_op(
     "int8_write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, "
-    "Tensor v, Tensor slots, Tensor starts) -> ()", _int8_write_kv, _no_op)
+    "Tensor v, Tensor slots, Tensor starts) -> ()", _int8_write_kv)
 paged_decode.__doc__ = """``torch.ops.longctx.paged_decode``: a step's varlen batch through the decode kernel,
 written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
 

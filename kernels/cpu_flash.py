@@ -25,7 +25,7 @@ import ctypes
 import torch
 
 from . import cpu_build
-from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, ERRORS, Blocks, Tables, _no_op, batch_pointers,
+from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, ERRORS, Blocks, Tables, batch_pointers,
                          check_batch, checked_arguments, prepare, single)
 
 __all__ = ["available", "status", "supports", "attend", "attend_batch", "num_splits", "Blocks", "prepare"]
@@ -95,7 +95,7 @@ def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 paged_flash = cpu_build.define_op(
     "paged_flash(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
     "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor splits, Tensor? words, "
-    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_flash, _no_op)
+    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_flash)
 paged_flash.__doc__ = """``torch.ops.longctx.paged_flash``: a step's varlen batch through the flash kernel,
 written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
 

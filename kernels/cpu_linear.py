@@ -136,13 +136,9 @@ def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"weight {tuple(weight.shape)}")
 
 
-def _no_op(*args, **kwargs) -> None:  # the fake of an operator that only writes into its arguments
-    return None
-
-
 linear_rows = cpu_build.define_op(
     "linear_rows(Tensor x, Tensor weight, Tensor? bias, Tensor? norm_weight, float eps, bool swiglu, "
-    "Tensor? residual, int num_threads, Tensor(a!) out) -> ()", _linear_rows, _no_op)
+    "Tensor? residual, int num_threads, Tensor(a!) out) -> ()", _linear_rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -191,7 +187,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         raise ValueError(f"rope rejected its arguments (code {rc}): x {tuple(x.shape)}")
 
 
-rope_op = cpu_build.define_op("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", _rope, _no_op)
+rope_op = cpu_build.define_op("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", _rope)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
