@@ -37,7 +37,7 @@ SPLIT_TOKENS = 512  # tokens per work item: enough items for the threads, few me
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # int8: pages of kv_quant.py
 
 
-# The C batch signature both attention kernels share (paged_decode.c, paged_flash.c): q,
+# The C batch signature both attention kernels share (paged_decode.c, paged_flash.c; ``call_batch``): q,
 # k_cache, v_cache, k_scale, v_scale (int8 caches; NULL otherwise), dtype, block_table,
 # table_rows, table_stride, num_blocks, ctx_lens, cu_q, total_q, seqs, [splits: flash only],
 # num_seqs, block_size, num_heads, num_kv, d, scale, words, [split_tokens: decode only],
@@ -283,12 +283,28 @@ def _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens,
                              f"{t.dtype} {tuple(t.shape)}")
 
 
-def batch_pointers(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q) -> list:
-    """The leading C arguments both batch kernels take (``BATCH_HEAD`` without seqs)."""
-    return [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
+               ctx_lens: torch.Tensor, cu_q: torch.Tensor, seqs: torch.Tensor, words: torch.Tensor | None,
+               scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor, *,
+               splits: torch.Tensor | None = None, split_tokens: int | None = None) -> None:
+    """Check a batch kernel's arguments (``check_batch``) and call its C entry ``fn`` with the
+    signature both share (see ``BATCH_HEAD``): ``splits`` for the flash kernel, ``split_tokens``
+    for the decode kernel. A code the C side returns becomes a ValueError naming ``kernel``."""
+    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
+    head = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
             DTYPES[k_cache.dtype], block_table.data_ptr(), block_table.shape[0], block_table.shape[1],
-            k_cache.shape[0], ctx_lens.data_ptr(), cu_q.data_ptr(), q.shape[0]]
+            k_cache.shape[0], ctx_lens.data_ptr(), cu_q.data_ptr(), q.shape[0], seqs.data_ptr()]
+    if splits is not None:
+        head.append(splits.data_ptr())
+    shape = [seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
+             None if words is None else words.data_ptr()]
+    tail = [num_threads, out.data_ptr(), lse.data_ptr()]
+    rc = fn(*head, *shape, *([] if split_tokens is None else [split_tokens]), *tail)
+    if rc != 0:
+        raise ValueError(f"{kernel} rejected its arguments (code {rc}: {ERRORS.get(rc, 'unknown')}): "
+                         f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)} {k_cache.dtype}")
 
 
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -298,14 +314,8 @@ def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
-    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
-    rc = lib.longctx_paged_decode_batch(
-        *batch_pointers(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q),
-        seqs.data_ptr(), seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
-        None if words is None else words.data_ptr(), split_tokens, num_threads, out.data_ptr(), lse.data_ptr())
-    if rc != 0:
-        raise ValueError(f"paged_decode rejected its arguments (code {rc}: {ERRORS.get(rc, 'unknown')}): "
-                         f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)} {k_cache.dtype}")
+    call_batch("paged_decode", lib.longctx_paged_decode_batch, q, k_cache, v_cache, k_scale, v_scale, block_table,
+               ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, split_tokens=split_tokens)
 
 
 paged_decode = cpu_build.define_op(

@@ -25,8 +25,8 @@ import ctypes
 import torch
 
 from . import cpu_build
-from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, ERRORS, Blocks, Tables, batch_pointers,
-                         check_batch, checked_arguments, prepare, single)
+from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, Blocks, Tables, call_batch, checked_arguments,
+                         prepare, single)
 
 __all__ = ["available", "status", "supports", "attend", "attend_batch", "num_splits", "Blocks", "prepare"]
 
@@ -79,17 +79,11 @@ def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU flash kernel is {status()}")
-    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
     if splits.dtype != torch.int32 or tuple(splits.shape) != tuple(seqs.shape) or not splits.is_contiguous():
         raise ValueError(f"splits must be a contiguous int32 tensor like seqs {tuple(seqs.shape)}, got "
                          f"{splits.dtype} {tuple(splits.shape)}")
-    rc = lib.longctx_paged_flash_batch(
-        *batch_pointers(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q),
-        seqs.data_ptr(), splits.data_ptr(), seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2],
-        q.shape[2], scale, None if words is None else words.data_ptr(), num_threads, out.data_ptr(), lse.data_ptr())
-    if rc != 0:
-        raise ValueError(f"paged_flash rejected its arguments (code {rc}: {ERRORS.get(rc, 'unknown')}): "
-                         f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)} {k_cache.dtype}, splits {splits.tolist()}")
+    call_batch("paged_flash", lib.longctx_paged_flash_batch, q, k_cache, v_cache, k_scale, v_scale, block_table,
+               ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, splits=splits)
 
 
 paged_flash = cpu_build.define_op(

@@ -289,17 +289,20 @@ class _StepPlan:
     def route(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool) -> tuple:
         """(decode seqs, flash seqs with their splits, torch seqs) for this layout: the decode
         kernel up to CPU_KERNEL_MAX_ROWS query rows per KV head (it takes causal masks as
-        ancestor words), the flash kernel above, the torch forms for the rest."""
+        ancestor words), the flash kernel above, the torch forms for the rest. A tree step with
+        more than 63 new tokens in a sequence is refused (ValueError) here, once per step."""
         group = q.shape[1] // k_cache.shape[2]
         key = (group, q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree)
         found = self.routes.get(key)
         if found is not None:
             return found
+        q_lens = [self.cu[b + 1] - self.cu[b] for b in range(len(self.ctx_lens))]
+        if tree and max(q_lens, default=0) > 63:
+            raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {max(q_lens)}")
         decode, flash, splits, rest = [], [], [], []
         compiled = USE_CPU_KERNEL and cpu_build.vectorized()  # plain C loops lose to torch here
         threads = torch.get_num_threads()
-        for b, ctx_len in enumerate(self.ctx_lens):
-            q_len = self.cu[b + 1] - self.cu[b]
+        for b, (ctx_len, q_len) in enumerate(zip(self.ctx_lens, q_lens)):
             if q_len == 0:
                 continue
             view = q[self.cu[b]:self.cu[b + 1]]
@@ -347,10 +350,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if step_cache is not None:
             step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu
-    if tree_mask is not None:
-        too_long = [cu[b + 1] - cu[b] for b in range(len(ctx_lens)) if cu[b + 1] - cu[b] > 63]
-        if too_long:
-            raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {too_long[0]}")
     decode, flash, rest = plan.route(q, k_cache, tree_mask is not None)
     if decode is not None or flash is not None:
         direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernels write into it

@@ -34,6 +34,7 @@ Hkv kv heads, D head dim, BS page size.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -147,18 +148,11 @@ class ShardedStep:
         self.kernel_cache: dict = {}  # the kernels' per-step plans (same metadata every layer)
         if owned is not None:  # tokens split: where each token's row goes in the exchanges
             self._plan_exchanges(owned, device)
-        mine = [(t, s) for t, s in enumerate(slots) if slot_owner(s, block_size, world) == rank]
+        self._owners = [slot_owner(s, block_size, world) for s in slots]
+        self._device = device
+        mine = [(t, s) for t, s in enumerate(slots) if self._owners[t] == rank]
         self.write_rows = _long([t for t, _ in mine], device)
         self.write_slots = _long([local_slot(s, block_size, world) for _, s in mine], device)
-        # int8 pages: part (b) reads the step's new K/V as stored (quantised), as one process
-        # does; each rank sends the rows it wrote, and token t's comes from row written_at[t]
-        written = [[t for t, s in enumerate(slots) if slot_owner(s, block_size, world) == r] for r in range(world)]
-        self.max_written = max(1, max(len(w) for w in written))
-        at = [0] * len(slots)
-        for r, rows in enumerate(written):
-            for i, t in enumerate(rows):
-                at[t] = r * self.max_written + i
-        self.written_at = _long(at, device)
         self.has_own_part = any(seq.num_new > 1 for seq in seqs)  # the same on every rank
         self._plan_cached_part(block_size, device)
         self._plan_own_part(all_tokens if owned is None else owned[rank], device)
@@ -175,6 +169,21 @@ class ShardedStep:
         self.gather_rows = _long(rows, device)
         self.scatter_rows = _long([own[i] if i < len(own) else 0
                                    for own in owned for i in range(self.max_owned)], device)
+
+    @functools.cached_property
+    def written(self) -> tuple[int, torch.Tensor]:
+        """int8 pages (part (b) reads the step's new K/V as stored, as one process does): the
+        most rows any rank wrote, and token t's row ``r * most + i`` among every rank's written
+        rows (rank r's i-th). Derived on first use, by int8 steps only."""
+        rows: list[list[int]] = [[] for _ in range(self.world)]
+        for t, owner in enumerate(self._owners):
+            rows[owner].append(t)
+        most = max(1, max(len(r) for r in rows))
+        at = [0] * len(self._owners)
+        for r, own in enumerate(rows):
+            for i, t in enumerate(own):
+                at[t] = r * most + i
+        return most, _long(at, self._device)
 
     def _local_prefix(self, seq: StepSeq, block_size: int) -> tuple[list[int], int]:
         """This rank's local block ids holding the sequence's tokens that every new token sees
@@ -362,12 +371,13 @@ class PagedSPAttention:
         (a later row may have rescaled its page), dequantised: one all-gather of the rows each
         rank wrote. -> k, v [T, Hkv, D] in ``dtype``."""
         num_kv, d = k_cache.shape[2], k_cache.shape[3]
-        mine = torch.zeros((step.max_written, 2, num_kv, d), dtype=torch.float32, device=k_cache.device)
+        most, written_at = step.written
+        mine = torch.zeros((most, 2, num_kv, d), dtype=torch.float32, device=k_cache.device)
         n = step.write_slots.numel()
         if n:
             mine[:n, 0] = kv_quant.dequantize_rows(k_cache, quant["k_scale"], step.write_slots)
             mine[:n, 1] = kv_quant.dequantize_rows(v_cache, quant["v_scale"], step.write_slots)
-        every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.written_at)  # (T, 2, Hkv, D)
+        every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, written_at)  # (T, 2, Hkv, D)
         return every[:, 0].to(dtype), every[:, 1].to(dtype)
 
     def _cached_part(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
