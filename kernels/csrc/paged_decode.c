@@ -38,6 +38,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "split_merge.h"
 
 #define TILE 32       /* tokens scored together */
@@ -97,6 +101,19 @@ static inline void tile_rows(const void *cache, int dtype, const int64_t *slots,
             for (int x = 0; x < d; x++) dst[x] = (uint32_t)src[x] << 16;
             rows[j] = buf + (int64_t)j * d;
         }
+    }
+}
+
+/* bfloat16 pages: the tile's n whole K and V cache rows (every KV head; slots[0..n)) widened to
+ * float32 into kdst / vdst [n][row_elems], in token order: one pass over whole rows instead of
+ * one per KV head over its part of each row (see prefetch_rows for the figures). */
+static inline void widen_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots, int n,
+                              int row_elems, float *kdst, float *vdst) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *ks = k_cache + slots[j] * row_elems, *vs = v_cache + slots[j] * row_elems;
+        uint32_t *ko = (uint32_t *)(kdst + (int64_t)j * row_elems), *vo = (uint32_t *)(vdst + (int64_t)j * row_elems);
+        for (int x = 0; x < row_elems; x++) ko[x] = (uint32_t)ks[x] << 16;
+        for (int x = 0; x < row_elems; x++) vo[x] = (uint32_t)vs[x] << 16;
     }
 }
 
@@ -440,7 +457,11 @@ static inline void tile_pages(const int32_t *blocks, int block_size, int base, i
  * rows (48 KB for 32 float32 tokens of 3 heads of 64) overflow L1, and the tile's compute is
  * short next to its misses. Measured on the 2-core AMD EPYC, 30 layers' caches at 8K tokens
  * (9 / 3 heads, D 64), medians of 15, alternating builds (ad-hoc script): float32 27.8-28.0 ms
- * into L1 vs 23.8-26.3 into L2, bfloat16 24.9-25.0 vs 18.7-22.5; int8 pages ~25% faster (32K). */
+ * into L1 vs 23.8-26.3 into L2, bfloat16 24.9-25.0 vs 18.7-22.5; int8 pages ~25% faster (32K).
+ * The next tile's rows are asked for in num_kv parts, one before each KV head's work on this
+ * tile, not in one burst at its start (2026-11-25, same geometry, C harness, medians of 21,
+ * builds alternating: bfloat16 11.8-12.7 ms against 15.6-16.2 with the burst and per-head
+ * widening, int8 6.7-7.2 against 8.3-8.6, float32 unchanged at 20.7-21.6). */
 static inline void prefetch_rows(const void *cache, const int64_t *slots, int n, int row_bytes) {
 #ifdef HAVE_AVX2
     for (int j = 0; j < n; j++) {
@@ -460,7 +481,7 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
                          const float *k_scale, const float *v_scale, int dtype,
                          const int32_t *blocks, int block_size, int ctx_len, int q_len,
                          int num_heads, int num_kv, int d, const uint64_t *tail_words,
-                         int t0, int t1, float *m, float *l, float *acc_out) {
+                         int t0, int t1, float *m, float *l, float *acc_out, float *wide) {
     const int group = num_heads / num_kv;
     const int rows = q_len * group;
     const int first_new = ctx_len - q_len;
@@ -477,19 +498,28 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
         l[r] = 0.0f;
     }
     memset(acc_out, 0, sizeof(float) * num_kv * rows * d);
+    const int row_elems = num_kv * d;
+    float *kwide = wide, *vwide = wide ? wide + (int64_t)TILE * row_elems : NULL; /* bf16: widened tiles */
     int64_t slots[TILE], next_slots[TILE];
     tile_slots(blocks, block_size, t0, (t1 - t0 < TILE) ? t1 - t0 : TILE, next_slots);
     for (int base = t0; base < t1; base += TILE) {
         const int n = (t1 - base < TILE) ? t1 - base : TILE;
         memcpy(slots, next_slots, sizeof(int64_t) * n);
         if (dtype == 2) tile_pages(blocks, block_size, base, n, pages);
-        if (base + n < t1) { /* the next tile's rows are on their way while this one computes */
-            const int next = (t1 - base - n < TILE) ? t1 - base - n : TILE;
+        int next = 0; /* the next tile's rows are on their way while this one computes */
+        if (base + n < t1) {
+            next = (t1 - base - n < TILE) ? t1 - base - n : TILE;
             tile_slots(blocks, block_size, base + n, next, next_slots);
-            prefetch_rows(k_cache, next_slots, next, row_bytes);
-            prefetch_rows(v_cache, next_slots, next, row_bytes);
+        }
+        if (wide) {
+            widen_tile((const uint16_t *)k_cache, (const uint16_t *)v_cache, slots, n, row_elems, kwide, vwide);
         }
         for (int kvh = 0; kvh < num_kv; kvh++) {
+            if (next) { /* this head's share of the next tile's rows */
+                const int a = next * kvh / num_kv, b = next * (kvh + 1) / num_kv;
+                prefetch_rows(k_cache, next_slots + a, b - a, row_bytes);
+                prefetch_rows(v_cache, next_slots + a, b - a, row_bytes);
+            }
             const float *qh = qs + (int64_t)kvh * rows * d;
             float *mh = m + kvh * rows, *lh = l + kvh * rows;
             float *acc_h = acc_out + (int64_t)kvh * rows * d;
@@ -497,7 +527,10 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
                 i8_rows(k_cache, k_scale, slots, pages, n, num_kv, kvh, d, rows8, tscale);
                 i8_scores(qh, rows, rows8, tscale, n, d, kbuf, scores);
             } else {
-                tile_rows(k_cache, dtype, slots, n, num_kv, kvh, d, kbuf, krows);
+                if (wide)
+                    for (int j = 0; j < n; j++) krows[j] = kwide + (int64_t)j * row_elems + kvh * d;
+                else
+                    tile_rows(k_cache, dtype, slots, n, num_kv, kvh, d, kbuf, krows);
                 for (int r = 0; r < rows; r++) row_scores(qh + r * d, krows, n, d, scores[r]);
             }
             if (tail_words && base + n > first_new) {
@@ -509,7 +542,19 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
             }
             for (int r = 0; r < rows; r++) {
                 float peak = mh[r];
-                for (int j = 0; j < n; j++) peak = scores[r][j] > peak ? scores[r][j] : peak;
+                int j0 = 0;
+#ifdef HAVE_AVX2
+                if (n >= 8) { /* the tile's max in vectors: no chain of n dependent compares */
+                    __m256 most = _mm256_loadu_ps(scores[r]);
+                    for (j0 = 8; j0 + 8 <= n; j0 += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(scores[r] + j0));
+                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                    const float v = _mm_cvtss_f32(h);
+                    peak = v > peak ? v : peak;
+                }
+#endif
+                for (int j = j0; j < n; j++) peak = scores[r][j] > peak ? scores[r][j] : peak;
                 if (peak == -INFINITY) { /* nothing visible yet in this row */
                     for (int j = 0; j < n; j++) scores[r][j] = 0.0f;
                     continue;
@@ -528,7 +573,10 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
                 i8_rows(v_cache, v_scale, slots, pages, n, num_kv, kvh, d, rows8, tscale);
                 i8_accumulate(scores, rows, rows8, tscale, n, d, vbuf, acc_h);
             } else {
-                tile_rows(v_cache, dtype, slots, n, num_kv, kvh, d, vbuf, vrows);
+                if (wide)
+                    for (int j = 0; j < n; j++) vrows[j] = vwide + (int64_t)j * row_elems + kvh * d;
+                else
+                    tile_rows(v_cache, dtype, slots, n, num_kv, kvh, d, vbuf, vrows);
                 for (int r = 0; r < rows; r++) row_accumulate(scores[r], vrows, n, d, acc_h + r * d);
             }
         }
@@ -610,8 +658,23 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
             }
     }
     const int items = first_item[num_seqs];
+    /* bfloat16: per thread, a tile's K and V rows widened to float32 (2 x TILE x Hkv x D floats) */
+    const size_t wide_floats = dtype == 1 ? (size_t)2 * TILE * num_kv * d : 0;
+    float *wide_pool = wide_floats ? aligned_alloc(64, (wide_floats * sizeof(float) * (size_t)threads + 63) / 64 * 64)
+                                   : NULL;
+    if (wide_floats && !wide_pool) {
+        free(work);
+        free(q_at);
+        free(first_item);
+        return -4;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int item = 0; item < items; item++) {
+#ifdef _OPENMP
+        float *wide = wide_pool ? wide_pool + wide_floats * (size_t)omp_get_thread_num() : NULL;
+#else
+        float *wide = wide_pool;
+#endif
         int i = 0, hi = num_seqs - 1; /* the sequence: the last one whose first item <= item */
         while (i < hi) {
             const int mid = (i + hi + 1) / 2;
@@ -625,8 +688,9 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
         float *state = work + state_at[i] + (int64_t)split * all_rows * (d + 2);
         attend_split(work + q_at[i], k_cache, v_cache, k_scale, v_scale, dtype,
                      block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
-                     num_kv, d, tail, t0, t1, state, state + all_rows, state + 2 * all_rows);
+                     num_kv, d, tail, t0, t1, state, state + all_rows, state + 2 * all_rows, wide);
     }
+    free(wide_pool);
     /* merge: one flat loop over every sequence's rows */
     int64_t total_rows = 0;
     for (int i = 0; i < num_seqs; i++) total_rows += (int64_t)num_kv * (cu_q[seqs[i] + 1] - cu_q[seqs[i]]) * group;
