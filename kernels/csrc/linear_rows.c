@@ -206,35 +206,21 @@ static inline __attribute__((always_inline)) void row_dot(int WT, int MR, const 
     }
 }
 
-/* y[m][n] (with the epilogue) for the MR (1..3) x rows and weight rows n_begin .. n_end, one weight
- * row at a time. */
-static inline __attribute__((always_inline)) void rows_in_order(int WT, int MR, const void *w, int K,
-                                                                const float *x, int64_t ldx, Epilogue ep,
-                                                                int n_begin, int n_end, float *y,
-                                                                int64_t ldy) {
-    for (int n = n_begin; n < n_end; n++) {
-        float v[3];
-        row_dot(WT, MR, w, (int64_t)n * K, K, x, ldx, v);
-        for (int m = 0; m < MR; m++) {
-            float r = v[m];
-            if (ep.bias) r += ep.bias[n];
-            if (ep.res) r += ep.res[m * ep.ldr + n];
-            y[m * ldy + n] = r;
-        }
-    }
-}
-
-/* One tile (weight row n0 against MB x rows), stored into y with the epilogue. */
-static inline __attribute__((always_inline)) void run_tile(int WT, int MB, const void *w, int K, const float *x,
-                                                           int64_t ldx, Epilogue ep, int n0, float *y,
-                                                           int64_t ldy) {
+/* y[m][n] for MB (1..8) x rows against weight row n, with the epilogue: one to three rows by
+ * row_dot (the row read in address order), more by tile. MB is a constant at every call site. */
+static inline __attribute__((always_inline)) void weight_row(int WT, int MB, const void *w, int K, const float *x,
+                                                             int64_t ldx, Epilogue ep, int n, float *y,
+                                                             int64_t ldy) {
     float out[8];
-    tile(WT, MB, w, n0, K, x, ldx, out);
+    if (MB <= 3)
+        row_dot(WT, MB, w, (int64_t)n * K, K, x, ldx, out);
+    else
+        tile(WT, MB, w, n, K, x, ldx, out);
     for (int m = 0; m < MB; m++) {
         float v = out[m];
-        if (ep.bias) v += ep.bias[n0];
-        if (ep.res) v += ep.res[m * ep.ldr + n0];
-        y[m * ldy + n0] = v;
+        if (ep.bias) v += ep.bias[n];
+        if (ep.res) v += ep.res[m * ep.ldr + n];
+        y[m * ldy + n] = v;
     }
 }
 
@@ -250,36 +236,22 @@ static inline __attribute__((always_inline)) void slice(int WT, const float *x, 
                                                         int64_t ldy) {
     int m = 0;
     for (; m + 8 <= M; m += 8) /* eight rows against one weight row: each weight read once */
-        for (int n = n_begin; n < n_end; n++) run_tile(WT, 8, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
-    const int rest = M - m;
-    if (rest == 0) return;
+        for (int n = n_begin; n < n_end; n++) weight_row(WT, 8, w, K, x + m * ldx, ldx, tile_ep(ep, m), n, y + m * ldy, ldy);
     const float *xr = x + m * ldx;
     float *yr = y + m * ldy;
     const Epilogue er = tile_ep(ep, m);
-    int n = n_begin;
-    switch (rest) {
-    case 1: /* one to three rows: one weight row after another, in address order */
-        rows_in_order(WT, 1, w, K, xr, ldx, er, n_begin, n_end, yr, ldy);
-        break;
-    case 2:
-        rows_in_order(WT, 2, w, K, xr, ldx, er, n_begin, n_end, yr, ldy);
-        break;
-    case 3:
-        rows_in_order(WT, 3, w, K, xr, ldx, er, n_begin, n_end, yr, ldy);
-        break;
-    case 4:
-        for (; n < n_end; n++) run_tile(WT, 4, w, K, xr, ldx, er, n, yr, ldy);
-        break;
-    case 5:
-        for (; n < n_end; n++) run_tile(WT, 5, w, K, xr, ldx, er, n, yr, ldy);
-        break;
-    case 6:
-        for (; n < n_end; n++) run_tile(WT, 6, w, K, xr, ldx, er, n, yr, ldy);
-        break;
-    default:
-        for (; n < n_end; n++) run_tile(WT, 7, w, K, xr, ldx, er, n, yr, ldy);
-        break;
+#define REST_ROWS(MB) for (int n = n_begin; n < n_end; n++) weight_row(WT, MB, w, K, xr, ldx, er, n, yr, ldy)
+    switch (M - m) { /* the remaining rows, a constant count for each copy */
+    case 0: break;
+    case 1: REST_ROWS(1); break;
+    case 2: REST_ROWS(2); break;
+    case 3: REST_ROWS(3); break;
+    case 4: REST_ROWS(4); break;
+    case 5: REST_ROWS(5); break;
+    case 6: REST_ROWS(6); break;
+    default: REST_ROWS(7); break;
     }
+#undef REST_ROWS
 }
 
 #if HAVE_AVX2
