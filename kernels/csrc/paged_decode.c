@@ -224,23 +224,28 @@ static inline void row_accumulate(const float *p, const float **v, int n, int d,
     }
 }
 
-/* int8 pages (dtype 2). A tile's rows of head kvh are read where they lie in the pages (rows8),
- * and the scale of each token's page (tscale) multiplies its scores (K) and probabilities (V),
- * so the products run on the unscaled int8 values. With AVX-512 or AVX2 (and D a multiple of
- * the vector width) the products convert the bytes in registers, a vector at a time, once for
- * several query rows (I8_QK_ROWS, I8_PV_ROWS), and need no float copy of the tile (which cost
- * ~20% of a tile here): with AVX-512 a tile then runs at ~90% of the machine's FMA rate (9 query
- * / 3 KV heads, D 64, cache in L2). Else the rows are converted into float32 copies for the
- * float loops above. Scores of 4 keys are summed together (i8_sums), so a tile's tail reads a
- * zero row for the missing keys; scores[r] has room for them (TILE is a multiple of 4). */
+/* Products in registers. A tile's rows of head kvh are read where they lie in the pages
+ * (tile_ptrs), whatever their dtype, and each vector of a key or value is converted to float32 in
+ * a register (int8: sign-extend and convert; bfloat16: the high half of a float32; float32: a
+ * load) once for several query rows (QK_ROWS, PV_ROWS). That needs AVX2 (or AVX-512) and a head
+ * dim that is a multiple of the vector width (IN_REGS); else a tile's rows are converted into
+ * float32 copies for the float loops above. Scores of 4 keys are summed together (tile_sums), so
+ * a tile's tail reads a zero row for the missing keys; scores[r] has room for them (TILE is a
+ * multiple of 4). int8 pages (dtype 2) keep their scales out of the products: the scale of each
+ * token's page (tscale) multiplies its scores (K) and probabilities (V).
+ *
+ * Measured on the 2-core AMD EPYC with AVX-512 (9 / 3 heads, D 64, 30 layers' caches at 8K,
+ * libraries alternating): int8 pages reach ~90% of the machine's FMA rate with the cache in L2;
+ * see docs/kernels.md for bfloat16 and float32 against the copies they used before. */
 
-/* The rows (head kvh) of the tile's n tokens in the pages, and their pages' scales. */
-static inline void i8_rows(const void *cache, const float *scale, const int64_t *slots,
-                           const int64_t *pages, int n, int num_kv, int kvh, int d,
-                           const int8_t **rows8, float *tscale) {
+/* The rows (head kvh) of the tile's n tokens in the pages; int8: their pages' scales too. */
+static inline void tile_ptrs(const void *cache, int dtype, const float *scale, const int64_t *slots,
+                             const int64_t *pages, int n, int num_kv, int kvh, int d,
+                             const void **rows, float *tscale) {
+    const int elem = dtype == 0 ? 4 : dtype == 1 ? 2 : 1;
     for (int j = 0; j < n; j++) {
-        rows8[j] = (const int8_t *)cache + (slots[j] * num_kv + kvh) * (int64_t)d;
-        tscale[j] = scale[pages[j] * num_kv + kvh];
+        rows[j] = (const char *)cache + (slots[j] * num_kv + kvh) * (int64_t)d * elem;
+        if (dtype == 2) tscale[j] = scale[pages[j] * num_kv + kvh];
     }
 }
 
@@ -248,38 +253,54 @@ static inline void i8_rows(const void *cache, const float *scale, const int64_t 
 #define INLINE static inline __attribute__((always_inline))
 #ifdef HAVE_AVX512
 typedef __m512 vec;
-#define VW 16         /* floats per vector */
-#define I8_QK_ROWS 4  /* query rows scored together: 4 x 4 sums, 4 keys and a query in registers */
-#define I8_PV_ROWS 4  /* rows accumulated together ... */
-#define I8_PV_VECS 4  /* ... over this many vectors of D: 16 sums, 4 values, a probability */
+#define VW 16      /* floats per vector */
+#define QK_ROWS 4  /* query rows scored together: 4 x 4 sums, 4 keys and a query in registers */
+#define PV_ROWS 4  /* rows accumulated together ... */
+#define PV_VECS 4  /* ... over this many vectors of D: 16 sums, 4 values, a probability */
 #define vzero _mm512_setzero_ps
 #define vset1 _mm512_set1_ps
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
 #define vfma _mm512_fmadd_ps
-/* VW int8 values as float32. */
-INLINE vec i8vec(const int8_t *src) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+/* VW values of a row of the given dtype (a constant where this is inlined) as float32. */
+INLINE vec kv_vec(const void *row, int dtype, int x) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)row + x);
+    if (dtype == 1)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + x))), 16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + x))));
 }
 #else
 typedef __m256 vec;
 #define VW 8
-#define I8_QK_ROWS 2 /* 16 registers: 2 x 4 sums, 4 keys and a query */
-#define I8_PV_ROWS 4
-#define I8_PV_VECS 2
+#define QK_ROWS 2 /* 16 registers: 2 x 4 sums, 4 keys and a query */
+#define PV_ROWS 4
+#define PV_VECS 2
 #define vzero _mm256_setzero_ps
 #define vset1 _mm256_set1_ps
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
 #define vfma _mm256_fmadd_ps
-INLINE vec i8vec(const int8_t *src) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+INLINE vec kv_vec(const void *row, int dtype, int x) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)row + x);
+    if (dtype == 1)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + x))), 16));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + x))));
 }
 #endif
+#define IN_REGS(d) ((d) % VW == 0)
+/* Float pages take the products in registers with AVX-512 only: with AVX2 (4 keys x 2 query
+ * rows) the float32 / widened-copy loops measured faster (docs/kernels.md). */
+#ifdef HAVE_AVX512
+#define FLOAT_IN_REGS(d) IN_REGS(d)
+#else
+#define FLOAT_IN_REGS(d) 0
+#endif
 
-/* Horizontal sums of a[0 .. 4 I8_QK_ROWS): sum r * 4 + t lands in floats 4r .. 4r + 3 of the
+/* Horizontal sums of a[0 .. 4 QK_ROWS): sum r * 4 + t lands in floats 4r .. 4r + 3 of the
  * result, so each 128-bit lane holds one row's scores of 4 keys. */
-INLINE vec i8_sums(const vec *a) {
+INLINE vec tile_sums(const vec *a) {
 #ifdef HAVE_AVX512
     __m512 t[8], u[4];
     for (int i = 0; i < 8; i++) /* 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
@@ -301,13 +322,14 @@ INLINE vec i8_sums(const vec *a) {
 #endif
 }
 
-/* scores[r][j0 .. j0 + 4) = q_r . k_t for the nr (<= I8_QK_ROWS) rows at q (stride d) and 4
- * int8 rows k (d a multiple of VW). */
-INLINE void qk_i8(const float *q, int nr, const int8_t *const *k, int d, float (*scores)[TILE], int j0) {
-    vec a[4 * I8_QK_ROWS];
-    for (int i = 0; i < 4 * I8_QK_ROWS; i++) a[i] = vzero();
+/* scores[r][j0 .. j0 + 4) = q_r . k_t for the nr (<= QK_ROWS) rows at q (stride d) and 4 rows
+ * k of the given dtype (d a multiple of VW). */
+INLINE void qk_regs(const float *q, int nr, const void *const *k, int dtype, int d, float (*scores)[TILE], int j0) {
+    vec a[4 * QK_ROWS];
+    for (int i = 0; i < 4 * QK_ROWS; i++) a[i] = vzero();
     for (int x = 0; x < d; x += VW) {
-        const vec w0 = i8vec(k[0] + x), w1 = i8vec(k[1] + x), w2 = i8vec(k[2] + x), w3 = i8vec(k[3] + x);
+        const vec w0 = kv_vec(k[0], dtype, x), w1 = kv_vec(k[1], dtype, x), w2 = kv_vec(k[2], dtype, x),
+                  w3 = kv_vec(k[3], dtype, x);
         for (int r = 0; r < nr; r++) {
             const vec qv = vload(q + (int64_t)r * d + x);
             a[4 * r] = vfma(qv, w0, a[4 * r]);
@@ -316,21 +338,21 @@ INLINE void qk_i8(const float *q, int nr, const int8_t *const *k, int d, float (
             a[4 * r + 3] = vfma(qv, w3, a[4 * r + 3]);
         }
     }
-    float sums[VW]; /* 4 * I8_QK_ROWS */
-    vstore(sums, i8_sums(a));
+    float sums[VW]; /* 4 * QK_ROWS */
+    vstore(sums, tile_sums(a));
     for (int r = 0; r < nr; r++) memcpy(scores[r] + j0, sums + 4 * r, 4 * sizeof(float));
 }
 
-/* acc rows 0 .. nr (<= I8_PV_ROWS, stride d), columns x0 .. x0 + VW nv (nv <= I8_PV_VECS):
- * += sum over the n tokens of p[r][j] * v_j. */
-INLINE void pv_i8(float (*p)[TILE], int nr, const int8_t *const *v, int n, int x0, int nv,
-                  float *acc, int d) {
-    vec c[I8_PV_ROWS][I8_PV_VECS];
+/* acc rows 0 .. nr (<= PV_ROWS, stride d), columns x0 .. x0 + VW nv (nv <= PV_VECS):
+ * += sum over the n tokens of p[r][j] * v_j (rows of the given dtype). */
+INLINE void pv_regs(float (*p)[TILE], int nr, const void *const *v, int dtype, int n, int x0, int nv,
+                    float *acc, int d) {
+    vec c[PV_ROWS][PV_VECS];
     for (int r = 0; r < nr; r++)
         for (int u = 0; u < nv; u++) c[r][u] = vload(acc + (int64_t)r * d + x0 + VW * u);
     for (int j = 0; j < n; j++) {
-        vec w[I8_PV_VECS];
-        for (int u = 0; u < nv; u++) w[u] = i8vec(v[j] + x0 + VW * u);
+        vec w[PV_VECS];
+        for (int u = 0; u < nv; u++) w[u] = kv_vec(v[j], dtype, x0 + VW * u);
         for (int r = 0; r < nr; r++) {
             const vec pj = vset1(p[r][j]);
             for (int u = 0; u < nv; u++) c[r][u] = vfma(pj, w[u], c[r][u]);
@@ -342,80 +364,104 @@ INLINE void pv_i8(float (*p)[TILE], int nr, const int8_t *const *v, int n, int x
 
 #define CAP(x, most) ((x) < (most) ? (x) : (most)) /* keeps unreachable cases in bounds */
 
-/* pv_i8 with nr (<= I8_PV_ROWS) and nv (<= I8_PV_VECS) made constants, so each copy keeps its
- * sums in registers. */
-#define PV_I8_WIDTHS(NR)                                                        \
-    switch (nv) {                                                               \
-    case 1: pv_i8(p, NR, v, n, x0, 1, acc, d); break;                           \
-    case 2: pv_i8(p, NR, v, n, x0, CAP(2, I8_PV_VECS), acc, d); break;          \
-    case 3: pv_i8(p, NR, v, n, x0, CAP(3, I8_PV_VECS), acc, d); break;          \
-    default: pv_i8(p, NR, v, n, x0, I8_PV_VECS, acc, d); break;                 \
+/* qk_regs with nr (<= QK_ROWS) and the dtype made constants. */
+#define QK_ROWS_OF(DT)                                                                       \
+    switch (nr) {                                                                            \
+    case 1: qk_regs(q, 1, k, DT, d, scores, j0); break;                                      \
+    case 2: qk_regs(q, CAP(2, QK_ROWS), k, DT, d, scores, j0); break;                        \
+    case 3: qk_regs(q, CAP(3, QK_ROWS), k, DT, d, scores, j0); break;                        \
+    default: qk_regs(q, QK_ROWS, k, DT, d, scores, j0); break;                               \
     }
-static void pv_i8_any(float (*p)[TILE], int nr, const int8_t *const *v, int n, int x0, int nv,
-                      float *acc, int d) {
-    switch (nr) {
-    case 1: PV_I8_WIDTHS(1) break;
-    case 2: PV_I8_WIDTHS(CAP(2, I8_PV_ROWS)) break;
-    case 3: PV_I8_WIDTHS(CAP(3, I8_PV_ROWS)) break;
-    default: PV_I8_WIDTHS(I8_PV_ROWS) break;
+static void qk_any(const float *q, int nr, const void *const *k, int dtype, int d, float (*scores)[TILE], int j0) {
+    switch (FLOAT_IN_REGS(d) ? dtype : 2) { /* float dtypes come here only where FLOAT_IN_REGS */
+    case 0: QK_ROWS_OF(0) break;
+    case 1: QK_ROWS_OF(1) break;
+    default: QK_ROWS_OF(2) break;
     }
 }
-#undef PV_I8_WIDTHS
+#undef QK_ROWS_OF
+
+/* pv_regs with nr (<= PV_ROWS), nv (<= PV_VECS) and the dtype made constants, so each copy keeps
+ * its sums in registers. */
+#define PV_WIDTHS(NR, DT)                                                            \
+    switch (nv) {                                                                    \
+    case 1: pv_regs(p, NR, v, DT, n, x0, 1, acc, d); break;                          \
+    case 2: pv_regs(p, NR, v, DT, n, x0, CAP(2, PV_VECS), acc, d); break;            \
+    case 3: pv_regs(p, NR, v, DT, n, x0, CAP(3, PV_VECS), acc, d); break;            \
+    default: pv_regs(p, NR, v, DT, n, x0, PV_VECS, acc, d); break;                   \
+    }
+#define PV_ROWS_OF(DT)                                                               \
+    switch (nr) {                                                                    \
+    case 1: PV_WIDTHS(1, DT) break;                                                  \
+    case 2: PV_WIDTHS(CAP(2, PV_ROWS), DT) break;                                    \
+    case 3: PV_WIDTHS(CAP(3, PV_ROWS), DT) break;                                    \
+    default: PV_WIDTHS(PV_ROWS, DT) break;                                           \
+    }
+static void pv_any(float (*p)[TILE], int nr, const void *const *v, int dtype, int n, int x0, int nv,
+                   float *acc, int d) {
+    switch (FLOAT_IN_REGS(d) ? dtype : 2) { /* float dtypes come here only where FLOAT_IN_REGS */
+    case 0: PV_ROWS_OF(0) break;
+    case 1: PV_ROWS_OF(1) break;
+    default: PV_ROWS_OF(2) break;
+    }
+}
+#undef PV_ROWS_OF
+#undef PV_WIDTHS
+#else
+#define IN_REGS(d) 0
+#define FLOAT_IN_REGS(d) 0
 #endif
 
-/* scores[r][j] = k_scale_j (q_r . k_j) for the rows rows of q (stride d) and the tile's n
- * int8 rows k. buf: n * d floats for the float copies. */
-static void i8_scores(const float *q, int rows, const int8_t *const *k, const float *tscale, int n,
-                      int d, float *buf, float (*scores)[TILE]) {
+/* scores[r][j] = q_r . k_j (int8: times k_scale_j) for the rows rows of q (stride d) and the
+ * tile's n rows k. Float dtypes come here only where FLOAT_IN_REGS(d); int8 always (buf: n * d floats
+ * for the float copies where the products cannot run in registers). */
+static void tile_scores(const float *q, int rows, const void *const *k, int dtype, const float *tscale, int n,
+                        int d, float *buf, float (*scores)[TILE]) {
 #ifdef HAVE_AVX2
-    static const int8_t zero[MAX_D] = {0};
-    if (d % VW == 0) {
+    static const float zero[MAX_D] = {0}; /* room for a row of any dtype */
+    if (IN_REGS(d)) {
         for (int j0 = 0; j0 < n; j0 += 4) { /* a key past n reads zeros (scores[r] has room) */
-            const int8_t *k4[4];
-            for (int t = 0; t < 4; t++) k4[t] = j0 + t < n ? k[j0 + t] : zero;
-            for (int r0 = 0; r0 < rows; r0 += I8_QK_ROWS) {
-                const float *qr = q + (int64_t)r0 * d;
-                switch (rows - r0 < I8_QK_ROWS ? rows - r0 : I8_QK_ROWS) { /* constant row counts */
-                case 1: qk_i8(qr, 1, k4, d, scores + r0, j0); break;
-                case 2: qk_i8(qr, CAP(2, I8_QK_ROWS), k4, d, scores + r0, j0); break;
-                case 3: qk_i8(qr, CAP(3, I8_QK_ROWS), k4, d, scores + r0, j0); break;
-                default: qk_i8(qr, I8_QK_ROWS, k4, d, scores + r0, j0); break;
-                }
-            }
+            const void *k4[4];
+            for (int t = 0; t < 4; t++) k4[t] = j0 + t < n ? k[j0 + t] : (const void *)zero;
+            for (int r0 = 0; r0 < rows; r0 += QK_ROWS)
+                qk_any(q + (int64_t)r0 * d, rows - r0 < QK_ROWS ? rows - r0 : QK_ROWS, k4, dtype, d, scores + r0, j0);
         }
     } else
 #endif
     {
         const float *kf[TILE];
         for (int j = 0; j < n; j++) {
-            int8_row(k[j], d, buf + (int64_t)j * d);
+            int8_row((const int8_t *)k[j], d, buf + (int64_t)j * d);
             kf[j] = buf + (int64_t)j * d;
         }
         for (int r = 0; r < rows; r++) row_scores(q + (int64_t)r * d, kf, n, d, scores[r]);
     }
-    for (int r = 0; r < rows; r++) {
-        float *sr = scores[r];
+    if (dtype == 2)
+        for (int r = 0; r < rows; r++) {
+            float *sr = scores[r];
 #pragma omp simd
-        for (int j = 0; j < n; j++) sr[j] *= tscale[j];
-    }
+            for (int j = 0; j < n; j++) sr[j] *= tscale[j];
+        }
 }
 
-/* acc[r] += sum_j p[r][j] v_scale_j v_j over the tile's n int8 rows v, for the rows rows of acc
- * (stride d); p is scaled in place (the caller has its sums already). buf as for i8_scores. */
-static void i8_accumulate(float (*p)[TILE], int rows, const int8_t *const *v, const float *tscale,
-                          int n, int d, float *buf, float *acc) {
-    for (int r = 0; r < rows; r++) {
-        float *pr = p[r];
+/* acc[r] += sum_j p[r][j] v_j (int8: p[r][j] scaled by v_scale_j in place, the caller has its
+ * sums already) over the tile's n rows v, for the rows rows of acc (stride d). Float dtypes and
+ * buf as for tile_scores. */
+static void tile_accumulate(float (*p)[TILE], int rows, const void *const *v, int dtype, const float *tscale,
+                            int n, int d, float *buf, float *acc) {
+    if (dtype == 2)
+        for (int r = 0; r < rows; r++) {
+            float *pr = p[r];
 #pragma omp simd
-        for (int j = 0; j < n; j++) pr[j] *= tscale[j];
-    }
+            for (int j = 0; j < n; j++) pr[j] *= tscale[j];
+        }
 #ifdef HAVE_AVX2
-    if (d % VW == 0) {
-        for (int r0 = 0; r0 < rows; r0 += I8_PV_ROWS) {
-            const int nr = rows - r0 < I8_PV_ROWS ? rows - r0 : I8_PV_ROWS;
-            for (int x0 = 0; x0 < d; x0 += VW * I8_PV_VECS) {
-                const int nv = (d - x0) / VW < I8_PV_VECS ? (d - x0) / VW : I8_PV_VECS;
-                pv_i8_any(p + r0, nr, v, n, x0, nv, acc + (int64_t)r0 * d, d);
+    if (IN_REGS(d)) {
+        for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
+            const int nr = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
+            for (int x0 = 0; x0 < d; x0 += VW * PV_VECS) {
+                const int nv = (d - x0) / VW < PV_VECS ? (d - x0) / VW : PV_VECS;
+                pv_any(p + r0, nr, v, dtype, n, x0, nv, acc + (int64_t)r0 * d, d);
             }
         }
         return;
@@ -423,7 +469,7 @@ static void i8_accumulate(float (*p)[TILE], int rows, const int8_t *const *v, co
 #endif
     const float *vf[TILE];
     for (int j = 0; j < n; j++) {
-        int8_row(v[j], d, buf + (int64_t)j * d);
+        int8_row((const int8_t *)v[j], d, buf + (int64_t)j * d);
         vf[j] = buf + (int64_t)j * d;
     }
     for (int r = 0; r < rows; r++) row_accumulate(p[r], vf, n, d, acc + (int64_t)r * d);
@@ -487,10 +533,11 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
     const int first_new = ctx_len - q_len;
     const int elem = dtype == 0 ? 4 : dtype == 1 ? 2 : 1;
     const int row_bytes = num_kv * d * elem;
+    const int regs = dtype == 2 || FLOAT_IN_REGS(d); /* products on the page rows, converted in registers */
     float scores[MAX_ROWS][TILE];
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D];
     const float *krows[TILE], *vrows[TILE];
-    const int8_t *rows8[TILE]; /* int8: the tile's rows of one head in the pages */
+    const void *kv[TILE];      /* in registers: the tile's rows of one head in the pages */
     float tscale[TILE];        /* int8: their pages' scales */
     int64_t pages[TILE];       /* int8: their pages */
     for (int r = 0; r < num_kv * rows; r++) {
@@ -523,9 +570,9 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
             const float *qh = qs + (int64_t)kvh * rows * d;
             float *mh = m + kvh * rows, *lh = l + kvh * rows;
             float *acc_h = acc_out + (int64_t)kvh * rows * d;
-            if (dtype == 2) {
-                i8_rows(k_cache, k_scale, slots, pages, n, num_kv, kvh, d, rows8, tscale);
-                i8_scores(qh, rows, rows8, tscale, n, d, kbuf, scores);
+            if (regs) {
+                tile_ptrs(k_cache, dtype, k_scale, slots, pages, n, num_kv, kvh, d, kv, tscale);
+                tile_scores(qh, rows, kv, dtype, tscale, n, d, kbuf, scores);
             } else {
                 if (wide)
                     for (int j = 0; j < n; j++) krows[j] = kwide + (int64_t)j * row_elems + kvh * d;
@@ -569,9 +616,9 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
                     for (int x = 0; x < d; x++) acc[x] *= correction;
                 }
             }
-            if (dtype == 2) {
-                i8_rows(v_cache, v_scale, slots, pages, n, num_kv, kvh, d, rows8, tscale);
-                i8_accumulate(scores, rows, rows8, tscale, n, d, vbuf, acc_h);
+            if (regs) {
+                tile_ptrs(v_cache, dtype, v_scale, slots, pages, n, num_kv, kvh, d, kv, tscale);
+                tile_accumulate(scores, rows, kv, dtype, tscale, n, d, vbuf, acc_h);
             } else {
                 if (wide)
                     for (int j = 0; j < n; j++) vrows[j] = vwide + (int64_t)j * row_elems + kvh * d;
@@ -659,7 +706,7 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
     }
     const int items = first_item[num_seqs];
     /* bfloat16: per thread, a tile's K and V rows widened to float32 (2 x TILE x Hkv x D floats) */
-    const size_t wide_floats = dtype == 1 ? (size_t)2 * TILE * num_kv * d : 0;
+    const size_t wide_floats = dtype == 1 && !FLOAT_IN_REGS(d) ? (size_t)2 * TILE * num_kv * d : 0;
     float *wide_pool = wide_floats ? aligned_alloc(64, (wide_floats * sizeof(float) * (size_t)threads + 63) / 64 * 64)
                                    : NULL;
     if (wide_floats && !wide_pool) {
