@@ -9,7 +9,7 @@ schemas differ) and writes, with matplotlib's Agg backend:
 * ``prefix.png``       time to first token per prefix-store tier (the newest ``prefix-*.json``);
 * ``lookahead.png``    decode tokens/s and lookahead speedup per prompt (``lookahead-*.json``);
 * ``parallel.png``     sequence parallelism, N = 1 vs N = 2 ranks (``parallel-*.json``);
-* ``e2e-history.png``  8K prefill and decode at 8K, longctx and HF, in every ``e2e-*.json`` run;
+* ``e2e-history.png``  8K prefill and decode at 8K, longctx, HF and vLLM-CPU, in every ``e2e-*.json`` run;
 * ``long-context.png`` decode ms/token and prefill time vs context, float32 vs int8 KV pages
                        (the newest ``long-*.json``, from ``bench_long.py``).
 
@@ -34,9 +34,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-COLORS = {"longctx-fp32": "tab:blue", "longctx-bf16": "tab:cyan", "hf-fp32": "tab:orange"}
+COLORS = {"longctx-fp32": "tab:blue", "longctx-bf16": "tab:cyan", "hf-fp32": "tab:orange",
+          "vllm-fp32": "tab:red", "vllm-bf16": "tab:pink"}
 LABELS = {"longctx-fp32": "longctx fp32", "longctx-bf16": "longctx bf16",
-          "hf-fp32": "HF transformers fp32"}
+          "hf-fp32": "HF transformers fp32", "vllm-fp32": "vLLM-CPU fp32", "vllm-bf16": "vLLM-CPU bf16"}
 TIER_LABELS = {"cold": "cold\n(nothing cached)", "device_hit": "device hit", "host_hit": "host hit",
                "disk_hit": "disk hit\n(fresh process)", "hf": "HF transformers\n(recomputes)"}
 
@@ -391,7 +392,7 @@ def plot_history(results, folder, out: Path) -> None:
         cpu = m.get("cpu", "?").replace("(R)", "").replace(" Processor", "")
         labels.append(f"{m.get('git_rev', '?').removesuffix('-dirty')}\n{cpu}")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for engine in ("hf-fp32", "longctx-fp32", "longctx-bf16"):
+    for engine in ("hf-fp32", "vllm-fp32", "vllm-bf16", "longctx-fp32", "longctx-bf16"):
         pre, dec = [], []
         for n, d in runs:
             r = (d.get("results") or {}).get(engine) or {}
@@ -410,7 +411,7 @@ def plot_history(results, folder, out: Path) -> None:
                 if y is not None:
                     segment.append((i, y))
     for ax, ylabel in ((ax1, "prefill of 8,000 tokens (s)"), (ax2, "decode at 8K context (ms per token)")):
-        ax.set_xticks(range(len(runs)), labels, fontsize=7)
+        ax.set_xticks(range(len(runs)), labels, fontsize=7, rotation=60, ha="right")
         ax.set_xlabel("run (git revision, CPU), oldest to newest commit")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
