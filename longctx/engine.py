@@ -35,7 +35,7 @@ from longctx.lookahead.controller import LookaheadController
 from longctx.lookahead.tree import DraftTree
 from longctx.model.config import ModelConfig
 from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
-from longctx.model.loader import TORCH_DTYPES, load_model, model_fingerprint, resolve_model
+from longctx.model.loader import TORCH_DTYPES, load_model, load_row_kernel_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.runner import ModelRunner
 from longctx.runner import SeqResult
@@ -142,17 +142,17 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
         # Flushing them to zero changes values below 1e-38 only.
         torch.set_flush_denormal(True)
     dtype = TORCH_DTYPES[load.dtype]
+    cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
+    if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
+        return load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling), cpu_matmul
     model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling)
     if device.type != "cpu":
         return model, None
-    cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype)
     if cpu_matmul == "onednn" and load.cpu_matmul == "auto" and parallel.sequence_parallel_size > 1:
         # the ranks share the weights through shared memory, which oneDNN's packed (opaque)
         # tensors cannot join: keep them as plain BLAS matrices
         cpu_matmul = "blas"
-    if cpu_matmul == "kernel":
-        model.use_row_kernel()
-    elif cpu_matmul == "onednn":
+    if cpu_matmul == "onednn":
         model.pack_linears_onednn()
     return model, cpu_matmul
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from longctx.model import loader
-from tiny_models import make_checkpoint, write_gguf
+from longctx.model.llama import Linear, LlamaForCausalLM
+from tiny_models import make_checkpoint, write_char_tokenizer, write_gguf
 
 
 @pytest.fixture()
@@ -78,3 +79,130 @@ def test_kernels_installs_only_under_longctx(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             check=True)
     assert result.stdout.split() == ["True", "True"]
+
+
+# ---------------------------------------------------------------- the row kernel's layout cache
+
+def _gguf_of(tmp_path, kind: str):
+    hf = make_checkpoint(tmp_path / f"hf-{kind}", kind)
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(path, hf)
+    return path
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges of ``path`` in this process's memory maps."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+def _row_state_equal(a, b) -> bool:
+    (sa, ta), (sb, tb) = a.row_kernel_state(), b.row_kernel_state()
+    return ta == tb and sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("kind", ["llama-default", "llama-tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_layout_cache_hit_maps_the_file_and_holds_the_same_tensors(tmp_path, monkeypatch, kind, dtype):
+    """First load builds the row-kernel model and writes rows-<dtype>.safetensors; the second
+    neither reads the GGUF nor the converted cache, holds the same tensors, and every matrix
+    (and the embedding) lies inside the file's mapping: views of it, not copies."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, kind)
+    fresh = loader.load_row_kernel_model(str(path), dtype)
+    weights, sidecar = loader._row_cache_files(loader.cache_dir_for(path), dtype)
+    assert weights.is_file() and json.loads(sidecar.read_text())["tied"] == (kind == "llama-tied")
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the model was converted again despite a valid row-layout cache")
+
+    monkeypatch.setattr(loader, "load_state", no_conversion)
+    cached = loader.load_row_kernel_model(str(path), dtype)
+    assert _row_state_equal(fresh, cached)
+    ranges = _mapped_ranges(weights.resolve())
+    assert ranges, "the row-layout cache file is not memory-mapped"
+    held = [m.weight for m in cached.modules() if isinstance(m, Linear)] + [cached.embed_tokens.weight]
+    for t in held:
+        assert t.dtype == dtype
+        assert any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges), \
+            "a matrix of the cached model is a copy, not a view of the mapped file"
+    if kind == "llama-tied":
+        assert cached.lm_head.weight.data_ptr() == cached.embed_tokens.weight.data_ptr()
+
+
+def test_row_layout_cache_keeps_dtypes_apart_and_takes_a_rope_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, "llama-default")
+    fp32 = loader.load_row_kernel_model(str(path), torch.float32)
+    bf16 = loader.load_row_kernel_model(str(path), torch.bfloat16)
+    folder = loader.cache_dir_for(path)
+    assert all(loader._row_cache_files(folder, d)[0].is_file() for d in (torch.float32, torch.bfloat16))
+    assert fp32.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert bf16.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    stretched = loader.load_row_kernel_model(str(path), torch.float32,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert stretched.config.rope_scaling.rope_type == "linear" and stretched.config.rope_scaling.factor == 2.0
+    again = loader.load_row_kernel_model(str(path), torch.float32)  # the cache keeps the checkpoint's RoPE
+    assert again.config == fp32.config and again.config.rope_scaling.rope_type != "linear"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "wrong_dtype"])
+def test_damaged_row_layout_cache_is_rebuilt_not_used(tmp_path, monkeypatch, caplog, damage):
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, "llama-default")
+    fresh = loader.load_row_kernel_model(str(path), torch.float32)
+    folder = loader.cache_dir_for(path)
+    weights, sidecar = loader._row_cache_files(folder, torch.float32)
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[-10] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        info = json.loads(sidecar.read_text())
+        info["dtype"] = "torch.bfloat16"
+        sidecar.write_text(json.dumps(info))
+    with caplog.at_level(logging.WARNING):
+        reloaded = loader.load_row_kernel_model(str(path), torch.float32)
+    assert "rebuilding" in caplog.text
+    assert _row_state_equal(fresh, reloaded)
+    assert loader._load_row_cache(folder, torch.float32) is not None  # rewritten, valid again
+
+
+def test_row_kernel_state_that_does_not_fit_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    model = loader.load_row_kernel_model(str(_gguf_of(tmp_path, "llama-default")), torch.float32)
+    state, tied = model.row_kernel_state()
+    missing = {k: v for k, v in state.items() if k != "layers.0.mlp.down_proj.weight"}
+    with pytest.raises(ValueError, match="lacks layers.0.mlp.down_proj.weight"):
+        LlamaForCausalLM.from_row_kernel_state(model.config, missing, tied)
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.o_proj.weight is \("):
+        LlamaForCausalLM.from_row_kernel_state(
+            model.config, {**state, "layers.0.self_attn.o_proj.weight": state["layers.0.self_attn.o_proj.weight"].t()[:-1]},
+            tied)
+    with pytest.raises(ValueError, match="does not"):
+        LlamaForCausalLM.from_row_kernel_state(model.config, {**state, "extra.weight": torch.zeros(1)}, tied)
+
+
+def test_engine_loads_the_row_kernel_model_from_its_cache(tmp_path, monkeypatch):
+    """LLM(cpu_matmul='kernel') twice on a GGUF model: the second engine loads from the
+    row-layout cache and generates the same tokens with the same log-probabilities."""
+    from longctx import LLM, SamplingParams
+
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, "llama-default")
+    write_char_tokenizer(loader.cache_dir_for(path) / "tokenizer")  # the tiny GGUF carries none
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(10, 60))}
+    first = LLM(str(path), cpu_matmul="kernel", lookahead=False, kv_cache_gb=0.05).generate(prompt, params)[0]
+    monkeypatch.setattr(loader, "load_state", lambda *a, **k: (_ for _ in ()).throw(AssertionError("converted")))
+    second = LLM(str(path), cpu_matmul="kernel", lookahead=False, kv_cache_gb=0.05).generate(prompt, params)[0]
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert first.outputs[0].logprobs == second.outputs[0].logprobs

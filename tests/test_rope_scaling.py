@@ -203,18 +203,22 @@ def test_default_model_two_layers_at_32k_matches_hf(monkeypatch):
     prompt through the engine (chunked prefill, paged KV): the last-position logits equal HF's
     within the real-model tolerance (1e-3 relative)."""
     import longctx.engine as engine_module
-    from longctx.model.loader import load_model
+    from longctx.model.loader import load_model, load_row_kernel_model
 
     path = _gguf()
     torch.set_num_threads(2)
 
-    def two_layers(*args, **kwargs):
-        model = load_model(*args, **kwargs)
-        model.layers = model.layers[:REAL_LAYERS]
-        model.config = dataclasses.replace(model.config, num_hidden_layers=REAL_LAYERS)
-        return model
+    def two_layers(load):
+        def cut(*args, **kwargs):
+            model = load(*args, **kwargs)
+            model.layers = model.layers[:REAL_LAYERS]
+            model.config = dataclasses.replace(model.config, num_hidden_layers=REAL_LAYERS)
+            return model
+        return cut
 
-    monkeypatch.setattr(engine_module, "load_model", two_layers)
+    # the engine loads through one or the other, by its CPU matmul path
+    monkeypatch.setattr(engine_module, "load_model", two_layers(load_model))
+    monkeypatch.setattr(engine_module, "load_row_kernel_model", two_layers(load_row_kernel_model))
     llm = LLM("smollm2-135m", max_model_len=32768, rope_scaling=REAL_OVERRIDE, block_size=64,
               max_num_batched_tokens=2048, lookahead=False, enable_prefix_caching=False)
     assert llm.engine.model_config.max_position_embeddings == 8192

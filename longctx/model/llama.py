@@ -267,6 +267,60 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight.detach()
         self.act_dtype = torch.float32
 
+    def row_kernel_state(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """After ``use_row_kernel``: every tensor the model holds, by name (each matrix as
+        ``<linear>.weight`` [out, in]), and whether the LM head is the embedding's memory (then
+        it is not in the dict). What the loader's row-layout cache stores."""
+        if not self.uses_row_kernel():
+            raise ValueError("row_kernel_state needs a model held for the row kernel (use_row_kernel)")
+        state: dict[str, torch.Tensor] = {}
+        for prefix, module in self.named_modules():
+            at = f"{prefix}." if prefix else ""
+            state.update({at + n: p.detach() for n, p in module._parameters.items() if p is not None})
+            if isinstance(module, Linear) and module.weight is not None:
+                state[at + "weight"] = module.weight
+        tied = self.lm_head.weight is not None and self.lm_head.weight.data_ptr() == self.embed_tokens.weight.data_ptr()
+        if tied:
+            del state["lm_head.weight"]
+        return state, tied
+
+    @classmethod
+    def from_row_kernel_state(cls, config: ModelConfig, state: dict[str, torch.Tensor],
+                              tied: bool) -> "LlamaForCausalLM":
+        """The model ``use_row_kernel`` leaves, holding ``state``'s tensors themselves (no
+        copies: views of a memory-mapped file stay views). Raises ValueError when ``state``
+        does not fit the model (a name missing or left over, a shape that differs)."""
+        with torch.device("meta"):
+            model = cls(config)
+        state = dict(state)
+
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"row-kernel state lacks {name}")
+            t = state.pop(name)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"row-kernel state: {name} is {tuple(t.shape)}, the model needs {shape}")
+            return t
+
+        for prefix, module in model.named_modules():
+            at = f"{prefix}." if prefix else ""
+            if isinstance(module, Linear):
+                in_features, out_features = module.weight_t.shape
+                module.weight_t = None
+                if not (tied and module is model.lm_head):
+                    module.weight = take(at + "weight", (out_features, in_features))
+            for name, param in module._parameters.items():
+                if param is not None:
+                    module._parameters[name] = nn.Parameter(take(at + name, tuple(param.shape)), requires_grad=False)
+        if state:
+            raise ValueError(f"row-kernel state has tensors the model does not: {sorted(state)[:5]}")
+        if tied:
+            if tuple(model.embed_tokens.weight.shape) != (config.vocab_size, config.hidden_size):
+                raise ValueError("row-kernel state: a tied LM head needs the [vocab, hidden] embedding")
+            model.lm_head.weight = model.embed_tokens.weight.detach()
+        model.act_dtype = torch.float32
+        return model.eval()
+
     def _own_remaining_parameters(self, keep_dtype: tuple[nn.Module, ...] | None = None) -> None:
         # The loaded weights are views of one storage (the memory-mapped weight cache), which
         # lives on while any of them does: give the parameters left (embedding, norms, biases)

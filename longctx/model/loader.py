@@ -9,7 +9,8 @@ GGUF files are dequantized to fp32 with the ``gguf`` package (as transformers do
 Llama's ``attn_q``/``attn_k`` rows are un-permuted from llama.cpp's RoPE layout back to HF's.
 The converted weights are cached as one safetensors file plus a JSON sidecar holding the
 file's SHA-256; a cache file that is missing, truncated or altered fails that check and is
-rebuilt, never used.
+rebuilt, never used. A CPU model on the row kernel gets a second cache per dtype, in exactly
+the layout the kernel reads, which later loads memory-map (``load_row_kernel_model``).
 """
 
 from __future__ import annotations
@@ -293,6 +294,11 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     """Build ``LlamaForCausalLM`` with weights from an alias, HF folder or GGUF file;
     ``rope_scaling`` overrides the checkpoint's RoPE (``with_rope_scaling``)."""
     config, state = load_state(resolve_model(name), use_cache=use_cache)
+    return _model_from_state(config, state, dtype, device, rope_scaling)
+
+
+def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: str | torch.device, rope_scaling: dict | None) -> LlamaForCausalLM:
     config = with_rope_scaling(config, rope_scaling)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -304,3 +310,74 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
         raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     return model.to(device).eval()
+
+
+# ---------------------------------------------------------------- the row kernel's layout, mapped
+
+ROW_CACHE_FORMAT = 1
+
+
+def _row_cache_files(folder: Path, dtype: torch.dtype) -> tuple[Path, Path]:
+    stem = "rows-" + str(dtype).removeprefix("torch.")
+    return folder / f"{stem}.safetensors", folder / f"{stem}.json"
+
+
+def _load_row_cache(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], bool] | None:
+    weights, sidecar = _row_cache_files(folder, dtype)
+    if not weights.is_file() or not sidecar.is_file():
+        return None
+    try:
+        info = json.loads(sidecar.read_text())
+        if (info.get("format") != ROW_CACHE_FORMAT or info.get("dtype") != str(dtype)
+                or info.get("sha256") != _file_digest(weights)):
+            log.warning("row-layout weight cache %s failed its checks; rebuilding it", weights)
+            return None
+        # safetensors maps the file: the tensors are views of the page cache, read on first use
+        return _config_from_json(info["config"]), load_file(str(weights)), bool(info["tied"])
+    except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt, never used
+        log.warning("row-layout weight cache %s is unreadable (%s); rebuilding it", weights, err)
+        return None
+
+
+def _store_row_cache(folder: Path, dtype: torch.dtype, config: ModelConfig, model: LlamaForCausalLM) -> None:
+    state, tied = model.row_kernel_state()
+    weights, sidecar = _row_cache_files(folder, dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = weights.with_name(f"{weights.name}.tmp{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    digest = _file_digest(tmp)
+    os.replace(tmp, weights)
+    info = {"format": ROW_CACHE_FORMAT, "dtype": str(dtype), "sha256": digest, "tied": tied,
+            "config": _config_to_json(config)}
+    tmp_json = sidecar.with_name(f"{sidecar.name}.tmp{os.getpid()}")
+    tmp_json.write_text(json.dumps(info))
+    os.replace(tmp_json, sidecar)
+
+
+def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cache: bool = True,
+                          rope_scaling: dict | None = None) -> LlamaForCausalLM:
+    """``load_model(...)`` then ``use_row_kernel()`` on the CPU, with a GGUF model's tensors
+    cached in exactly that layout and dtype (``rows-<dtype>.safetensors`` next to the
+    converted-weights cache, SHA-256 checked like it). A hit memory-maps the file and the
+    model holds views of it: nothing is converted, transposed or copied at load, the pages are
+    read on first use and are shared with any other process mapping the same file. A miss
+    (first load, another dtype, a damaged file) builds the model as before and writes the file.
+    HF folders are read as they are (no cache)."""
+    path = resolve_model(name)
+    folder = cache_dir_for(path) if path.is_file() else None
+    if use_cache and folder is not None and (hit := _load_row_cache(folder, dtype)) is not None:
+        config, state, tied = hit
+        try:
+            return LlamaForCausalLM.from_row_kernel_state(with_rope_scaling(config, rope_scaling), state, tied)
+        except ValueError as err:
+            log.warning("row-layout weight cache in %s does not fit the model (%s); rebuilding it", folder, err)
+    config, state = load_state(path, use_cache=use_cache)
+    model = _model_from_state(config, state, dtype, "cpu", rope_scaling)
+    del state
+    model.use_row_kernel()
+    if use_cache and folder is not None:
+        try:
+            _store_row_cache(folder, dtype, config, model)
+        except OSError as err:
+            log.warning("could not write the row-layout weight cache in %s: %s", folder, err)
+    return model
