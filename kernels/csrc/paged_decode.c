@@ -373,9 +373,11 @@ INLINE void pv_regs(float (*p)[TILE], int nr, const void *const *v, int dtype, i
     default: qk_regs(q, QK_ROWS, k, DT, d, scores, j0); break;                               \
     }
 static void qk_any(const float *q, int nr, const void *const *k, int dtype, int d, float (*scores)[TILE], int j0) {
-    switch (FLOAT_IN_REGS(d) ? dtype : 2) { /* float dtypes come here only where FLOAT_IN_REGS */
+    switch (dtype) { /* callers send float pages only where FLOAT_IN_REGS (see regs_for) */
+#ifdef HAVE_AVX512
     case 0: QK_ROWS_OF(0) break;
     case 1: QK_ROWS_OF(1) break;
+#endif
     default: QK_ROWS_OF(2) break;
     }
 }
@@ -399,9 +401,11 @@ static void qk_any(const float *q, int nr, const void *const *k, int dtype, int 
     }
 static void pv_any(float (*p)[TILE], int nr, const void *const *v, int dtype, int n, int x0, int nv,
                    float *acc, int d) {
-    switch (FLOAT_IN_REGS(d) ? dtype : 2) { /* float dtypes come here only where FLOAT_IN_REGS */
+    switch (dtype) { /* callers send float pages only where FLOAT_IN_REGS (see regs_for) */
+#ifdef HAVE_AVX512
     case 0: PV_ROWS_OF(0) break;
     case 1: PV_ROWS_OF(1) break;
+#endif
     default: PV_ROWS_OF(2) break;
     }
 }
@@ -412,14 +416,30 @@ static void pv_any(float (*p)[TILE], int nr, const void *const *v, int dtype, in
 #define FLOAT_IN_REGS(d) 0
 #endif
 
+/* Whether a tile of this dtype and head dim takes the products in registers. */
+static inline int regs_for(int dtype, int d) { return dtype == 2 ? IN_REGS(d) : FLOAT_IN_REGS(d); }
+
+/* dst[0..d) = a page row of the given dtype as float32 (int8 unscaled). */
+static inline void row_as_float(const void *row, int dtype, int d, float *dst) {
+    if (dtype == 2) {
+        int8_row((const int8_t *)row, d, dst);
+    } else if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)row;
+        uint32_t *out = (uint32_t *)dst;
+        for (int x = 0; x < d; x++) out[x] = (uint32_t)src[x] << 16;
+    } else {
+        memcpy(dst, row, sizeof(float) * (size_t)d);
+    }
+}
+
 /* scores[r][j] = q_r . k_j (int8: times k_scale_j) for the rows rows of q (stride d) and the
- * tile's n rows k. Float dtypes come here only where FLOAT_IN_REGS(d); int8 always (buf: n * d floats
- * for the float copies where the products cannot run in registers). */
+ * tile's n rows k (any dtype; attend_split sends float pages here only where FLOAT_IN_REGS).
+ * buf: n * d floats for float copies where the products cannot run in registers. */
 static void tile_scores(const float *q, int rows, const void *const *k, int dtype, const float *tscale, int n,
                         int d, float *buf, float (*scores)[TILE]) {
 #ifdef HAVE_AVX2
     static const float zero[MAX_D] = {0}; /* room for a row of any dtype */
-    if (IN_REGS(d)) {
+    if (regs_for(dtype, d)) {
         for (int j0 = 0; j0 < n; j0 += 4) { /* a key past n reads zeros (scores[r] has room) */
             const void *k4[4];
             for (int t = 0; t < 4; t++) k4[t] = j0 + t < n ? k[j0 + t] : (const void *)zero;
@@ -431,7 +451,7 @@ static void tile_scores(const float *q, int rows, const void *const *k, int dtyp
     {
         const float *kf[TILE];
         for (int j = 0; j < n; j++) {
-            int8_row((const int8_t *)k[j], d, buf + (int64_t)j * d);
+            row_as_float(k[j], dtype, d, buf + (int64_t)j * d);
             kf[j] = buf + (int64_t)j * d;
         }
         for (int r = 0; r < rows; r++) row_scores(q + (int64_t)r * d, kf, n, d, scores[r]);
@@ -456,7 +476,7 @@ static void tile_accumulate(float (*p)[TILE], int rows, const void *const *v, in
             for (int j = 0; j < n; j++) pr[j] *= tscale[j];
         }
 #ifdef HAVE_AVX2
-    if (IN_REGS(d)) {
+    if (regs_for(dtype, d)) {
         for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
             const int nr = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
             for (int x0 = 0; x0 < d; x0 += VW * PV_VECS) {
@@ -469,7 +489,7 @@ static void tile_accumulate(float (*p)[TILE], int rows, const void *const *v, in
 #endif
     const float *vf[TILE];
     for (int j = 0; j < n; j++) {
-        int8_row((const int8_t *)v[j], d, buf + (int64_t)j * d);
+        row_as_float(v[j], dtype, d, buf + (int64_t)j * d);
         vf[j] = buf + (int64_t)j * d;
     }
     for (int r = 0; r < rows; r++) row_accumulate(p[r], vf, n, d, acc + (int64_t)r * d);
@@ -533,7 +553,7 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
     const int first_new = ctx_len - q_len;
     const int elem = dtype == 0 ? 4 : dtype == 1 ? 2 : 1;
     const int row_bytes = num_kv * d * elem;
-    const int regs = dtype == 2 || FLOAT_IN_REGS(d); /* products on the page rows, converted in registers */
+    const int regs = dtype == 2 || FLOAT_IN_REGS(d); /* products on the page rows (tile_scores) */
     float scores[MAX_ROWS][TILE];
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D];
     const float *krows[TILE], *vrows[TILE];
