@@ -206,3 +206,38 @@ def test_engine_loads_the_row_kernel_model_from_its_cache(tmp_path, monkeypatch)
     second = LLM(str(path), cpu_matmul="kernel", lookahead=False, kv_cache_gb=0.05).generate(prompt, params)[0]
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
     assert first.outputs[0].logprobs == second.outputs[0].logprobs
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_load_working(tmp_path, monkeypatch, caplog):
+    """safetensors reports a failed write as its own error, not OSError: the load still
+    returns the model, says why the cache was not written, and leaves no temporary file."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, "llama-default")
+
+    class WriteFailed(Exception):
+        pass
+
+    def failing_save(state, filename, *args, **kwargs):
+        open(filename, "wb").write(b"partial")  # a half-written temporary file
+        raise WriteFailed("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(loader, "save_file", failing_save)
+    with caplog.at_level(logging.WARNING):
+        model = loader.load_row_kernel_model(str(path), torch.float32)
+    assert model.uses_row_kernel()
+    assert "could not write the weight cache" in caplog.text and "No space left" in caplog.text
+    folder = loader.cache_dir_for(path)
+    assert not list(folder.glob("*.tmp*")), "a temporary file was left behind"
+    assert loader._load_row_cache(folder, torch.float32) is None and loader._load_cached(folder) is None
+
+
+def test_row_layout_cache_written_under_a_rope_override_keeps_the_checkpoints_rope(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, "llama-default")
+    stretched = loader.load_row_kernel_model(str(path), torch.float32,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0})  # a miss: writes
+    assert stretched.config.rope_scaling.rope_type == "linear"
+    monkeypatch.setattr(loader, "load_state", lambda *a, **k: (_ for _ in ()).throw(AssertionError("converted")))
+    plain = loader.load_row_kernel_model(str(path), torch.float32)  # a hit
+    assert plain.config.rope_scaling.rope_type != "linear"
+    assert plain.config == loader.with_rope_scaling(plain.config, None)

@@ -250,16 +250,34 @@ def _load_cached(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | 
         return None
 
 
+def _write_cache(weights: Path, sidecar: Path, state: dict[str, torch.Tensor], info: dict) -> bool:
+    """Write ``state`` as ``weights`` (safetensors) and ``info`` plus the file's SHA-256 as
+    ``sidecar``, each through a temporary file renamed into place. A cache is optional: any
+    failure (a read-only folder, a full disk: OSError, or safetensors' own error) is logged and
+    leaves no temporary file; returns whether both files were written."""
+    tmp = weights.with_name(f"{weights.name}.tmp{os.getpid()}")
+    tmp_json = sidecar.with_name(f"{sidecar.name}.tmp{os.getpid()}")
+    try:
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp))
+        info = {**info, "sha256": _file_digest(tmp)}
+        os.replace(tmp, weights)
+        tmp_json.write_text(json.dumps(info))
+        os.replace(tmp_json, sidecar)
+        return True
+    except Exception as err:  # noqa: BLE001 - the load goes on without the cache
+        log.warning("could not write the weight cache %s: %s", weights, err)
+        for t in (tmp, tmp_json):
+            try:
+                t.unlink(missing_ok=True)
+            except OSError:
+                pass
+        return False
+
+
 def _store_cache(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"weights.safetensors.tmp{os.getpid()}"
-    save_file(state, str(tmp))
-    digest = _file_digest(tmp)
-    os.replace(tmp, folder / "weights.safetensors")
-    sidecar = {"format": CACHE_FORMAT, "sha256": digest, "config": _config_to_json(config)}
-    tmp_json = folder / f"weights.json.tmp{os.getpid()}"
-    tmp_json.write_text(json.dumps(sidecar))
-    os.replace(tmp_json, folder / "weights.json")
+    _write_cache(folder / "weights.safetensors", folder / "weights.json", state,
+                 {"format": CACHE_FORMAT, "config": _config_to_json(config)})
 
 
 def load_state(path: Path, use_cache: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -273,10 +291,7 @@ def load_state(path: Path, use_cache: bool = True) -> tuple[ModelConfig, dict[st
     config, _, tensors = read_gguf(path)
     state = pack_hf_state(config, tensors)
     if use_cache:
-        try:
-            _store_cache(folder, config, state)
-        except OSError as err:
-            log.warning("could not write the weight cache in %s: %s", folder, err)
+        _store_cache(folder, config, state)
     return config, state
 
 
@@ -342,16 +357,8 @@ def _load_row_cache(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
 def _store_row_cache(folder: Path, dtype: torch.dtype, config: ModelConfig, model: LlamaForCausalLM) -> None:
     state, tied = model.row_kernel_state()
     weights, sidecar = _row_cache_files(folder, dtype)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = weights.with_name(f"{weights.name}.tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    digest = _file_digest(tmp)
-    os.replace(tmp, weights)
-    info = {"format": ROW_CACHE_FORMAT, "dtype": str(dtype), "sha256": digest, "tied": tied,
-            "config": _config_to_json(config)}
-    tmp_json = sidecar.with_name(f"{sidecar.name}.tmp{os.getpid()}")
-    tmp_json.write_text(json.dumps(info))
-    os.replace(tmp_json, sidecar)
+    _write_cache(weights, sidecar, {k: v.contiguous() for k, v in state.items()},
+                 {"format": ROW_CACHE_FORMAT, "dtype": str(dtype), "tied": tied, "config": _config_to_json(config)})
 
 
 def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cache: bool = True,
@@ -376,8 +383,5 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
     del state
     model.use_row_kernel()
     if use_cache and folder is not None:
-        try:
-            _store_row_cache(folder, dtype, config, model)
-        except OSError as err:
-            log.warning("could not write the row-layout weight cache in %s: %s", folder, err)
+        _store_row_cache(folder, dtype, config, model)
     return model
