@@ -363,6 +363,18 @@ INLINE void pv_regs(float (*p)[TILE], int nr, const void *const *v, int dtype, i
 }
 
 #define CAP(x, most) ((x) < (most) ? (x) : (most)) /* keeps unreachable cases in bounds */
+/* BODY(DT) with the page dtype a constant DT: float pages only in AVX-512 builds (callers send
+ * them here only where FLOAT_IN_REGS, see regs_for), int8 pages always. */
+#ifdef HAVE_AVX512
+#define BY_DTYPE(BODY)                                                                       \
+    switch (dtype) {                                                                         \
+    case 0: BODY(0) break;                                                                   \
+    case 1: BODY(1) break;                                                                   \
+    default: BODY(2) break;                                                                  \
+    }
+#else
+#define BY_DTYPE(BODY) { (void)dtype; BODY(2) }
+#endif
 
 /* qk_regs with nr (<= QK_ROWS) and the dtype made constants. */
 #define QK_ROWS_OF(DT)                                                                       \
@@ -373,13 +385,7 @@ INLINE void pv_regs(float (*p)[TILE], int nr, const void *const *v, int dtype, i
     default: qk_regs(q, QK_ROWS, k, DT, d, scores, j0); break;                               \
     }
 static void qk_any(const float *q, int nr, const void *const *k, int dtype, int d, float (*scores)[TILE], int j0) {
-    switch (dtype) { /* callers send float pages only where FLOAT_IN_REGS (see regs_for) */
-#ifdef HAVE_AVX512
-    case 0: QK_ROWS_OF(0) break;
-    case 1: QK_ROWS_OF(1) break;
-#endif
-    default: QK_ROWS_OF(2) break;
-    }
+    BY_DTYPE(QK_ROWS_OF)
 }
 #undef QK_ROWS_OF
 
@@ -401,16 +407,11 @@ static void qk_any(const float *q, int nr, const void *const *k, int dtype, int 
     }
 static void pv_any(float (*p)[TILE], int nr, const void *const *v, int dtype, int n, int x0, int nv,
                    float *acc, int d) {
-    switch (dtype) { /* callers send float pages only where FLOAT_IN_REGS (see regs_for) */
-#ifdef HAVE_AVX512
-    case 0: PV_ROWS_OF(0) break;
-    case 1: PV_ROWS_OF(1) break;
-#endif
-    default: PV_ROWS_OF(2) break;
-    }
+    BY_DTYPE(PV_ROWS_OF)
 }
 #undef PV_ROWS_OF
 #undef PV_WIDTHS
+#undef BY_DTYPE
 #else
 #define IN_REGS(d) 0
 #define FLOAT_IN_REGS(d) 0

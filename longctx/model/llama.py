@@ -314,9 +314,7 @@ class LlamaForCausalLM(nn.Module):
                     module._parameters[name] = nn.Parameter(take(at + name, tuple(param.shape)), requires_grad=False)
         if state:
             raise ValueError(f"row-kernel state has tensors the model does not: {sorted(state)[:5]}")
-        if tied:
-            if tuple(model.embed_tokens.weight.shape) != (config.vocab_size, config.hidden_size):
-                raise ValueError("row-kernel state: a tied LM head needs the [vocab, hidden] embedding")
+        if tied:  # the embedding's shape, [vocab, hidden], was checked as it was taken
             model.lm_head.weight = model.embed_tokens.weight.detach()
         model.act_dtype = torch.float32
         return model.eval()

@@ -235,18 +235,32 @@ def cache_dir_for(path: Path) -> Path:
     return cache_root() / f"{path.stem}-{_source_key(path)}"
 
 
-def _load_cached(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
-    weights, sidecar = folder / "weights.safetensors", folder / "weights.json"
+def _read_cache(weights: Path, sidecar: Path, expect: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """(sidecar info, tensors) of a cache whose sidecar holds ``expect``'s values and the
+    weights file's SHA-256; None when it is missing, fails a check or cannot be read (logged:
+    the caller rebuilds it, never uses it). safetensors maps the file: the tensors are views of
+    the page cache, read on first use."""
     if not weights.is_file() or not sidecar.is_file():
         return None
     try:
         info = json.loads(sidecar.read_text())
-        if info.get("format") != CACHE_FORMAT or info.get("sha256") != _file_digest(weights):
-            log.warning("weight cache %s failed its checksum; rebuilding it", weights)
+        if any(info.get(k) != v for k, v in expect.items()) or info.get("sha256") != _file_digest(weights):
+            log.warning("weight cache %s failed its checks; rebuilding it", weights)
             return None
-        return _config_from_json(info["config"]), load_file(str(weights))
+        return info, load_file(str(weights))
     except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt, never used
         log.warning("weight cache %s is unreadable (%s); rebuilding it", weights, err)
+        return None
+
+
+def _load_cached(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    found = _read_cache(folder / "weights.safetensors", folder / "weights.json", {"format": CACHE_FORMAT})
+    if found is None:
+        return None
+    try:
+        return _config_from_json(found[0]["config"]), found[1]
+    except Exception as err:  # noqa: BLE001 - a sidecar without a readable config: rebuilt
+        log.warning("weight cache in %s has no readable config (%s); rebuilding it", folder, err)
         return None
 
 
@@ -338,19 +352,13 @@ def _row_cache_files(folder: Path, dtype: torch.dtype) -> tuple[Path, Path]:
 
 
 def _load_row_cache(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], bool] | None:
-    weights, sidecar = _row_cache_files(folder, dtype)
-    if not weights.is_file() or not sidecar.is_file():
+    found = _read_cache(*_row_cache_files(folder, dtype), {"format": ROW_CACHE_FORMAT, "dtype": str(dtype)})
+    if found is None:
         return None
     try:
-        info = json.loads(sidecar.read_text())
-        if (info.get("format") != ROW_CACHE_FORMAT or info.get("dtype") != str(dtype)
-                or info.get("sha256") != _file_digest(weights)):
-            log.warning("row-layout weight cache %s failed its checks; rebuilding it", weights)
-            return None
-        # safetensors maps the file: the tensors are views of the page cache, read on first use
-        return _config_from_json(info["config"]), load_file(str(weights)), bool(info["tied"])
-    except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt, never used
-        log.warning("row-layout weight cache %s is unreadable (%s); rebuilding it", weights, err)
+        return _config_from_json(found[0]["config"]), found[1], bool(found[0]["tied"])
+    except Exception as err:  # noqa: BLE001 - a sidecar without a readable config: rebuilt
+        log.warning("row-layout weight cache in %s has no readable config (%s); rebuilding it", folder, err)
         return None
 
 
