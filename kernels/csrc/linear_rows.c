@@ -345,6 +345,48 @@ static int panel_block(int K) {
     return ((K + blocks - 1) / blocks + 7) / 8 * 8;
 }
 
+#if HAVE_AVX512
+#ifndef ZMR
+#define ZMR 6
+#endif
+/* AVX-512: both panels of a slice at once, 16 columns each in one register: acc[m][s] = sum
+ * over k < kb of x[m][k] * panel s [k][0..15], MR (1..ZMR) rows. */
+static inline __attribute__((always_inline)) void panel_rows_z(int MR, const float *wp, int kb, const float *x,
+                                                               int64_t ldx, __m512 acc[ZMR][2]) {
+    __m512 a[ZMR][2];
+    for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
+    const float *w0 = wp, *w1 = wp + (int64_t)kb * 16;
+    for (int k = 0; k < kb; k++) {
+        const __m512 p0 = _mm512_load_ps(w0 + (int64_t)k * 16), p1 = _mm512_load_ps(w1 + (int64_t)k * 16);
+        for (int m = 0; m < MR; m++) {
+            const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+            a[m][0] = _mm512_fmadd_ps(xb, p0, a[m][0]);
+            a[m][1] = _mm512_fmadd_ps(xb, p1, a[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        acc[m][0] = a[m][0];
+        acc[m][1] = a[m][1];
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_store_z(int MR, __m512 z[ZMR][2], Epilogue ep, int n_begin,
+                                                                int ns, float *y, int64_t ldy, int first, int last) {
+    for (int s = 0; s * 16 < ns; s++) {
+        const int cols = ns - 16 * s < 16 ? ns - 16 * s : 16;
+        for (int m0 = 0; m0 < MR; m0 += 6) {
+            __m256 acc[6][2];
+            const int mr = MR - m0 < 6 ? MR - m0 : 6;
+            for (int m = 0; m < mr; m++) {
+                acc[m][0] = _mm512_castps512_ps256(z[m0 + m][s]);
+                acc[m][1] = _mm512_extractf32x8_ps(z[m0 + m][s], 1);
+            }
+            panel_store(mr, acc, tile_ep(ep, m0), n_begin + 16 * s, cols, y + m0 * ldy, ldy, first, last);
+        }
+    }
+}
+#endif
+
 /* One slice (output rows n_begin..n_end of w, at most 32) for all M rows of x. K goes in
  * blocks (panel_block) so that a block's panels stay in L2 whatever the model's width (one
  * block up to 2,048: measured faster here than smaller blocks in L1, which add passes over
@@ -356,6 +398,27 @@ static void slice_panels(const float *x, int64_t ldx, int M, const void *w, int 
         const int kb = K - k0 < block ? K - k0 : block;
         const int first = k0 == 0, last = k0 + kb == K;
         pack_panels(w, wt, K, k0, kb, n_begin, ns, wp);
+#if HAVE_AVX512
+        for (int m = 0; m < M; m += ZMR) {
+            __m512 z[ZMR][2];
+            const float *xr = x + m * ldx + k0;
+            const Epilogue er = tile_ep(ep, m);
+            float *yr = y + m * ldy;
+#define ZCASE(R) case R: panel_rows_z(R, wp, kb, xr, ldx, z); panel_store_z(R, z, er, n_begin, ns, yr, ldy, first, last); break;
+            switch (M - m < ZMR ? M - m : ZMR) {
+            ZCASE(1) ZCASE(2) ZCASE(3) ZCASE(4) ZCASE(5)
+#if ZMR > 6
+            ZCASE(6) ZCASE(7)
+#endif
+#if ZMR > 8
+            ZCASE(8) ZCASE(9) ZCASE(10) ZCASE(11)
+#endif
+            default: panel_rows_z(ZMR, wp, kb, xr, ldx, z); panel_store_z(ZMR, z, er, n_begin, ns, yr, ldy, first, last); break;
+            }
+#undef ZCASE
+        }
+        continue;
+#endif
         for (int m = 0; m < M; m += 6) /* a block of x rows meets both panels while in L1 */
             for (int s = 0; s * 16 < ns; s++) {
                 const float *ws = wp + (int64_t)s * kb * 16;

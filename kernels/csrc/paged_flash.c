@@ -37,6 +37,7 @@
  * Built at first use by kernels/cpu_flash.py (through cpu_build.py) with -O3 -fopenmp and the
  * instruction set cpu_build.py picks; without AVX2/FMA the same loops run in plain C.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,80 +70,134 @@
 static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x); }
 
 #ifdef HAVE_AVX2
-/* 2^x, x <= 0 (or -inf): x = n + f, |f| <= 1/2, 2^f = e^(f ln2) by a degree-7 Taylor polynomial
- * (relative error < 1e-8 on that range, below float rounding), 2^n in the exponent bits;
- * 0 below -126. */
-INLINE __m256 exp2_vec(__m256 x) {
-    const __m256 dead = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
-    const __m256 y = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+/* The vector code, written once for each register width W (floats per register: 8 with AVX2,
+ * 16 with AVX-512) from the intrinsics' prefix P (_mm256 / _mm512):
+ *
+ * exp2_W(x): 2^x for x <= 0 (or -inf). x = n + f, |f| <= 1/2; 2^f by a degree-6 polynomial fitted
+ *   to 2^f on that range (relative error 2e-9 in exact arithmetic, about 1e-7 with float32
+ *   rounding); 2^n in the exponent bits. x is first raised to -127, where 2^n's exponent bits
+ *   are 0, so the result is exactly 0 from -126.5 down (and for -inf) with no compare and mask.
+ * qk_W: S^T rows k0..k0+5 (6 keys), columns i0..i0+2W-1: sum over x of K[key][x] * Q^T[x][i].
+ * pv_W: O^T rows x0..x0+nd-1 (nd <= 6, a constant after inlining), columns i0..i0+2W-1:
+ *   alpha[i] * O^T + sum over the tile's n keys of V[key][x] * P^T[key][i]; alpha NULL: 1 (the
+ *   online softmax's rescale of the old sums, done as they are loaded).
+ * pv_strips_W: pv_W over the 2W-row strips of rows [i_begin, i_end) and every column of O^T.
+ * softmax_W: the online-softmax step (tile_softmax) for rows i..i+W-1.
+ *
+ * With AVX-512 a 32-row strip is two 16-float registers: half the loads and instructions per
+ * product of two 8-float ones (the FMA rate is the same on cores that split 512-bit FMAs). */
+#define FLASH_SIMD(W, VT, VI, P, ROUND, CAST)                                                         \
+    INLINE VT exp2_##W(VT x) {                                                                        \
+        const VT y = P##_max_ps(x, P##_set1_ps(-127.0f));                                             \
+        const VT n = ROUND(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                         \
+        const VT f = P##_sub_ps(y, n);                                                                \
+        VT p = P##_set1_ps(1.5337577497120947e-04f);                                                  \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(1.3399859890341759e-03f));                                 \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(9.618519805371761e-03f));                                  \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(5.550329014658928e-02f));                                  \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(2.4022646248340607e-01f));                                 \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(6.931471824645996e-01f));                                  \
+        p = P##_fmadd_ps(p, f, P##_set1_ps(1.0f));                                                    \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);      \
+        return P##_mul_ps(p, CAST(e));                                                                \
+    }                                                                                                 \
+    INLINE void qk_##W(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) { \
+        VT a0 = P##_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;                        \
+        VT b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;                                      \
+        const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3], *k4 = krow[4],        \
+                    *k5 = krow[5];                                                                    \
+        const float *qp = qt + i0;                                                                    \
+        for (int x = 0; x < d; x++, qp += rbp) {                                                      \
+            const VT q0 = P##_loadu_ps(qp), q1 = P##_loadu_ps(qp + W);                                \
+            VT k = P##_set1_ps(k0[x]);                                                                \
+            a0 = P##_fmadd_ps(k, q0, a0); b0 = P##_fmadd_ps(k, q1, b0);                               \
+            k = P##_set1_ps(k1[x]);                                                                   \
+            a1 = P##_fmadd_ps(k, q0, a1); b1 = P##_fmadd_ps(k, q1, b1);                               \
+            k = P##_set1_ps(k2[x]);                                                                   \
+            a2 = P##_fmadd_ps(k, q0, a2); b2 = P##_fmadd_ps(k, q1, b2);                               \
+            k = P##_set1_ps(k3[x]);                                                                   \
+            a3 = P##_fmadd_ps(k, q0, a3); b3 = P##_fmadd_ps(k, q1, b3);                               \
+            k = P##_set1_ps(k4[x]);                                                                   \
+            a4 = P##_fmadd_ps(k, q0, a4); b4 = P##_fmadd_ps(k, q1, b4);                               \
+            k = P##_set1_ps(k5[x]);                                                                   \
+            a5 = P##_fmadd_ps(k, q0, a5); b5 = P##_fmadd_ps(k, q1, b5);                               \
+        }                                                                                             \
+        float *s = st + i0;                                                                           \
+        P##_storeu_ps(s, a0); P##_storeu_ps(s + W, b0); s += rbp;                                     \
+        P##_storeu_ps(s, a1); P##_storeu_ps(s + W, b1); s += rbp;                                     \
+        P##_storeu_ps(s, a2); P##_storeu_ps(s + W, b2); s += rbp;                                     \
+        P##_storeu_ps(s, a3); P##_storeu_ps(s + W, b3); s += rbp;                                     \
+        P##_storeu_ps(s, a4); P##_storeu_ps(s + W, b4); s += rbp;                                     \
+        P##_storeu_ps(s, a5); P##_storeu_ps(s + W, b5);                                               \
+    }                                                                                                 \
+    INLINE void pv_##W(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd,      \
+                       float *ot, int i0, const float *alpha) {                                       \
+        VT a[6], b[6];                                                                                \
+        for (int u = 0; u < nd; u++) {                                                                \
+            a[u] = P##_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0);                                   \
+            b[u] = P##_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + W);                               \
+        }                                                                                             \
+        if (alpha) {                                                                                  \
+            const VT s0 = P##_loadu_ps(alpha + i0), s1 = P##_loadu_ps(alpha + i0 + W);                \
+            for (int u = 0; u < nd; u++) {                                                            \
+                a[u] = P##_mul_ps(a[u], s0);                                                          \
+                b[u] = P##_mul_ps(b[u], s1);                                                          \
+            }                                                                                         \
+        }                                                                                             \
+        const float *pp = pt + i0;                                                                    \
+        for (int j = 0; j < n; j++, pp += rbp) {                                                      \
+            const VT p0 = P##_loadu_ps(pp), p1 = P##_loadu_ps(pp + W);                                \
+            const float *v = vrow[j] + x0;                                                            \
+            for (int u = 0; u < nd; u++) {                                                            \
+                const VT w = P##_set1_ps(v[u]);                                                       \
+                a[u] = P##_fmadd_ps(w, p0, a[u]);                                                     \
+                b[u] = P##_fmadd_ps(w, p1, b[u]);                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int u = 0; u < nd; u++) {                                                                \
+            P##_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);                                   \
+            P##_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + W, b[u]);                               \
+        }                                                                                             \
+    }                                                                                                 \
+    INLINE void pv_strips_##W(const float *pt, int rbp, const float *const *vrow, int n, int d,        \
+                              float *ot, int i_begin, int i_end, const float *alpha) {                \
+        int x0 = 0;                                                                                   \
+        for (; x0 + 6 <= d; x0 += 6)                                                                  \
+            for (int i0 = i_begin; i0 < i_end; i0 += 2 * W) pv_##W(pt, rbp, vrow, n, x0, 6, ot, i0, alpha); \
+        const int rest = d - x0;                                                                      \
+        for (int i0 = i_begin; i0 < i_end && rest > 0; i0 += 2 * W) {                                 \
+            switch (rest) { /* constant widths, so each inlined copy keeps its sums in registers */    \
+            case 1: pv_##W(pt, rbp, vrow, n, x0, 1, ot, i0, alpha); break;                            \
+            case 2: pv_##W(pt, rbp, vrow, n, x0, 2, ot, i0, alpha); break;                            \
+            case 3: pv_##W(pt, rbp, vrow, n, x0, 3, ot, i0, alpha); break;                            \
+            case 4: pv_##W(pt, rbp, vrow, n, x0, 4, ot, i0, alpha); break;                            \
+            default: pv_##W(pt, rbp, vrow, n, x0, 5, ot, i0, alpha); break;                           \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    INLINE void softmax_##W(float *st, int rbp, int n, int i, float *m, float *l, float *alpha) {     \
+        VT peak = P##_loadu_ps(m + i);                                                                \
+        for (int j = 0; j < n; j++) peak = P##_max_ps(peak, P##_loadu_ps(st + (int64_t)j * rbp + i)); \
+        /* a row that has seen nothing keeps m = -inf; its reference is then -FLT_MAX, which gives   \
+           it P = 0 and alpha = 0 */                                                                  \
+        const VT ref = P##_max_ps(peak, P##_set1_ps(-FLT_MAX));                                       \
+        const VT a = exp2_##W(P##_sub_ps(P##_loadu_ps(m + i), ref));                                  \
+        VT sum = P##_setzero_ps();                                                                    \
+        for (int j = 0; j < n; j++) {                                                                 \
+            float *s = st + (int64_t)j * rbp + i;                                                     \
+            const VT p = exp2_##W(P##_sub_ps(P##_loadu_ps(s), ref));                                  \
+            P##_storeu_ps(s, p);                                                                      \
+            sum = P##_add_ps(sum, p);                                                                 \
+        }                                                                                             \
+        P##_storeu_ps(l + i, P##_fmadd_ps(P##_loadu_ps(l + i), a, sum));                              \
+        P##_storeu_ps(m + i, peak);                                                                   \
+        P##_storeu_ps(alpha + i, a);                                                                  \
+    }
 
-/* S^T rows k0..k0+5 (6 keys), columns i0..i0+15: sum over x of K[key][x] * Q^T[x][i]. */
-INLINE void qk_6x16(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
-    const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3], *k4 = krow[4], *k5 = krow[5];
-    const float *qp = qt + i0;
-    for (int x = 0; x < d; x++, qp += rbp) {
-        const __m256 q0 = _mm256_load_ps(qp), q1 = _mm256_load_ps(qp + 8);
-        __m256 k = _mm256_broadcast_ss(k0 + x);
-        a0 = _mm256_fmadd_ps(k, q0, a0); b0 = _mm256_fmadd_ps(k, q1, b0);
-        k = _mm256_broadcast_ss(k1 + x);
-        a1 = _mm256_fmadd_ps(k, q0, a1); b1 = _mm256_fmadd_ps(k, q1, b1);
-        k = _mm256_broadcast_ss(k2 + x);
-        a2 = _mm256_fmadd_ps(k, q0, a2); b2 = _mm256_fmadd_ps(k, q1, b2);
-        k = _mm256_broadcast_ss(k3 + x);
-        a3 = _mm256_fmadd_ps(k, q0, a3); b3 = _mm256_fmadd_ps(k, q1, b3);
-        k = _mm256_broadcast_ss(k4 + x);
-        a4 = _mm256_fmadd_ps(k, q0, a4); b4 = _mm256_fmadd_ps(k, q1, b4);
-        k = _mm256_broadcast_ss(k5 + x);
-        a5 = _mm256_fmadd_ps(k, q0, a5); b5 = _mm256_fmadd_ps(k, q1, b5);
-    }
-    float *s = st + i0;
-    _mm256_store_ps(s, a0); _mm256_store_ps(s + 8, b0); s += rbp;
-    _mm256_store_ps(s, a1); _mm256_store_ps(s + 8, b1); s += rbp;
-    _mm256_store_ps(s, a2); _mm256_store_ps(s + 8, b2); s += rbp;
-    _mm256_store_ps(s, a3); _mm256_store_ps(s + 8, b3); s += rbp;
-    _mm256_store_ps(s, a4); _mm256_store_ps(s + 8, b4); s += rbp;
-    _mm256_store_ps(s, a5); _mm256_store_ps(s + 8, b5);
-}
-
-/* O^T rows x0..x0+nd-1 (nd <= 6, a constant after inlining), columns i0..i0+15:
- * += sum over the tile's n keys of V[key][x] * P^T[key][i]. */
-INLINE void pv_tile(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd,
-                    float *ot, int i0) {
-    __m256 a[6], b[6];
-    for (int u = 0; u < nd; u++) {
-        a[u] = _mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0);
-        b[u] = _mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 8);
-    }
-    const float *pp = pt + i0;
-    for (int j = 0; j < n; j++, pp += rbp) {
-        const __m256 p0 = _mm256_load_ps(pp), p1 = _mm256_load_ps(pp + 8);
-        const float *v = vrow[j] + x0;
-        for (int u = 0; u < nd; u++) {
-            const __m256 w = _mm256_broadcast_ss(v + u);
-            a[u] = _mm256_fmadd_ps(w, p0, a[u]);
-            b[u] = _mm256_fmadd_ps(w, p1, b[u]);
-        }
-    }
-    for (int u = 0; u < nd; u++) {
-        _mm256_store_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);
-        _mm256_store_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 8, b[u]);
-    }
-}
+FLASH_SIMD(8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
+#ifdef HAVE_AVX512
+FLASH_SIMD(16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+#endif
 
 /* The same two products for a last strip of 8 rows (a block whose rows are 8 mod 16). */
 INLINE void qk_6x8(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
@@ -166,11 +221,13 @@ INLINE void qk_6x8(const float *qt, int rbp, const float *const *krow, int d, fl
     _mm256_store_ps(s, a5);
 }
 
-INLINE void pv_strip8(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot, int i0) {
+INLINE void pv_strip8(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot, int i0,
+                      const float *alpha) {
+    const __m256 s0 = alpha ? _mm256_loadu_ps(alpha + i0) : _mm256_set1_ps(1.0f);
     int x0 = 0;
     for (; x0 + 6 <= d; x0 += 6) {
         __m256 a[6];
-        for (int u = 0; u < 6; u++) a[u] = _mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0);
+        for (int u = 0; u < 6; u++) a[u] = _mm256_mul_ps(_mm256_load_ps(ot + (int64_t)(x0 + u) * rbp + i0), s0);
         const float *pp = pt + i0;
         for (int j = 0; j < n; j++, pp += rbp) {
             const __m256 p0 = _mm256_load_ps(pp);
@@ -180,7 +237,7 @@ INLINE void pv_strip8(const float *pt, int rbp, const float *const *vrow, int n,
         for (int u = 0; u < 6; u++) _mm256_store_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);
     }
     for (; x0 < d; x0++) {
-        __m256 a = _mm256_load_ps(ot + (int64_t)x0 * rbp + i0);
+        __m256 a = _mm256_mul_ps(_mm256_load_ps(ot + (int64_t)x0 * rbp + i0), s0);
         const float *pp = pt + i0;
         for (int j = 0; j < n; j++, pp += rbp) a = _mm256_fmadd_ps(_mm256_broadcast_ss(vrow[j] + x0), _mm256_load_ps(pp), a);
         _mm256_store_ps(ot + (int64_t)x0 * rbp + i0, a);
@@ -194,7 +251,10 @@ static void tile_scores(const float *qt, int rbp, const float *const *krow, int 
     for (int k0 = 0; k0 < n; k0 += 6) {
 #ifdef HAVE_AVX2
         int i0 = 0;
-        for (; i0 + 16 <= rbp; i0 += 16) qk_6x16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
+#ifdef HAVE_AVX512
+        for (; i0 + 32 <= rbp; i0 += 32) qk_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
+#endif
+        for (; i0 + 16 <= rbp; i0 += 16) qk_8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
         if (i0 < rbp) qk_6x8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
 #else
         for (int k = k0; k < k0 + 6; k++) {
@@ -210,25 +270,22 @@ static void tile_scores(const float *qt, int rbp, const float *const *krow, int 
     }
 }
 
-/* O^T += V^T P^T over the tile's n keys. */
-static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot) {
+/* O^T = alpha * O^T + V^T P^T over the tile's n keys (alpha per row; NULL: 1). */
+static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot,
+                            const float *alpha) {
 #ifdef HAVE_AVX2
-    const int full = rbp / 16 * 16; /* rows in 16-row strips; an 8-row strip may follow */
-    if (full < rbp) pv_strip8(pt, rbp, vrow, n, d, ot, full);
-    int x0 = 0;
-    for (; x0 + 6 <= d; x0 += 6)
-        for (int i0 = 0; i0 < full; i0 += 16) pv_tile(pt, rbp, vrow, n, x0, 6, ot, i0);
-    const int rest = d - x0;
-    for (int i0 = 0; i0 < full && rest > 0; i0 += 16) {
-        switch (rest) { /* constant widths, so each inlined copy keeps its sums in registers */
-        case 1: pv_tile(pt, rbp, vrow, n, x0, 1, ot, i0); break;
-        case 2: pv_tile(pt, rbp, vrow, n, x0, 2, ot, i0); break;
-        case 3: pv_tile(pt, rbp, vrow, n, x0, 3, ot, i0); break;
-        case 4: pv_tile(pt, rbp, vrow, n, x0, 4, ot, i0); break;
-        default: pv_tile(pt, rbp, vrow, n, x0, 5, ot, i0); break;
-        }
-    }
+    int wide = 0; /* rows in 32-row strips (AVX-512), then 16-row strips; an 8-row strip may follow */
+#ifdef HAVE_AVX512
+    wide = rbp / 32 * 32;
+    pv_strips_16(pt, rbp, vrow, n, d, ot, 0, wide, alpha);
+#endif
+    const int full = wide + (rbp - wide) / 16 * 16;
+    pv_strips_8(pt, rbp, vrow, n, d, ot, wide, full, alpha);
+    if (full < rbp) pv_strip8(pt, rbp, vrow, n, d, ot, full, alpha);
 #else
+    if (alpha)
+        for (int x = 0; x < d; x++)
+            for (int i = 0; i < rbp; i++) ot[(int64_t)x * rbp + i] *= alpha[i];
     for (int j = 0; j < n; j++) {
         const float *p = pt + (int64_t)j * rbp;
         for (int x = 0; x < d; x++) {
@@ -241,37 +298,16 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
 }
 
 /* The online-softmax step for one tile: S^T (n keys) becomes P^T = 2^(S - m_new) in place,
- * l and m are updated and O^T rescaled. Columns whose row has seen nothing yet keep m = -inf
- * and get P = 0. */
-static void tile_softmax(float *st, int rbp, int n, int d, float *m, float *l, float *ot) {
-    float alpha[RB];
+ * l and m are updated, and alpha[i] = 2^(m_old - m_new) is the factor O^T's row i is to be
+ * rescaled by (tile_accumulate does it). Returns whether any alpha is not 1. Columns whose row
+ * has seen nothing yet keep m = -inf and get P = 0. */
+static int tile_softmax(float *st, int rbp, int n, float *m, float *l, float *alpha) {
 #ifdef HAVE_AVX2
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int i = 0; i < rbp; i += 8) {
-        __m256 peak = _mm256_loadu_ps(m + i);
-        for (int j = 0; j < n; j++) peak = _mm256_max_ps(peak, _mm256_load_ps(st + (int64_t)j * rbp + i));
-        /* a row that has seen nothing keeps m = -inf; use 0 as its reference (P is 0 anyway) */
-        const __m256 ref = _mm256_blendv_ps(peak, _mm256_setzero_ps(), _mm256_cmp_ps(peak, ninf, _CMP_EQ_OQ));
-        const __m256 a = exp2_vec(_mm256_sub_ps(_mm256_loadu_ps(m + i), ref));
-        __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < n; j++) {
-            float *s = st + (int64_t)j * rbp + i;
-            const __m256 p = exp2_vec(_mm256_sub_ps(_mm256_load_ps(s), ref));
-            _mm256_store_ps(s, p);
-            sum = _mm256_add_ps(sum, p);
-        }
-        _mm256_storeu_ps(l + i, _mm256_fmadd_ps(_mm256_loadu_ps(l + i), a, sum));
-        _mm256_storeu_ps(m + i, peak);
-        _mm256_storeu_ps(alpha + i, a);
-    }
-    int rescale = 0;
-    for (int i = 0; i < rbp; i++) rescale |= alpha[i] != 1.0f;
-    if (rescale)
-        for (int x = 0; x < d; x++) {
-            float *o = ot + (int64_t)x * rbp;
-            for (int i = 0; i < rbp; i += 8)
-                _mm256_store_ps(o + i, _mm256_mul_ps(_mm256_load_ps(o + i), _mm256_loadu_ps(alpha + i)));
-        }
+    int i = 0;
+#ifdef HAVE_AVX512
+    for (; i + 16 <= rbp; i += 16) softmax_16(st, rbp, n, i, m, l, alpha);
+#endif
+    for (; i < rbp; i += 8) softmax_8(st, rbp, n, i, m, l, alpha); /* rbp: a multiple of 8 */
 #else
     for (int i = 0; i < rbp; i++) {
         float peak = m[i];
@@ -287,9 +323,10 @@ static void tile_softmax(float *st, int rbp, int n, int d, float *m, float *l, f
         l[i] = l[i] * alpha[i] + sum;
         m[i] = peak;
     }
-    for (int x = 0; x < d; x++)
-        for (int i = 0; i < rbp; i++) ot[(int64_t)x * rbp + i] *= alpha[i];
 #endif
+    int rescale = 0;
+    for (int i = 0; i < rbp; i++) rescale |= alpha[i] != 1.0f;
+    return rescale;
 }
 
 /* dst[0..d) = src[0..d) * scale (an int8 page row as float32). */
@@ -376,7 +413,7 @@ typedef struct {
 /* Per-thread buffers, 64-byte aligned (a 16-row strip of Q^T, S^T or O^T is one cache line). */
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
-    float m[RB], l[RB];
+    float m[RB], l[RB], alpha[RB];
     const float *krow[KT + 6], *vrow[KT];
 } Scratch;
 
@@ -429,10 +466,10 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
                 }
             }
         }
-        tile_softmax(s->st, rbp, n, d, s->m, s->l, s->ot);
+        const int rescale = tile_softmax(s->st, rbp, n, s->m, s->l, s->alpha);
         tile_rows(a->v_cache, a->dtype, a->v_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
                   s->vbuf, s->vrow);
-        tile_accumulate(s->st, rbp, s->vrow, n, d, s->ot);
+        tile_accumulate(s->st, rbp, s->vrow, n, d, s->ot, rescale ? s->alpha : NULL);
     }
 }
 

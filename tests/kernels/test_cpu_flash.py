@@ -1,7 +1,7 @@
 """The compiled CPU flash kernel (kernels/csrc/paged_flash.c) against the reference: GQA ratios
 1, 3 and 8, head dims 64, 80, 17 and 8 (its products run over the head dim one element at a
-time, so any width takes the vector path), row counts that leave 8-row and partial strips and
-span several 96-row blocks, odd block sizes with shuffled tables and NaN in every slot no
+time, so any width takes the vector path), row counts that leave 32-row (AVX-512), 16-row,
+8-row and partial strips and span several 96-row blocks, odd block sizes with shuffled tables and NaN in every slot no
 sequence owns, causal and tree masks, float32 and bfloat16 caches, and KV splits merged by
 log-sum-exp. Then how torch_paged routes to it, and the fallback when it cannot be built."""
 
