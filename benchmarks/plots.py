@@ -88,8 +88,18 @@ def newest(results: dict[str, dict], folder: Path, prefix: str, needs) -> tuple[
     found = [(n, d) for n, d in results.items() if n.startswith(prefix) and needs(d)]
     if not found:
         raise Skip(f"no {prefix}*.json with the fields this plot needs")
-    # same revision: the later run (files that record when they finished)
-    return max(found, key=lambda nd: (run_time(nd[0], nd[1], folder), str(nd[1].get("finished_at") or "")))
+    # same revision: the run with more engines x prompt lengths (a full run over a partial
+    # rerun), then the later one (files that record when they finished)
+    return max(found, key=lambda nd: (run_time(nd[0], nd[1], folder), coverage(nd[1]),
+                                      str(nd[1].get("finished_at") or "")))
+
+
+def coverage(data: dict) -> int:
+    """How many (engine, prompt length) prefill figures a run holds."""
+    results = data.get("results")
+    if not isinstance(results, dict):
+        return 0
+    return sum(len(r.get("prefill_s") or {}) for r in results.values() if isinstance(r, dict))
 
 
 def machine_line(name: str, data: dict) -> str:
