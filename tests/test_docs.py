@@ -129,3 +129,30 @@ def test_plots_build_and_skip_missing_data(tmp_path: Path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in out2.glob("*.png")) == ["prefix.png"]
     assert run.stdout.count("skipped ") == len(plots.PLOTS) - 1, run.stdout
+
+
+def test_plots_take_the_fuller_of_two_runs_at_one_revision(tmp_path: Path):
+    """Two e2e runs of one commit: a full one and a later partial rerun. The per-run plots
+    draw the full one, whatever the order in which the runs finished."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plots
+    finally:
+        sys.path.pop(0)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
+    if not rev:
+        pytest.skip("not a git checkout")
+
+    def run(engines: list[str], lengths: list[str], finished: str) -> dict:
+        return {"machine": {"git_rev": rev}, "finished_at": finished,
+                "results": {e: {"prefill_s": {n: [1.0] for n in lengths}} for e in engines}}
+
+    full = run(["vllm-fp32", "longctx-fp32", "longctx-bf16"], ["2048", "8000"], "2026-01-01T10:00")
+    rerun = run(["vllm-fp32", "longctx-fp32"], ["8000"], "2026-01-01T11:00")
+    for names in (("e2e-a.json", "e2e-b.json"), ("e2e-b.json", "e2e-a.json")):
+        results = {names[0]: full, names[1]: rerun}
+        assert plots.newest(results, tmp_path, "e2e-", lambda d: True) == (names[0], full)
+    # equal coverage: the later run
+    later = run(["vllm-fp32", "longctx-fp32", "longctx-bf16"], ["2048", "8000"], "2026-01-01T12:00")
+    assert plots.newest({"e2e-a.json": full, "e2e-c.json": later}, tmp_path, "e2e-", lambda d: True)[0] == "e2e-c.json"
