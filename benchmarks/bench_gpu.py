@@ -1,8 +1,9 @@
 """GPU benchmark: decode at long contexts against HBM bandwidth, prefill against tensor-core
-peak, and CUDA graphs on/off. Needs CUDA; it has not run in this project yet (no GPU lent).
+peak, and CUDA graphs on/off. Needs CUDA (results of the runs so far: docs/benchmarks.md).
 
     python benchmarks/bench_gpu.py [--model smollm2-135m] [--contexts 32768 131072]
                                    [--decode-tokens 64] [--repeats 3]
+                                   [--configs graphs eager int8]
 
 Method (as shared/BENCHMARKS.md): each figure is the median of ``--repeats`` runs in this one
 process; random prompt ids of exactly the context length; greedy; lookahead and prefix caching
@@ -98,6 +99,9 @@ def bench_context(args, context: int, eager: bool, kv_cache_dtype: str = "auto")
             "decode_bytes_per_token": weight_bytes + kv_per_token * context}
 
 
+CONFIGS = {"graphs": (False, "auto"), "eager": (True, "auto"), "int8": (False, "int8")}  # (eager, KV dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -105,6 +109,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS),
+                        help="which rows per context: graphs (bf16 pages), eager, int8 (int8 pages, graphs)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -113,7 +119,7 @@ def main() -> None:
     peak_tflops, bandwidth = matmul_tflops(device), copy_gbps(device)
     rows = []
     for context in args.contexts:
-        for eager, kv_dtype in ((False, "auto"), (True, "auto"), (False, "int8")):
+        for eager, kv_dtype in (CONFIGS[name] for name in args.configs):
             row = bench_context(args, context, eager, kv_dtype)
             row["prefill_tflops"] = row["prefill_flops"] / row["prefill_s"] / 1e12
             row["prefill_share_of_matmul_peak"] = row["prefill_tflops"] / peak_tflops

@@ -1,9 +1,10 @@
 """int8 KV pages: symmetric int8 values with one fp32 scale per (page, KV head), per layer and
 per K/V, written by ``write_int8`` and read back as ``value * scale``.
 
-Owns: the one write path every backend uses for int8 pages (torch ops only, so it runs on the
-CPU, on CUDA and inside a captured CUDA graph: no host read-back), and the dequantisation
-the reference and the torch fallbacks read through.
+Owns: the definition of the int8 page write (torch ops only, so it runs on the CPU, on CUDA
+and inside a captured CUDA graph: no host read-back; the C kernel on the CPU and the Triton
+kernels on CUDA write the same bytes faster), and the dequantisation the reference and the
+torch fallbacks read through.
 The attention backend stores rows rotated by ``rotation(D)`` (an orthogonal matrix; queries are
 rotated alike and outputs back), which evens out the channels one scale covers.
 Never: attention. The compiled CPU kernels and the Triton kernels read int8 pages themselves
@@ -127,7 +128,10 @@ def write_int8(cache: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots:
         return
     old = scale.index_select(0, plan.first_blocks)  # [R, Hkv] before this call
     scale.index_reduce_(0, plan.blocks, plan.keep.expand(-1, scale.shape[1]), "prod")
-    amax = x.detach().abs().amax(-1).to(torch.float32) / QMAX  # [T, Hkv]
+    amax = x.detach().abs().amax(-1).to(torch.float32)  # [T, Hkv]
+    # divided by a tensor, not the number: CUDA divides by a number through its reciprocal (one
+    # bit off at times), and every write (torch, C, Triton) must round amax / 127 alike
+    amax = amax / amax.new_full((1,), QMAX)
     scale.index_reduce_(0, plan.blocks, amax, "amax")
     new = scale.index_select(0, plan.first_blocks)
     # requantise pages that held values under a smaller scale (ratio 1: unchanged; a page

@@ -4,7 +4,8 @@ Owns: the GPU attention kernels over paged KV (``paged_attention``), the KV writ
 (``write_kv``) and the log-sum-exp merge of partial attention (``merge_attn_states``), with the
 same signatures and ``(out, lse)`` conventions as ``kernels/reference.py``.
 Never: scheduling, allocation of KV pages, or any import beyond torch, triton and
-``kv_quant`` (whose ``write_int8`` is the one int8 page write every backend shares).
+``kv_quant`` (whose ``write_int8`` defines the int8 page write; ``write_kv`` writes the same
+bytes with Triton kernels).
 
 Algorithm (FlashAttention-2, Dao 2023; flash decoding, Dao et al. 2023)
 -----------------------------------------------------------------------
@@ -412,6 +413,160 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, n
 
 
 # ---------------------------------------------------------------------------------------------
+# int8 page write (kv_quant.write_int8's semantics and bytes, K and V together)
+# ---------------------------------------------------------------------------------------------
+# Five launches per call instead of ~15 torch kernels per tensor: (1) each run's first page's
+# scales before the call, (2) pages a row starts at offset 0 forget their scale, (3) every row
+# raises its page's scale to its |max| / 127 (atomic max), (4) each run's first page is
+# requantised to its new scale where that rose, (5) every row is quantised into its slot.
+# Each step needs the one before it complete, hence separate launches. Rounding is torch's:
+# IEEE division (div_rn) and round-half-to-even, and launches pass enable_fp_fusion=False so
+# that q * ratio is rounded before it is rounded to an integer (as torch does).
+
+
+@triton.jit
+def _round_half_even(x):
+    """Round to the nearest integer, ties to even, for |x| < 2**22 (fp32): the IEEE addition of
+    1.5 * 2**23 rounds away the fraction. Needs the launch's enable_fp_fusion=False."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _int8_old_scales_kernel(slots_ptr, starts_ptr, k_scale_ptr, v_scale_ptr, old_ptr, num_kv_heads,
+                            stride_ksb, stride_vsb, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Run r: the K and V scales of its first page before this call -> old [R, 2, Hkv]."""
+    r = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    ok = heads < num_kv_heads
+    row = tl.load(starts_ptr + r)
+    page = tl.load(slots_ptr + row).to(tl.int64) // PAGE_SIZE
+    k_old = tl.load(k_scale_ptr + page * stride_ksb + heads, mask=ok)
+    v_old = tl.load(v_scale_ptr + page * stride_vsb + heads, mask=ok)
+    tl.store(old_ptr + r * 2 * num_kv_heads + heads, k_old, mask=ok)
+    tl.store(old_ptr + (r * 2 + 1) * num_kv_heads + heads, v_old, mask=ok)
+
+
+@triton.jit
+def _int8_forget_kernel(slots_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, stride_ksb, stride_vsb,
+                        PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row t at offset 0 of its page: that page's scales become 0 (the page starts over)."""
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # (BLOCK_H,): one slot, per head
+    ok = (heads < num_kv_heads) & (slot % PAGE_SIZE == 0)
+    page = slot // PAGE_SIZE
+    zero = tl.zeros([BLOCK_H], dtype=tl.float32)
+    tl.store(k_scale_ptr + page * stride_ksb + heads, zero, mask=ok)
+    tl.store(v_scale_ptr + page * stride_vsb + heads, zero, mask=ok)
+
+
+@triton.jit
+def _int8_raise_one(x_ptr, scale_ptr, t, page, heads, offs_d, num_kv_heads, stride_xt, stride_xh,
+                    stride_xd, stride_sb, HEAD_DIM: tl.constexpr):
+    ok = heads < num_kv_heads
+    mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :] * stride_xd,
+                mask=mask, other=0.0).to(tl.float32)
+    amax = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+    tl.atomic_max(scale_ptr + page * stride_sb + heads, amax, mask=ok)
+
+
+@triton.jit
+def _int8_raise_kernel(slots_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads,
+                       stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                       stride_ksb, stride_vsb, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row t: its page's scale per head becomes at least max |x| / 127 (K and V)."""
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    page = tl.load(slots_ptr + t).to(tl.int64) // PAGE_SIZE
+    _int8_raise_one(k_ptr, k_scale_ptr, t, page, heads, offs_d, num_kv_heads, stride_kt, stride_kh,
+                    stride_kd, stride_ksb, HEAD_DIM)
+    _int8_raise_one(v_ptr, v_scale_ptr, t, page, heads, offs_d, num_kv_heads, stride_vt, stride_vh,
+                    stride_vd, stride_vsb, HEAD_DIM)
+
+
+@triton.jit
+def _int8_requant_one(cache_ptr, scale_ptr, old, page, started, heads, offs_d, num_kv_heads,
+                      stride_cb, stride_cs, stride_ch, stride_cd, stride_sb,
+                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    ok = heads < num_kv_heads
+    new = tl.load(scale_ptr + page * stride_sb + heads, mask=ok, other=1.0)
+    ratio = tl.minimum(tl.math.div_rn(old, tl.maximum(new, 1e-30)), 1.0)
+    ratio = tl.where(started | (new <= 0.0), 1.0, ratio)
+    lower = ok & (ratio < 1.0)  # ratio 1 leaves every value as it is: skip
+    mask = lower[:, None] & (offs_d[None, :] < HEAD_DIM)
+    for s in range(PAGE_SIZE):
+        ptrs = (cache_ptr + page * stride_cb + s * stride_cs + heads[:, None] * stride_ch
+                + offs_d[None, :] * stride_cd)
+        q = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+        tl.store(ptrs, _round_half_even(q * ratio[:, None]).to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _int8_requant_kernel(slots_ptr, starts_ptr, old_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                         v_scale_ptr, num_kv_heads, stride_kb, stride_ks, stride_kh, stride_kd,
+                         stride_vb, stride_vs, stride_vh, stride_vd, stride_ksb, stride_vsb,
+                         HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Run r: if its first page held values and its scale rose, requantise the page's values to
+    the new scale (round(q * old / new)); a page named by an earlier run is that run's."""
+    r = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slots_ptr + tl.load(starts_ptr + r)).to(tl.int64)
+    page = slot // PAGE_SIZE
+    earlier = 0
+    for e in range(0, r):  # runs that share a page (padding) must requantise it once
+        earlier += (tl.load(slots_ptr + tl.load(starts_ptr + e)).to(tl.int64) // PAGE_SIZE == page).to(tl.int32)
+    if earlier == 0:
+        started = slot % PAGE_SIZE == 0
+        ok = heads < num_kv_heads
+        k_old = tl.load(old_ptr + r * 2 * num_kv_heads + heads, mask=ok, other=1.0)
+        v_old = tl.load(old_ptr + (r * 2 + 1) * num_kv_heads + heads, mask=ok, other=1.0)
+        _int8_requant_one(k_cache_ptr, k_scale_ptr, k_old, page, started, heads, offs_d, num_kv_heads,
+                          stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, HEAD_DIM, PAGE_SIZE)
+        _int8_requant_one(v_cache_ptr, v_scale_ptr, v_old, page, started, heads, offs_d, num_kv_heads,
+                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, HEAD_DIM, PAGE_SIZE)
+
+
+@triton.jit
+def _int8_store_one(x_ptr, cache_ptr, scale_ptr, t, slot, heads, offs_d, num_kv_heads,
+                    stride_xt, stride_xh, stride_xd, stride_cb, stride_cs, stride_ch, stride_cd,
+                    stride_sb, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    ok = heads < num_kv_heads
+    mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    page = slot // PAGE_SIZE
+    step = tl.maximum(tl.load(scale_ptr + page * stride_sb + heads, mask=ok, other=1.0), 1e-30)
+    x = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :] * stride_xd,
+                mask=mask, other=0.0).to(tl.float32)
+    q = _round_half_even(tl.math.div_rn(x, step[:, None]))
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    tl.store(cache_ptr + page * stride_cb + (slot % PAGE_SIZE) * stride_cs + heads[:, None] * stride_ch
+             + offs_d[None, :] * stride_cd, q.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _int8_store_kernel(slots_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                       num_kv_heads, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                       stride_kb, stride_ks, stride_kch, stride_kcd, stride_vb, stride_vs, stride_vch,
+                       stride_vcd, stride_ksb, stride_vsb, HEAD_DIM: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row t: round(x / scale) clamped to +-127 into its slot (K and V)."""
+    t = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    _int8_store_one(k_ptr, k_cache_ptr, k_scale_ptr, t, slot, heads, offs_d, num_kv_heads,
+                    stride_kt, stride_kh, stride_kd, stride_kb, stride_ks, stride_kch, stride_kcd,
+                    stride_ksb, HEAD_DIM, PAGE_SIZE)
+    _int8_store_one(v_ptr, v_cache_ptr, v_scale_ptr, t, slot, heads, offs_d, num_kv_heads,
+                    stride_vt, stride_vh, stride_vd, stride_vb, stride_vs, stride_vch, stride_vcd,
+                    stride_vsb, HEAD_DIM, PAGE_SIZE)
+
+
+# ---------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------
 
@@ -675,7 +830,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip).
 
     int8 pages (k_cache/v_cache int8, ``k_scale``/``v_scale`` fp32 [NB, Hkv]): the rows are
-    quantised by ``kv_quant.write_int8`` (torch ops, no Triton kernel). ``starts``: indices of
+    quantised as ``kv_quant.write_int8`` does, bit for bit, by five Triton launches for K and V
+    together (``_launch_int8_write``). ``starts``: indices of
     the rows that may enter a page already holding values (each sequence's first row, e.g.
     ``cu_seqlens_q[:-1].long()``); with it the write never reads the device from the host (CUDA
     graphs) and every slot must be >= 0 (nothing is skipped: pad to a scratch page instead).
@@ -711,14 +867,43 @@ def _write_kv_int8(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, start
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
         k, v = k[keep], v[keep]
+        starts = kv_quant.run_starts(slots, k_cache.shape[1])
     else:
         if starts.dim() != 1 or starts.dtype != torch.int64 or starts.device != k.device:
             raise ValueError(f"starts must be int64 [R] on {k.device}, got {starts.dtype} "
                              f"{list(starts.shape)} on {starts.device}")
         slots = slot_mapping.long()
-    plan = kv_quant.plan_write(slots, k_cache.shape[1], starts)  # shared by K and V
-    kv_quant.write_int8(k_cache, k_scale, k, plan)
-    kv_quant.write_int8(v_cache, v_scale, v, plan)
+    if slots.numel():
+        _launch_int8_write(k_cache, v_cache, k, v, slots, k_scale, v_scale, starts)
+
+
+def _launch_int8_write(k_cache, v_cache, k, v, slots, k_scale, v_scale, starts) -> None:
+    """The five int8 write kernels (above) for T rows at ``slots`` int64 [T] (all >= 0) and
+    the runs' first rows ``starts`` int64 [R]; bytes equal to ``kv_quant.write_int8``."""
+    num_rows, num_kv_heads, head_dim = k.shape
+    if k_scale.stride(1) != 1 or v_scale.stride(1) != 1:
+        raise ValueError("k_scale/v_scale must have contiguous rows")
+    page_size = k_cache.shape[1]
+    sizes = dict(BLOCK_H=triton.next_power_of_2(num_kv_heads))
+    shape = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=triton.next_power_of_2(head_dim), **sizes)
+    exact = dict(enable_fp_fusion=False)
+    scale_strides = (k_scale.stride(0), v_scale.stride(0))
+    num_runs = starts.numel()
+    old = torch.empty(num_runs, 2, num_kv_heads, dtype=torch.float32, device=k.device)
+    if num_runs:
+        _int8_old_scales_kernel[(num_runs,)](slots, starts, k_scale, v_scale, old, num_kv_heads,
+                                             *scale_strides, PAGE_SIZE=page_size, **sizes)
+    _int8_forget_kernel[(num_rows,)](slots, k_scale, v_scale, num_kv_heads, *scale_strides,
+                                     PAGE_SIZE=page_size, **sizes)
+    _int8_raise_kernel[(num_rows,)](slots, k, v, k_scale, v_scale, num_kv_heads, *k.stride(), *v.stride(),
+                                    *scale_strides, **shape, **exact)
+    if num_runs:
+        _int8_requant_kernel[(num_runs,)](slots, starts, old, k_cache, v_cache, k_scale, v_scale,
+                                          num_kv_heads, *k_cache.stride(), *v_cache.stride(),
+                                          *scale_strides, **shape, **exact)
+    _int8_store_kernel[(num_rows,)](slots, k, v, k_cache, v_cache, k_scale, v_scale, num_kv_heads,
+                                    *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+                                    *scale_strides, **shape, **exact)
 
 
 def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

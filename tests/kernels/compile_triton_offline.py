@@ -39,7 +39,7 @@ def is_unit_stride(name: str) -> bool:
 
 
 def compile_kernel(kernel, types: dict[str, str], constants: dict, arch: int, num_warps: int,
-                   num_stages: int = 2):
+                   num_stages: int = 2, **options):
     """Compile as a launch would specialise: unit strides constant, the rest 16-divisible."""
     constants = dict(constants)
     constants.update({name: 1 for name in kernel.arg_names if is_unit_stride(name)})
@@ -50,7 +50,7 @@ def compile_kernel(kernel, types: dict[str, str], constants: dict, arch: int, nu
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(kernel, signature, constants, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

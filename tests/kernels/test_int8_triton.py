@@ -262,6 +262,61 @@ def test_write_kv_with_scales_equals_write_int8(dtype):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
+def test_int8_write_kernels_requantise_round_and_share_pages_like_write_int8(dtype):
+    """The Triton int8 write where its five launches could part from the torch form, bit for
+    bit against kv_quant.write_int8:
+    * a page holding rows whose |max| is 1 gets rows whose |max| is 4: its values are
+      requantised with ratio exactly 1/4, so q * ratio lands on .5 for q = 2 mod 4 (round half
+      to even, not half up);
+    * new rows whose values are exact half steps (|max| 127 / 8, so the step is 1/8);
+    * two runs whose first rows share one page (graph padding into a scratch page): that page
+      is requantised once, not once per run;
+    * a run that starts a page at offset 0 forgets the page's old scale, even a larger one."""
+    bs, hkv, dim = 8, 3, 24
+    k_cache, k_scale = fresh_pool(num_blocks=6, block_size=bs, hkv=hkv, dim=dim, seed=9)
+    v_cache, v_scale = fresh_pool(num_blocks=6, block_size=bs, hkv=hkv, dim=dim, seed=10)
+    gen = torch.Generator().manual_seed(11)
+
+    def rows(n, amax):
+        """n rows whose |max| per head is exactly amax (element 0), the rest below it."""
+        x = (torch.rand(n, hkv, dim, generator=gen) * 2 - 1) * (0.97 * amax)
+        x[..., 0] = amax
+        return x.to(dtype)
+
+    ties = torch.arange(dim, dtype=torch.float32) * 0.25 - 2.9375  # (2j + 1) / 16: half steps of 1/8
+    ties[0] = 127 / 8
+    tie_rows = ties.expand(2, hkv, dim).to(dtype)
+    # first write: 5 rows at offsets 0-4 of page 2, 3 rows at offsets 0-2 of page 4
+    first = (torch.tensor([16, 17, 18, 19, 20, 32, 33, 34]), torch.tensor([0, 5]),
+             torch.cat([rows(5, 1.0), rows(3, 0.5)]), torch.cat([rows(5, 2.0), rows(3, 1.0)]))
+    # second: page 2 continues (offset 5) 4x larger; page 4 continues (offset 3) with exact
+    # half steps; two padding runs both start inside page 5 (offsets 1 and 3); page 1 restarts
+    second = (torch.tensor([21, 22, 35, 36, 41, 43, 8, 9]), torch.tensor([0, 2, 4, 5, 6]),
+              torch.cat([rows(2, 4.0), tie_rows, rows(2, 3.0), rows(2, 0.01)]),
+              torch.cat([rows(2, 8.0), tie_rows, rows(2, 2.0), rows(2, 0.02)]))
+    mine = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
+    theirs = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
+    for pool in (mine, theirs):  # page 5 holds values (fresh_pool's) at a small scale
+        pool[1][5] = pool[3][5] = 0.005
+        pool[1][1] = pool[3][1] = 100.0  # page 1 holds a large scale it must forget
+    snapshots = []
+    for slots, starts, k, v in (first, second):
+        slots, starts, k, v = (t.to(DEVICE) for t in (slots, starts, k, v))
+        triton_attention.write_kv(mine[0], mine[2], k, v, slots, k_scale=mine[1], v_scale=mine[3],
+                                  starts=starts)
+        kv_quant.write_int8(theirs[0], theirs[1], k, slots, starts)
+        kv_quant.write_int8(theirs[2], theirs[3], v, slots, starts)
+        snapshots.append([t.clone() for t in theirs])
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the cases happened: page 2's scale rose exactly 4x over values with q = 2 mod 4
+    before, after = snapshots
+    assert torch.equal(after[1][2], 4 * before[1][2])
+    assert (before[0][2, :5].remainder(4) == 2).any()
+    assert (after[1][5] > 0.005).all() and (after[1][1] < 1).all()
+
+
 def test_write_kv_with_scales_skips_negative_slots_without_starts():
     """Without starts, slots < 0 are dropped (as reference.write_kv does)."""
     gen = torch.Generator().manual_seed(4)
@@ -405,6 +460,22 @@ for arch in (80, 90):
         regs, spills = c.registers_and_spills(compiled)
         print(f"sm_{arch} int8 {elem} G={group} D={head_dim} q_len={max_q_len} "
               f"registers={regs} local_bytes={spills}: ok")
+    # the int8 write's five kernels, as write_kv launches them (no fp fusion: q * ratio is
+    # rounded before it is rounded to an integer; IEEE division)
+    sizes = dict(PAGE_SIZE=16, BLOCK_H=4)
+    for kernel, constants in ((ta._int8_old_scales_kernel, sizes), (ta._int8_forget_kernel, sizes),
+                              (ta._int8_raise_kernel, dict(HEAD_DIM=64, BLOCK_D=64, **sizes)),
+                              (ta._int8_requant_kernel, dict(HEAD_DIM=64, BLOCK_D=64, **sizes)),
+                              (ta._int8_store_kernel, dict(HEAD_DIM=64, BLOCK_D=64, **sizes))):
+        types = {name: "*i64" if name in ("slots_ptr", "starts_ptr") else "*i8" if "cache" in name
+                 else "*fp32" if "scale" in name or name == "old_ptr" else "*bf16"
+                 for name in kernel.arg_names if name.endswith("_ptr")}
+        compiled = c.compile_kernel(kernel, types, constants, arch, 4, enable_fp_fusion=False)
+        ptx = compiled.asm["ptx"]
+        assert "fma.rn.f32" not in ptx, kernel.__name__
+        assert kernel in (ta._int8_old_scales_kernel, ta._int8_forget_kernel) or "div.rn.f32" in ptx
+        regs, spills = c.registers_and_spills(compiled)
+        print(f"sm_{arch} {kernel.__name__} registers={regs} local_bytes={spills}: ok")
 '''
 
 PTXAS = Path(triton_attention.triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -413,11 +484,12 @@ PTXAS = Path(triton_attention.triton.__file__).parent / "backends" / "nvidia" / 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton build ships no NVIDIA ptxas")
 def test_int8_kernel_compiles_for_ampere_and_hopper():
     """Decode, tree verify and prefill tiles in fp16/bf16, and fp32, for sm_80 and sm_90, in a
-    fresh process without TRITON_INTERPRET (as test_triton_compile.py does for float pages)."""
+    fresh process without TRITON_INTERPRET (as test_triton_compile.py does for float pages);
+    and the int8 write's kernels, with no fused multiply-add and IEEE division in their PTX."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", COMPILE_INT8], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = [line for line in done.stdout.splitlines() if line.endswith(": ok")]
-    assert len(compiled) == 8, done.stdout
+    assert len(compiled) == 8 + 2 * 5, done.stdout
