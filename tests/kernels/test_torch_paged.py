@@ -12,7 +12,7 @@ import pytest
 import torch
 from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
 
-from longctx.kernels import reference, torch_paged
+from longctx.kernels import cpu_build, reference, torch_paged
 
 CASES = {
     "decode": Case((1, 1), (75, 161), num_kv_heads=2, group=3, seed=31),
@@ -84,7 +84,9 @@ def test_block_runs():
 def test_float32_queries_over_bfloat16_pages(monkeypatch, name, kernels, max_runs):
     """A bf16 model on the CPU row kernel has fp32 activations over bf16 pages: every form (the
     compiled kernels, and the torch forms with and without runs) takes that mix and matches the
-    reference on the pages widened to fp32."""
+    reference on the pages widened to fp32. The flash kernel at the avx512bf16 level rounds each
+    softmax weight to bf16 for its vdpbf16ps P.V (relative error <= 2^-9 per weight), so there
+    its output may move by up to 2^-9 of the largest |V|."""
     monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", kernels)
     monkeypatch.setattr(torch_paged, "MAX_RUNS", max_runs)
     monkeypatch.setattr(torch_paged, "MIN_RUN_TOKENS", 1)
@@ -95,5 +97,8 @@ def test_float32_queries_over_bfloat16_pages(monkeypatch, name, kernels, max_run
     out, lse = torch_paged.paged_attention(*mixed.args(), tree_mask=mixed.tree_mask)
     ref_out, ref_lse = reference.paged_attention(*widened.args(), tree_mask=widened.tree_mask)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    rounds_p = kernels and cpu_build.isa() == "avx512bf16"
+    v = widened.v_cache[widened.v_cache.isfinite()]  # (unused pages hold NaN)
+    atol = 1e-4 + (2 ** -9 * float(v.abs().max()) if rounds_p else 0.0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=atol)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
