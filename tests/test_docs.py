@@ -156,3 +156,7 @@ def test_plots_take_the_fuller_of_two_runs_at_one_revision(tmp_path: Path):
     # equal coverage: the later run
     later = run(["vllm-fp32", "longctx-fp32", "longctx-bf16"], ["2048", "8000"], "2026-01-01T12:00")
     assert plots.newest({"e2e-a.json": full, "e2e-c.json": later}, tmp_path, "e2e-", lambda d: True)[0] == "e2e-c.json"
+    # a later run of one other dtype only is not what the prefill plot draws
+    bf16_only = run(["vllm-bf16", "longctx-bf16"], ["2048", "4096", "8000"], "2026-01-01T13:00")
+    assert plots.newest({"e2e-a.json": full, "e2e-d.json": bf16_only}, tmp_path, "e2e-",
+                        plots.has_prefill)[0] == "e2e-a.json"
