@@ -421,7 +421,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, n
 # requantised to its new scale where that rose, (5) every row is quantised into its slot.
 # Each step needs the one before it complete, hence separate launches. Rounding is torch's:
 # IEEE division (div_rn) and round-half-to-even, and launches pass enable_fp_fusion=False so
-# that q * ratio is rounded before it is rounded to an integer (as torch does).
+# that q * ratio is rounded before it is rounded to an integer (as torch does). Where the forms
+# part: NaN/inf (a page restarted at offset 0 gets scale 0 here, where the torch and C forms'
+# scale * 0 keeps a NaN; NaN rows), and rows whose slot is outside the pool (not written here;
+# torch raises).
 
 
 @triton.jit
@@ -438,8 +441,9 @@ def _int8_old_scales_kernel(slots_ptr, starts_ptr, k_scale_ptr, v_scale_ptr, old
     r = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     ok = heads < num_kv_heads
-    row = tl.load(starts_ptr + r)
-    page = tl.load(slots_ptr + row).to(tl.int64) // PAGE_SIZE
+    slot = tl.load(slots_ptr + tl.load(starts_ptr + r) + heads * 0).to(tl.int64)  # one slot, per head
+    ok = ok & (slot >= 0)
+    page = slot // PAGE_SIZE
     k_old = tl.load(k_scale_ptr + page * stride_ksb + heads, mask=ok)
     v_old = tl.load(v_scale_ptr + page * stride_vsb + heads, mask=ok)
     tl.store(old_ptr + r * 2 * num_kv_heads + heads, k_old, mask=ok)
@@ -453,7 +457,7 @@ def _int8_forget_kernel(slots_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, strid
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # (BLOCK_H,): one slot, per head
-    ok = (heads < num_kv_heads) & (slot % PAGE_SIZE == 0)
+    ok = (heads < num_kv_heads) & (slot >= 0) & (slot % PAGE_SIZE == 0)
     page = slot // PAGE_SIZE
     zero = tl.zeros([BLOCK_H], dtype=tl.float32)
     tl.store(k_scale_ptr + page * stride_ksb + heads, zero, mask=ok)
@@ -461,9 +465,10 @@ def _int8_forget_kernel(slots_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, strid
 
 
 @triton.jit
-def _int8_raise_one(x_ptr, scale_ptr, t, page, heads, offs_d, num_kv_heads, stride_xt, stride_xh,
-                    stride_xd, stride_sb, HEAD_DIM: tl.constexpr):
-    ok = heads < num_kv_heads
+def _int8_raise_one(x_ptr, scale_ptr, t, slot, heads, offs_d, num_kv_heads, stride_xt, stride_xh,
+                    stride_xd, stride_sb, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    ok = (heads < num_kv_heads) & (slot >= 0)
+    page = slot // PAGE_SIZE
     mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :] * stride_xd,
                 mask=mask, other=0.0).to(tl.float32)
@@ -480,25 +485,27 @@ def _int8_raise_kernel(slots_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, num_kv
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    page = tl.load(slots_ptr + t).to(tl.int64) // PAGE_SIZE
-    _int8_raise_one(k_ptr, k_scale_ptr, t, page, heads, offs_d, num_kv_heads, stride_kt, stride_kh,
-                    stride_kd, stride_ksb, HEAD_DIM)
-    _int8_raise_one(v_ptr, v_scale_ptr, t, page, heads, offs_d, num_kv_heads, stride_vt, stride_vh,
-                    stride_vd, stride_vsb, HEAD_DIM)
+    slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # one slot, per head
+    _int8_raise_one(k_ptr, k_scale_ptr, t, slot, heads, offs_d, num_kv_heads, stride_kt, stride_kh,
+                    stride_kd, stride_ksb, HEAD_DIM, PAGE_SIZE)
+    _int8_raise_one(v_ptr, v_scale_ptr, t, slot, heads, offs_d, num_kv_heads, stride_vt, stride_vh,
+                    stride_vd, stride_vsb, HEAD_DIM, PAGE_SIZE)
 
 
 @triton.jit
-def _int8_requant_one(cache_ptr, scale_ptr, old, page, started, heads, offs_d, num_kv_heads,
+def _int8_requant_one(cache_ptr, scale_ptr, old, slot, heads, offs_d, num_kv_heads,
                       stride_cb, stride_cs, stride_ch, stride_cd, stride_sb,
                       HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    ok = heads < num_kv_heads
+    ok = (heads < num_kv_heads) & (slot >= 0)
+    page = slot // PAGE_SIZE
+    started = slot % PAGE_SIZE == 0
     new = tl.load(scale_ptr + page * stride_sb + heads, mask=ok, other=1.0)
     ratio = tl.minimum(tl.math.div_rn(old, tl.maximum(new, 1e-30)), 1.0)
     ratio = tl.where(started | (new <= 0.0), 1.0, ratio)
     lower = ok & (ratio < 1.0)  # ratio 1 leaves every value as it is: skip
     mask = lower[:, None] & (offs_d[None, :] < HEAD_DIM)
     for s in range(PAGE_SIZE):
-        ptrs = (cache_ptr + page * stride_cb + s * stride_cs + heads[:, None] * stride_ch
+        ptrs = (cache_ptr + page[:, None] * stride_cb + s * stride_cs + heads[:, None] * stride_ch
                 + offs_d[None, :] * stride_cd)
         q = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
         tl.store(ptrs, _round_half_even(q * ratio[:, None]).to(tl.int8), mask=mask)
@@ -515,19 +522,19 @@ def _int8_requant_kernel(slots_ptr, starts_ptr, old_ptr, k_cache_ptr, v_cache_pt
     r = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + tl.load(starts_ptr + r)).to(tl.int64)
+    slot = tl.load(slots_ptr + tl.load(starts_ptr + r) + heads * 0).to(tl.int64)  # one slot, per head
     page = slot // PAGE_SIZE
-    earlier = 0
+    earlier = tl.zeros([BLOCK_H], dtype=tl.int32)
     for e in range(0, r):  # runs that share a page (padding) must requantise it once
-        earlier += (tl.load(slots_ptr + tl.load(starts_ptr + e)).to(tl.int64) // PAGE_SIZE == page).to(tl.int32)
-    if earlier == 0:
-        started = slot % PAGE_SIZE == 0
+        other = tl.load(slots_ptr + tl.load(starts_ptr + e) + heads * 0).to(tl.int64)
+        earlier += ((other >= 0) & (other // PAGE_SIZE == page)).to(tl.int32)
+    if tl.max(earlier, axis=0) == 0:
         ok = heads < num_kv_heads
         k_old = tl.load(old_ptr + r * 2 * num_kv_heads + heads, mask=ok, other=1.0)
         v_old = tl.load(old_ptr + (r * 2 + 1) * num_kv_heads + heads, mask=ok, other=1.0)
-        _int8_requant_one(k_cache_ptr, k_scale_ptr, k_old, page, started, heads, offs_d, num_kv_heads,
+        _int8_requant_one(k_cache_ptr, k_scale_ptr, k_old, slot, heads, offs_d, num_kv_heads,
                           stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, HEAD_DIM, PAGE_SIZE)
-        _int8_requant_one(v_cache_ptr, v_scale_ptr, v_old, page, started, heads, offs_d, num_kv_heads,
+        _int8_requant_one(v_cache_ptr, v_scale_ptr, v_old, slot, heads, offs_d, num_kv_heads,
                           stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, HEAD_DIM, PAGE_SIZE)
 
 
@@ -535,7 +542,7 @@ def _int8_requant_kernel(slots_ptr, starts_ptr, old_ptr, k_cache_ptr, v_cache_pt
 def _int8_store_one(x_ptr, cache_ptr, scale_ptr, t, slot, heads, offs_d, num_kv_heads,
                     stride_xt, stride_xh, stride_xd, stride_cb, stride_cs, stride_ch, stride_cd,
                     stride_sb, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    ok = heads < num_kv_heads
+    ok = (heads < num_kv_heads) & (slot >= 0)
     mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     page = slot // PAGE_SIZE
     step = tl.maximum(tl.load(scale_ptr + page * stride_sb + heads, mask=ok, other=1.0), 1e-30)
@@ -543,7 +550,7 @@ def _int8_store_one(x_ptr, cache_ptr, scale_ptr, t, slot, heads, offs_d, num_kv_
                 mask=mask, other=0.0).to(tl.float32)
     q = _round_half_even(tl.math.div_rn(x, step[:, None]))
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    tl.store(cache_ptr + page * stride_cb + (slot % PAGE_SIZE) * stride_cs + heads[:, None] * stride_ch
+    tl.store(cache_ptr + page[:, None] * stride_cb + (slot % PAGE_SIZE)[:, None] * stride_cs + heads[:, None] * stride_ch
              + offs_d[None, :] * stride_cd, q.to(tl.int8), mask=mask)
 
 
@@ -557,7 +564,7 @@ def _int8_store_kernel(slots_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scal
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # one slot, per head
     _int8_store_one(k_ptr, k_cache_ptr, k_scale_ptr, t, slot, heads, offs_d, num_kv_heads,
                     stride_kt, stride_kh, stride_kd, stride_kb, stride_ks, stride_kch, stride_kcd,
                     stride_ksb, HEAD_DIM, PAGE_SIZE)
@@ -834,8 +841,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     together (``_launch_int8_write``). ``starts``: indices of
     the rows that may enter a page already holding values (each sequence's first row, e.g.
     ``cu_seqlens_q[:-1].long()``); with it the write never reads the device from the host (CUDA
-    graphs) and every slot must be >= 0 (nothing is skipped: pad to a scratch page instead).
-    Without it ``kv_quant.run_starts`` finds them (a host read) and slots < 0 are dropped first.
+    graphs) and every slot must be >= 0 (pad to a scratch page instead; a row whose slot is
+    outside the pool is not written, since nothing can be checked on the host). Without it
+    ``kv_quant.run_starts`` finds them (a host read), slots < 0 are dropped first and a slot
+    past the pool is a ValueError.
     """
     if k.dim() != 3 or k.shape != v.shape or k_cache.shape != v_cache.shape:
         raise ValueError(f"need k/v [T, Hkv, D] of one shape and caches of one shape, got "
@@ -866,6 +875,9 @@ def _write_kv_int8(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, start
     if starts is None:  # run_starts reads the slots anyway: dropping skipped rows costs nothing
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
+        if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
+            raise ValueError(f"slot {int(slots.max())} is outside the pool of {k_cache.shape[0]} pages "
+                             f"of {k_cache.shape[1]}")
         k, v = k[keep], v[keep]
         starts = kv_quant.run_starts(slots, k_cache.shape[1])
     else:
@@ -888,6 +900,10 @@ def _launch_int8_write(k_cache, v_cache, k, v, slots, k_scale, v_scale, starts) 
     shape = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=triton.next_power_of_2(head_dim), **sizes)
     exact = dict(enable_fp_fusion=False)
     scale_strides = (k_scale.stride(0), v_scale.stride(0))
+    # no host reads here (CUDA graphs): rows whose slot is outside the pool are not written (-1
+    # in the kernels), and starts are brought inside the rows (an extra start only costs time)
+    slots = torch.where((slots >= 0) & (slots < k_cache.shape[0] * page_size), slots, -1)
+    starts = starts.clamp(0, num_rows - 1)
     num_runs = starts.numel()
     old = torch.empty(num_runs, 2, num_kv_heads, dtype=torch.float32, device=k.device)
     if num_runs:

@@ -317,6 +317,29 @@ def test_int8_write_kernels_requantise_round_and_share_pages_like_write_int8(dty
     assert (after[1][5] > 0.005).all() and (after[1][1] < 1).all()
 
 
+def test_int8_write_with_starts_never_writes_outside_the_pool():
+    """With starts nothing is checked on the host (CUDA graphs): rows whose slot is negative or
+    past the pool, and starts past the rows, must not write anywhere; the other rows come out
+    as write_int8 writes them alone. Without starts a slot past the pool is refused."""
+    k_cache, k_scale = fresh_pool(seed=12)
+    v_cache, v_scale = fresh_pool(seed=13)
+    gen = torch.Generator().manual_seed(14)
+    k = torch.randn(5, 3, 24, generator=gen).to(DEVICE)
+    v = torch.randn(5, 3, 24, generator=gen).to(DEVICE)
+    slots = torch.tensor([17, -1, 18, 9 * 8, -8], device=DEVICE)  # pool: 9 pages of 8
+    mine = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
+    theirs = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
+    triton_attention.write_kv(mine[0], mine[2], k, v, slots, k_scale=mine[1], v_scale=mine[3],
+                              starts=torch.tensor([0, 7, -3], device=DEVICE))
+    keep = torch.tensor([0, 2], device=DEVICE)
+    kv_quant.write_int8(theirs[0], theirs[1], k[keep], slots[keep], torch.tensor([0], device=DEVICE))
+    kv_quant.write_int8(theirs[2], theirs[3], v[keep], slots[keep], torch.tensor([0], device=DEVICE))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="outside the pool"):
+        triton_attention.write_kv(mine[0], mine[2], k, v, slots, k_scale=mine[1], v_scale=mine[3])
+
+
 def test_write_kv_with_scales_skips_negative_slots_without_starts():
     """Without starts, slots < 0 are dropped (as reference.write_kv does)."""
     gen = torch.Generator().manual_seed(4)
