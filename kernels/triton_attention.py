@@ -435,13 +435,30 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _int8_slot(slots_ptr, row, heads, num_slots):
+    """Row ``row``'s slot, once per head (masks then keep one shape), or -1 where it lies
+    outside the pool's ``num_slots`` (such rows are not written: nothing is checked on the host)."""
+    slot = tl.load(slots_ptr + row + heads * 0).to(tl.int64)
+    return tl.where((slot >= 0) & (slot < num_slots), slot, -1)
+
+
+@triton.jit
+def _int8_run_slot(slots_ptr, starts_ptr, r, heads, num_rows, num_slots):
+    """The slot of run r's first row; a start outside the rows is brought inside them (an extra
+    start only costs time)."""
+    row = tl.minimum(tl.maximum(tl.load(starts_ptr + r), 0), num_rows - 1)
+    return _int8_slot(slots_ptr, row, heads, num_slots)
+
+
+@triton.jit
 def _int8_old_scales_kernel(slots_ptr, starts_ptr, k_scale_ptr, v_scale_ptr, old_ptr, num_kv_heads,
-                            stride_ksb, stride_vsb, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
+                            num_rows, num_slots, stride_ksb, stride_vsb, PAGE_SIZE: tl.constexpr,
+                            BLOCK_H: tl.constexpr):
     """Run r: the K and V scales of its first page before this call -> old [R, 2, Hkv]."""
     r = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     ok = heads < num_kv_heads
-    slot = tl.load(slots_ptr + tl.load(starts_ptr + r) + heads * 0).to(tl.int64)  # one slot, per head
+    slot = _int8_run_slot(slots_ptr, starts_ptr, r, heads, num_rows, num_slots)
     ok = ok & (slot >= 0)
     page = slot // PAGE_SIZE
     k_old = tl.load(k_scale_ptr + page * stride_ksb + heads, mask=ok)
@@ -451,12 +468,12 @@ def _int8_old_scales_kernel(slots_ptr, starts_ptr, k_scale_ptr, v_scale_ptr, old
 
 
 @triton.jit
-def _int8_forget_kernel(slots_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, stride_ksb, stride_vsb,
-                        PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
+def _int8_forget_kernel(slots_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, num_slots, stride_ksb,
+                        stride_vsb, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr):
     """Row t at offset 0 of its page: that page's scales become 0 (the page starts over)."""
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
-    slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # (BLOCK_H,): one slot, per head
+    slot = _int8_slot(slots_ptr, t, heads, num_slots)
     ok = (heads < num_kv_heads) & (slot >= 0) & (slot % PAGE_SIZE == 0)
     page = slot // PAGE_SIZE
     zero = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -477,7 +494,7 @@ def _int8_raise_one(x_ptr, scale_ptr, t, slot, heads, offs_d, num_kv_heads, stri
 
 
 @triton.jit
-def _int8_raise_kernel(slots_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads,
+def _int8_raise_kernel(slots_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads, num_slots,
                        stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                        stride_ksb, stride_vsb, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -485,7 +502,7 @@ def _int8_raise_kernel(slots_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, num_kv
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # one slot, per head
+    slot = _int8_slot(slots_ptr, t, heads, num_slots)
     _int8_raise_one(k_ptr, k_scale_ptr, t, slot, heads, offs_d, num_kv_heads, stride_kt, stride_kh,
                     stride_kd, stride_ksb, HEAD_DIM, PAGE_SIZE)
     _int8_raise_one(v_ptr, v_scale_ptr, t, slot, heads, offs_d, num_kv_heads, stride_vt, stride_vh,
@@ -513,7 +530,7 @@ def _int8_requant_one(cache_ptr, scale_ptr, old, slot, heads, offs_d, num_kv_hea
 
 @triton.jit
 def _int8_requant_kernel(slots_ptr, starts_ptr, old_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                         v_scale_ptr, num_kv_heads, stride_kb, stride_ks, stride_kh, stride_kd,
+                         v_scale_ptr, num_kv_heads, num_rows, num_slots, stride_kb, stride_ks, stride_kh, stride_kd,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_ksb, stride_vsb,
                          HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -522,11 +539,11 @@ def _int8_requant_kernel(slots_ptr, starts_ptr, old_ptr, k_cache_ptr, v_cache_pt
     r = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + tl.load(starts_ptr + r) + heads * 0).to(tl.int64)  # one slot, per head
+    slot = _int8_run_slot(slots_ptr, starts_ptr, r, heads, num_rows, num_slots)
     page = slot // PAGE_SIZE
     earlier = tl.zeros([BLOCK_H], dtype=tl.int32)
     for e in range(0, r):  # runs that share a page (padding) must requantise it once
-        other = tl.load(slots_ptr + tl.load(starts_ptr + e) + heads * 0).to(tl.int64)
+        other = _int8_run_slot(slots_ptr, starts_ptr, e, heads, num_rows, num_slots)
         earlier += ((other >= 0) & (other // PAGE_SIZE == page)).to(tl.int32)
     if tl.max(earlier, axis=0) == 0:
         ok = heads < num_kv_heads
@@ -556,7 +573,7 @@ def _int8_store_one(x_ptr, cache_ptr, scale_ptr, t, slot, heads, offs_d, num_kv_
 
 @triton.jit
 def _int8_store_kernel(slots_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                       num_kv_heads, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                       num_kv_heads, num_slots, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                        stride_kb, stride_ks, stride_kch, stride_kcd, stride_vb, stride_vs, stride_vch,
                        stride_vcd, stride_ksb, stride_vsb, HEAD_DIM: tl.constexpr,
                        PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -564,7 +581,7 @@ def _int8_store_kernel(slots_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scal
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + t + heads * 0).to(tl.int64)  # one slot, per head
+    slot = _int8_slot(slots_ptr, t, heads, num_slots)
     _int8_store_one(k_ptr, k_cache_ptr, k_scale_ptr, t, slot, heads, offs_d, num_kv_heads,
                     stride_kt, stride_kh, stride_kd, stride_kb, stride_ks, stride_kch, stride_kcd,
                     stride_ksb, HEAD_DIM, PAGE_SIZE)
@@ -890,8 +907,9 @@ def _write_kv_int8(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, start
 
 
 def _launch_int8_write(k_cache, v_cache, k, v, slots, k_scale, v_scale, starts) -> None:
-    """The five int8 write kernels (above) for T rows at ``slots`` int64 [T] (all >= 0) and
-    the runs' first rows ``starts`` int64 [R]; bytes equal to ``kv_quant.write_int8``."""
+    """The five int8 write kernels (above) for T rows at ``slots`` int64 [T] and the runs'
+    first rows ``starts`` int64 [R]; bytes equal to ``kv_quant.write_int8``. No host reads (CUDA
+    graphs): the kernels skip rows whose slot is outside the pool and keep starts inside the rows."""
     num_rows, num_kv_heads, head_dim = k.shape
     if k_scale.stride(1) != 1 or v_scale.stride(1) != 1:
         raise ValueError("k_scale/v_scale must have contiguous rows")
@@ -900,25 +918,23 @@ def _launch_int8_write(k_cache, v_cache, k, v, slots, k_scale, v_scale, starts) 
     shape = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_D=triton.next_power_of_2(head_dim), **sizes)
     exact = dict(enable_fp_fusion=False)
     scale_strides = (k_scale.stride(0), v_scale.stride(0))
-    # no host reads here (CUDA graphs): rows whose slot is outside the pool are not written (-1
-    # in the kernels), and starts are brought inside the rows (an extra start only costs time)
-    slots = torch.where((slots >= 0) & (slots < k_cache.shape[0] * page_size), slots, -1)
-    starts = starts.clamp(0, num_rows - 1)
+    num_slots = k_cache.shape[0] * page_size
     num_runs = starts.numel()
     old = torch.empty(num_runs, 2, num_kv_heads, dtype=torch.float32, device=k.device)
     if num_runs:
         _int8_old_scales_kernel[(num_runs,)](slots, starts, k_scale, v_scale, old, num_kv_heads,
-                                             *scale_strides, PAGE_SIZE=page_size, **sizes)
-    _int8_forget_kernel[(num_rows,)](slots, k_scale, v_scale, num_kv_heads, *scale_strides,
+                                             num_rows, num_slots, *scale_strides, PAGE_SIZE=page_size,
+                                             **sizes)
+    _int8_forget_kernel[(num_rows,)](slots, k_scale, v_scale, num_kv_heads, num_slots, *scale_strides,
                                      PAGE_SIZE=page_size, **sizes)
-    _int8_raise_kernel[(num_rows,)](slots, k, v, k_scale, v_scale, num_kv_heads, *k.stride(), *v.stride(),
-                                    *scale_strides, **shape, **exact)
+    _int8_raise_kernel[(num_rows,)](slots, k, v, k_scale, v_scale, num_kv_heads, num_slots, *k.stride(),
+                                    *v.stride(), *scale_strides, **shape, **exact)
     if num_runs:
         _int8_requant_kernel[(num_runs,)](slots, starts, old, k_cache, v_cache, k_scale, v_scale,
-                                          num_kv_heads, *k_cache.stride(), *v_cache.stride(),
+                                          num_kv_heads, num_rows, num_slots, *k_cache.stride(), *v_cache.stride(),
                                           *scale_strides, **shape, **exact)
     _int8_store_kernel[(num_rows,)](slots, k, v, k_cache, v_cache, k_scale, v_scale, num_kv_heads,
-                                    *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+                                    num_slots, *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
                                     *scale_strides, **shape, **exact)
 
 
