@@ -455,27 +455,13 @@ static inline void int8_row(const int8_t *src, int d, float scale, float *dst) {
     for (; x < d; x++) dst[x] = (float)src[x] * scale;
 }
 
-/* Pointers to the K or V rows (head kvh) of keys [base, base + n): into the pages for float32,
- * else converted into buf (n * d floats); int8 (dtype 2) times scale[block, kvh]. */
-static void tile_rows(const void *cache, int dtype, const float *scale, const int32_t *blocks,
-                      int block_size, int base, int n, int num_kv, int kvh, int d, float *buf,
-                      const float **rows) {
+/* Element offsets in a cache [blocks][block_size][num_kv][d] of head kvh's rows of keys
+ * [base, base + n). */
+static void tile_offsets(const int32_t *blocks, int block_size, int base, int n, int num_kv, int kvh, int d,
+                         int64_t *at) {
     int block = base / block_size, offset = base % block_size;
     for (int j = 0; j < n; j++) {
-        const int64_t slot = (int64_t)blocks[block] * block_size + offset;
-        const int64_t at = (slot * num_kv + kvh) * (int64_t)d;
-        if (dtype == 0) {
-            rows[j] = (const float *)cache + at;
-        } else if (dtype == 2) {
-            int8_row((const int8_t *)cache + at, d, scale[(int64_t)blocks[block] * num_kv + kvh],
-                     buf + (int64_t)j * d);
-            rows[j] = buf + (int64_t)j * d;
-        } else { /* bfloat16: the high half of a float32 */
-            const uint16_t *src = (const uint16_t *)cache + at;
-            uint32_t *dst = (uint32_t *)(buf + (int64_t)j * d);
-            for (int x = 0; x < d; x++) dst[x] = (uint32_t)src[x] << 16;
-            rows[j] = buf + (int64_t)j * d;
-        }
+        at[j] = (((int64_t)blocks[block] * block_size + offset) * num_kv + kvh) * (int64_t)d;
         if (++offset == block_size) {
             offset = 0;
             block++;
@@ -483,16 +469,25 @@ static void tile_rows(const void *cache, int dtype, const float *scale, const in
     }
 }
 
-/* Pointers to the bfloat16 K or V rows (head kvh) of keys [base, base + n), in the pages. */
-static void tile_rows_bf16(const uint16_t *cache, const int32_t *blocks, int block_size, int base, int n,
-                           int num_kv, int kvh, int d, const uint16_t **rows) {
-    int block = base / block_size, offset = base % block_size;
+/* Pointers to the K or V rows (head kvh) of keys [base, base + n): into the pages for float32,
+ * else converted into buf (n * d floats); int8 (dtype 2) times scale[block, kvh]. */
+static void tile_rows(const void *cache, int dtype, const float *scale, const int32_t *blocks,
+                      int block_size, int base, int n, int num_kv, int kvh, int d, float *buf,
+                      const float **rows) {
+    int64_t at[KT];
+    tile_offsets(blocks, block_size, base, n, num_kv, kvh, d, at);
     for (int j = 0; j < n; j++) {
-        const int64_t slot = (int64_t)blocks[block] * block_size + offset;
-        rows[j] = cache + (slot * num_kv + kvh) * (int64_t)d;
-        if (++offset == block_size) {
-            offset = 0;
-            block++;
+        if (dtype == 0) {
+            rows[j] = (const float *)cache + at[j];
+        } else if (dtype == 2) {
+            const int64_t block = blocks[(base + j) / block_size];
+            int8_row((const int8_t *)cache + at[j], d, scale[block * num_kv + kvh], buf + (int64_t)j * d);
+            rows[j] = buf + (int64_t)j * d;
+        } else { /* bfloat16: the high half of a float32 */
+            const uint16_t *src = (const uint16_t *)cache + at[j];
+            uint32_t *dst = (uint32_t *)(buf + (int64_t)j * d);
+            for (int x = 0; x < d; x++) dst[x] = (uint32_t)src[x] << 16;
+            rows[j] = buf + (int64_t)j * d;
         }
     }
 }
@@ -575,8 +570,8 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
-        tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d, s->kbuf,
-                  s->krow);
+        tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
+                  s->kbuf, s->krow);
         for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
         tile_scores(s->qt, rbp, s->krow, n, d, s->st);
         if (base + n > first_new + (a->tail_words ? 0 : t_first + 1)) { /* the tile meets the mask */
@@ -596,7 +591,9 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         if (pairs) {
 #ifdef HAVE_BF16_DOT
             pair_p_bf16(s->st, rbp, n);
-            tile_rows_bf16(a->v_cache, a->blocks, a->block_size, base, n, a->num_kv, kvh, d, s->vrow16);
+            int64_t at[KT];
+            tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
+            for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
             pair_v_bf16(s->vrow16, n, d, (const uint16_t *)s->zero, (uint32_t *)s->vbuf);
             tile_accumulate_bf16((const uint32_t *)s->st, rbp, (const uint32_t *)s->vbuf, n, d, s->ot,
                                  rescale ? s->alpha : NULL);
