@@ -26,7 +26,7 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "DOT_MAX_ROWS"]
+__all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "rounds_bf16_rows", "DOT_MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
 # Rows up to which the model's Linear takes this kernel when it was built without AVX2/FMA (dot
@@ -36,6 +36,7 @@ SOURCE = cpu_build.CSRC / "linear_rows.c"
 # and 35.5 oneDNN-packed; 8 rows 43.9 vs 90.4 / 48.2; 64 rows 179.6 vs 215.5 / 160.5; at 128
 # rows (4 layers) 44.8 vs 38.5 / 38.8, where BLAS's blocked GEMM won over the dot products.
 DOT_MAX_ROWS = 64
+BF16_PANEL_ROWS = 17  # csrc's PANEL_MIN_ROWS: the panel path, where bf16 weights may round x
 UNBOUNDED = 1 << 62
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's WT_F32 / WT_BF16
 
@@ -52,6 +53,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                      ctypes.c_void_p, ctypes.c_void_p]
     lib.longctx_linear_has_panels.restype = ctypes.c_int
     lib.longctx_linear_has_panels.argtypes = []
+    lib.longctx_linear_bf16_panels.restype = ctypes.c_int
+    lib.longctx_linear_bf16_panels.argtypes = []
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
@@ -69,6 +72,14 @@ def max_rows() -> int:
     if not hasattr(lib, "longctx_max_rows"):  # asked once per loaded library
         lib.longctx_max_rows = UNBOUNDED if lib.longctx_linear_has_panels() else DOT_MAX_ROWS
     return lib.longctx_max_rows
+
+
+def rounds_bf16_rows() -> int:
+    """Rows from which a bfloat16 weight's product takes x rounded to bfloat16 (vdpbf16ps, on
+    CPUs with AVX-512 BF16: twice float32's multiply-adds per instruction; sums stay float32);
+    0 where it never does (the weights are then widened and x stays float32)."""
+    lib = _load()
+    return BF16_PANEL_ROWS if lib is not None and lib.longctx_linear_bf16_panels() else 0
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -147,7 +158,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            num_threads: int | None = None) -> torch.Tensor:
     """x [M, K] float32 (rows may be strided), weight [N, K] float32 or bfloat16 contiguous,
     bias [N] float32 -> x @ weight.T + bias, [M, N] float32 (a bfloat16 weight is widened to
-    float32 as it is read: the product is float32's on the rounded weights).
+    float32 as it is read: the product is float32's on the rounded weights; from
+    ``rounds_bf16_rows()`` rows, where that is not 0, x is rounded to bfloat16 too, after any
+    prologue, and the sums stay float32).
 
     ``norm_weight`` [K]: x is RMS-normalised first (``norm_weight * x / sqrt(mean(x^2) + eps)``
     per row, as the model's RMSNorm). ``swiglu``: x is [M, 2K] and the product takes

@@ -433,6 +433,100 @@ static void slice_panels(const float *x, int64_t ldx, int M, const void *w, int 
 }
 #endif
 
+#if HAVE_AVX2 && HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_BF16_PANELS 1
+/* bfloat16 weights from PANEL_MIN_ROWS rows on, where the CPU has AVX-512 BF16: the rows of x
+ * are rounded to bfloat16 once per call (round to nearest even, as torch's .bfloat16()) and the
+ * products run by vdpbf16ps, which multiplies pairs of bfloat16 exactly and adds both products
+ * to a float32 lane: 32 multiply-adds per instruction, twice the float32 FMA's. Sums stay
+ * float32, as do the prologues (RMSNorm, SwiGLU: computed in float32, then rounded) and the
+ * epilogue. This is what a bf16 model's prefill does in HF and vLLM (bf16 inputs, fp32
+ * accumulation); the dot products (decode, up to 16 rows) keep float32 activations.
+ * Layout: pairs along K. xb[m][p] = (x[m][2p], x[m][2p + 1]) as one 32-bit word (0 past K);
+ * panel s: wb[s][p][j] = (w[n0 + 16 s + j][k0 + 2p], w[..][k0 + 2p + 1]), 0 past the block
+ * or the slice. */
+
+/* x [M, K] float32 (row stride ldx) -> xb [M, (K + 1) / 2] pairs. */
+static void round_rows_bf16(const float *x, int64_t ldx, int M, int K, uint32_t *xb, int threads) {
+    const int pairs = (K + 1) / 2;
+#pragma omp parallel for schedule(static) if (M >= 8) num_threads(threads)
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        uint16_t *dst = (uint16_t *)(xb + (int64_t)m * pairs);
+        for (int k = 0; k < K; k += 16) {
+            const int n = K - k < 16 ? K - k : 16;
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, xr + k));
+            _mm256_mask_storeu_epi16(dst + k, live, (__m256i)h);
+        }
+        if (K & 1) dst[K] = 0;
+    }
+}
+
+/* Both panels of a slice for K block [k0, k0 + kb) (k0 even). */
+static void pack_panels_bf16(const uint16_t *w, int K, int k0, int kb, int n0, int ns, uint32_t *wp) {
+    const int pairs = (kb + 1) / 2;
+    for (int j = 0; j < 32; j++) {
+        uint32_t *dst = wp + (int64_t)(j / 16) * pairs * 16 + j % 16;
+        if (j >= ns) {
+            for (int p = 0; p < pairs; p++) dst[(int64_t)p * 16] = 0;
+            continue;
+        }
+        const uint16_t *src = w + (int64_t)(n0 + j) * K + k0;
+        int p = 0;
+        for (; 2 * p + 1 < kb; p++) {
+            uint32_t pair;
+            memcpy(&pair, src + 2 * p, sizeof pair);
+            dst[(int64_t)p * 16] = pair;
+        }
+        if (kb & 1) dst[(int64_t)p * 16] = src[2 * p];
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_rows_bf16(int MR, const uint32_t *wp, int pairs,
+                                                                  const uint32_t *xb, int64_t ldxb,
+                                                                  __m512 acc[6][2]) {
+    __m512 a[6][2];
+    for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
+    const uint32_t *w0 = wp, *w1 = wp + (int64_t)pairs * 16;
+    for (int p = 0; p < pairs; p++) {
+        const __m512i p0 = _mm512_load_si512(w0 + (int64_t)p * 16), p1 = _mm512_load_si512(w1 + (int64_t)p * 16);
+        for (int m = 0; m < MR; m++) {
+            const __m512i xv = _mm512_set1_epi32((int)xb[m * ldxb + p]);
+            a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)xv, (__m512bh)p0);
+            a[m][1] = _mm512_dpbf16_ps(a[m][1], (__m512bh)xv, (__m512bh)p1);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        acc[m][0] = a[m][0];
+        acc[m][1] = a[m][1];
+    }
+}
+
+/* slice_panels over the pairs: xb [M, (K + 1) / 2], wp room for two panels of PANEL_K / 2 pairs. */
+static void slice_panels_bf16(const uint32_t *xb, int M, const uint16_t *w, int K, Epilogue ep, int n_begin,
+                              int n_end, float *y, int64_t ldy, uint32_t *wp) {
+    const int ns = n_end - n_begin, block = panel_block(K); /* a multiple of 8: every k0 is even */
+    const int64_t ldxb = (K + 1) / 2;
+    for (int k0 = 0; k0 < K; k0 += block) {
+        const int kb = K - k0 < block ? K - k0 : block, pairs = (kb + 1) / 2;
+        const int first = k0 == 0, last = k0 + kb == K;
+        pack_panels_bf16(w, K, k0, kb, n_begin, ns, wp);
+        for (int m = 0; m < M; m += 6) {
+            __m512 z[6][2];
+            const uint32_t *xr = xb + m * ldxb + k0 / 2;
+            const Epilogue er = tile_ep(ep, m);
+            float *yr = y + m * ldy;
+#define B_ROWS(R) panel_rows_bf16(R, wp, pairs, xr, ldxb, z); panel_store_z(R, z, er, n_begin, ns, yr, ldy, first, last)
+            BY_ROWS(M - m < 6 ? M - m : 6, B_ROWS);
+#undef B_ROWS
+        }
+    }
+}
+#else
+#define HAVE_BF16_PANELS 0
+#endif
+
 /* silu(g) * u, with silu(g) = g / (1 + exp(-g)) as torch computes it. */
 static inline float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
@@ -509,6 +603,42 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
     }
     const Epilogue ep = {bias, res, ldr};
     const int num_slices = (N + SLICE - 1) / SLICE;
+#if HAVE_BF16_PANELS
+    if (M >= PANEL_MIN_ROWS && wt == WT_BF16) {
+        const int64_t pairs = (K + 1) / 2;
+        const size_t per_thread = (size_t)(panel_block(K) / 2 + 1) * 32;
+        uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * (size_t)pairs);
+        uint32_t *pool = aligned_alloc(64, sizeof(uint32_t) * per_thread * (size_t)threads);
+        if (!xb || !pool) {
+            free(xb);
+            free(pool);
+            free(tmp);
+            return -2;
+        }
+        round_rows_bf16(x, ldx, M, K, xb, threads);
+#pragma omp parallel num_threads(threads)
+        {
+#ifdef _OPENMP
+            uint32_t *wp = pool + per_thread * (size_t)omp_get_thread_num();
+#else
+            uint32_t *wp = pool;
+#endif
+            for (int m0 = 0; m0 < M; m0 += PANEL_M) {
+                const int mb = M - m0 < PANEL_M ? M - m0 : PANEL_M;
+#pragma omp for schedule(static)
+                for (int s = 0; s < num_slices; s++) {
+                    const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
+                    slice_panels_bf16(xb + m0 * pairs, mb, (const uint16_t *)w, K, tile_ep(ep, m0), n0, n1,
+                                      y + m0 * ldy, ldy, wp);
+                }
+            }
+        }
+        free(pool);
+        free(xb);
+        free(tmp);
+        return 0;
+    }
+#endif
 #if HAVE_AVX2
     if (M >= PANEL_MIN_ROWS) { /* every thread's panels in one allocation, before the parallel region */
         const size_t per_thread = (size_t)panel_block(K) * 32;
@@ -577,3 +707,6 @@ int longctx_rope_inplace(float *x, int T, int64_t ldx, int heads, int d, const f
 /* 1 when this build has the panel path for many rows (AVX2 + FMA), else 0: the caller then
  * keeps BLAS for long steps. */
 int longctx_linear_has_panels(void) { return HAVE_AVX2; }
+
+/* Whether bfloat16 weights from PANEL_MIN_ROWS rows on take x rounded to bfloat16 (vdpbf16ps). */
+int longctx_linear_bf16_panels(void) { return HAVE_BF16_PANELS; }

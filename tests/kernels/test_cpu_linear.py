@@ -62,15 +62,52 @@ def test_bfloat16_weights_give_the_float32_product_of_the_rounded_weights(rows, 
     16 lanes wide, float32's only where that measured faster)."""
     x, w, b = _operands(rows, n, k, True, seed=rows * 7 + n + k)
     w16 = w.bfloat16()
+    rounds = 0 < cpu_linear.rounds_bf16_rows() <= rows
+    taken = (lambda t: t.bfloat16().float()) if rounds else (lambda t: t)  # what the product takes
     residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
     got = cpu_linear.linear(x, w16, b, residual=residual)
-    torch.testing.assert_close(got, _reference(x, w16.float(), b) + residual, rtol=1e-5, atol=5e-5)
+    atol = 5e-5 if k < 1024 else 1e-4  # float32 summation over K (rounded rows: |x| up to ~4)
+    torch.testing.assert_close(got, _reference(taken(x), w16.float(), b) + residual, rtol=1e-5, atol=atol)
     norm_w = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
-    pairs = [(got, cpu_linear.linear(x, w16.float(), b, residual=residual)),
-             (cpu_linear.linear(x, w16, norm_weight=norm_w), cpu_linear.linear(x, w16.float(), norm_weight=norm_w))]
+    pairs = [(got, cpu_linear.linear(taken(x), w16.float(), b, residual=residual))]
+    if not rounds:  # (rounded rows after the prologue: the test below)
+        pairs.append((cpu_linear.linear(x, w16, norm_weight=norm_w), cpu_linear.linear(x, w16.float(), norm_weight=norm_w)))
     for mine, float32s in pairs:
-        torch.testing.assert_close(mine, float32s, rtol=1e-5, atol=5e-5)
+        torch.testing.assert_close(mine, float32s, rtol=1e-5, atol=atol)
     assert cpu_linear.supports(x, w16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [17, 18, 23, 64, 1030])
+@pytest.mark.parametrize("n,k", [(37, 77), (203, 576), (40, 4101), (33, 3)])
+def test_bfloat16_panels_round_the_rows_to_bfloat16_after_the_prologue(rows, n, k):
+    """Where the CPU has AVX-512 BF16, bf16 weights from 17 rows on take x rounded to bf16 (round
+    to nearest even, torch's .bfloat16()) after the RMSNorm or SwiGLU prologue, with float32
+    sums: equal to a float64 product of the rounded operands to float32 summation error, odd K,
+    several K blocks and row blocks and a single column included. A float32-x product would
+    miss this bound by ~1e-2 (checked)."""
+    if not cpu_linear.rounds_bf16_rows():
+        pytest.skip(f"no AVX-512 BF16 products here (level {cpu_linear.cpu_build.isa()})")
+    gen = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, 2 * k, generator=gen)
+    w16 = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    b, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    plain = x[:, :k]
+    normed = norm_w * (plain * torch.rsqrt(plain.pow(2).mean(-1, keepdim=True) + 1e-6))
+    gated = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    cases = [(cpu_linear.linear(plain, w16, b, residual=residual), plain, b, residual),
+             (cpu_linear.linear(plain, w16, norm_weight=norm_w), normed, None, None),
+             (cpu_linear.linear(x, w16, swiglu=True), gated, None, None)]
+    for i, (got, taken, bias, res) in enumerate(cases):
+        want = _reference(taken.bfloat16().float(), w16.float(), bias) + (0 if res is None else res)
+        unrounded = _reference(taken, w16.float(), bias) + (0 if res is None else res)
+        if i == 0:  # no prologue: the same rounded operands, float32 summation error only
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        else:  # the C prologue and torch's may differ in a last bit, which can round an element of
+            # the row the other way (one bf16 step): rare, so the mean error tells them apart
+            assert (got - want).abs().mean() < 0.05 * (got - unrounded).abs().mean()
+        assert (got - unrounded).abs().max() > 1e-4  # the rows were rounded
 
 
 @needs_kernel
