@@ -140,8 +140,11 @@ def test_greedy_repetition_penalty_matches_hf(llm, document_ids, hf_model, penal
 
 def test_bfloat16_on_the_cpu_keeps_float32s_greedy_tokens(document_ids, hf_reference):
     """dtype='bfloat16' on the CPU (bf16 weights through the row kernel, bf16 KV pages, fp32
-    activations): the same 64 greedy tokens as HF float32 on the 7,200-token prompt, and
-    last-position logits within 2% of the largest (measured: 0.65%)."""
+    activations between the products; where the CPU has AVX-512 BF16, prefill chunks' products
+    take their rows rounded to bf16 and the flash kernel's scores take q rounded to bf16 away from
+    the first and the diagonal key tiles): the same 64 greedy tokens as HF float32 on the
+    7,200-token prompt, and last-position logits within 2% of the largest (measured: 0.65% with
+    float32 rows, 1.1% at avx512bf16)."""
     llm = LLM("smollm2-135m", dtype="bfloat16", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "kernel" and llm.engine.kv_dtype == torch.bfloat16
     tokens, logits = _run_capturing_first_logits(llm, document_ids)

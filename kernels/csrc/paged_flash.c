@@ -55,6 +55,14 @@
 #define KT 96 /* keys per tile (a multiple of 6) */
 #endif
 #define MAX_D 256
+/* bfloat16 pages at avx512bf16: scores by vdpbf16ps (QK_BF16), the sink and diagonal tiles
+ * with float32 q (QK_EXACT_EDGES); build-time switches for A/B runs (see HAVE_BF16_DOT). */
+#ifndef QK_BF16
+#define QK_BF16 1
+#endif
+#ifndef QK_EXACT_EDGES
+#define QK_EXACT_EDGES 1
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -304,11 +312,17 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
  * does 32 multiply-adds per instruction (twice the float32 FMA's). The pairs run along the
  * keys: after the softmax P^T becomes pp[j/2][row] = (P[row][j], P[row][j+1]) rounded to
  * bfloat16 (0.4% relative per weight, as GPU flash kernels round p), against V's pairs packed
- * per tile, vp[j/2][x] = (V[j][x], V[j+1][x]) (exact: V is bfloat16). Scores stay float32
- * products of float32 q: rounding q to bfloat16 as well (measured: flash 1.7x faster instead of
- * 1.3x) moved scores by ~0.05 in log2 units and parted the real model's bfloat16 greedy tokens
- * from float32's (tests/test_real_model.py, token 58 of 64). Rows run in 32-row strips (two
- * registers) and a last strip of 16 or 8 rows (masked). */
+ * per tile, vp[j/2][x] = (V[j][x], V[j+1][x]) (exact: V is bfloat16).
+ * Scores too, by pairs along the head dim: Q^T as qp[x/2][row] = (q[x], q[x+1]) rounded to
+ * bfloat16 once per work item, K's pair read from the page as one 32-bit word (d even) -- in
+ * the tiles between the sequence's first tile and the tiles the rows' causal edge crosses. The
+ * first tile (the attention sink: few keys with much of the weight) and the diagonal tiles (the
+ * recent keys) keep float32 q (QK_EXACT_EDGES): rounding q in every tile (flash 1.7x faster
+ * instead of 1.3x) parted the real model's bfloat16 greedy tokens from float32's
+ * (tests/test_real_model.py: token 58 of 64 with float32 weight products, token 3 with bf16
+ * ones, a three-way tie within 0.06 nats), and with the edges exact they stay equal at the
+ * same speed. Rows run in 32-row strips (two registers) and a last strip of 16 or 8 rows
+ * (masked). */
 INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
@@ -390,6 +404,56 @@ static void pair_v_bf16(const uint16_t *const *vrow, int n, int d, const uint16_
             _mm512_storeu_si512(dst + x, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
         for (; x < d; x++) dst[x] = (uint32_t)v0[x] | (uint32_t)v1[x] << 16;
+    }
+}
+
+/* S^T rows (6 keys, bfloat16 rows krow[u]) for columns i0.. of a strip: sum over x pairs of
+ * (K[key][2p], K[key][2p + 1]) . Q^T pair p, the pair read from the page as one 32-bit word. */
+INLINE void qk_bf16(const uint32_t *qp, int rbp, const uint16_t *const *krow, int half_d, float *st, int i0,
+                    int two, __mmask16 live) {
+    __m512 a[6], b[6];
+    for (int u = 0; u < 6; u++) a[u] = b[u] = _mm512_setzero_ps();
+    const uint32_t *q = qp + i0;
+    for (int p = 0; p < half_d; p++, q += rbp) {
+        const __m512i q0 = _mm512_maskz_loadu_epi32(live, q);
+        const __m512i q1 = two ? _mm512_loadu_si512(q + 16) : q0;
+        for (int u = 0; u < 6; u++) {
+            uint32_t word;
+            memcpy(&word, krow[u] + 2 * p, sizeof word);
+            const __m512i k = _mm512_set1_epi32((int)word);
+            a[u] = dot_bf16(a[u], q0, k);
+            if (two) b[u] = dot_bf16(b[u], q1, k);
+        }
+    }
+    for (int u = 0; u < 6; u++) {
+        _mm512_mask_storeu_ps(st + (int64_t)u * rbp + i0, live, a[u]);
+        if (two) _mm512_storeu_ps(st + (int64_t)u * rbp + i0 + 16, b[u]);
+    }
+}
+
+/* tile_scores over bfloat16 pages with Q^T as bfloat16 pairs qp[p][row] (d even). */
+static void tile_scores_bf16(const uint32_t *qp, int rbp, const uint16_t *const *krow, int n, int d, float *st) {
+    for (int k0 = 0; k0 < n; k0 += 6) {
+        float *s = st + (int64_t)k0 * rbp;
+        int i0 = 0;
+        for (; i0 + 32 <= rbp; i0 += 32) qk_bf16(qp, rbp, krow + k0, d / 2, s, i0, 1, 0xFFFF);
+        for (; i0 + 16 <= rbp; i0 += 16) qk_bf16(qp, rbp, krow + k0, d / 2, s, i0, 0, 0xFFFF);
+        if (i0 < rbp) qk_bf16(qp, rbp, krow + k0, d / 2, s, i0, 0, 0x00FF);
+    }
+}
+
+/* Q^T (float32, d rows of rbp) as bfloat16 pairs qp[p][row] = (Q^T[2p][row], Q^T[2p + 1][row]). */
+static void pair_q_bf16(const float *qt, int rbp, int d, uint32_t *qp) {
+    for (int p = 0; p < d / 2; p++) {
+        const float *lo = qt + (int64_t)(2 * p) * rbp, *hi = lo + rbp;
+        uint32_t *dst = qp + (int64_t)p * rbp;
+        for (int i = 0; i < rbp; i += 16) {
+            const __mmask16 live = rbp - i >= 16 ? 0xFFFF : 0x00FF;
+            const __m512i xl = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, lo + i)));
+            const __m512i yh = _mm512_slli_epi32(
+                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, hi + i))), 16);
+            _mm512_mask_storeu_epi32(dst + i, live, _mm512_or_si512(xl, yh));
+        }
     }
 }
 
@@ -528,6 +592,7 @@ typedef struct {
 /* Per-thread buffers, 64-byte aligned (a 16-row strip of Q^T, S^T or O^T is one cache line). */
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
+    uint32_t *qp; /* Q^T as bfloat16 pairs (bfloat16 pages' scores by vdpbf16ps) */
     float m[RB], l[RB], alpha[RB];
     const float *krow[KT + 6], *vrow[KT];
     const uint16_t *vrow16[KT]; /* bfloat16 V rows for the vdpbf16ps P.V */
@@ -553,6 +618,12 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
                               : 0.0f;
         }
     }
+#ifdef HAVE_BF16_DOT
+    const int qpairs = pairs && d % 2 == 0 && QK_BF16; /* scores by vdpbf16ps: Q^T pairs in kbuf */
+    if (qpairs) pair_q_bf16(s->qt, rbp, d, s->qp);
+#else
+    const int qpairs = 0;
+#endif
     memset(s->ot, 0, sizeof(float) * (size_t)d * rbp);
     for (int r = 0; r < rbp; r++) {
         s->m[r] = -INFINITY;
@@ -570,10 +641,22 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
-        tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
-                  s->kbuf, s->krow);
-        for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
-        tile_scores(s->qt, rbp, s->krow, n, d, s->st);
+        const int exact = base < KT || base + n > first_new + (a->tail_words ? 0 : t_first + 1);
+        if (qpairs && !(QK_EXACT_EDGES && exact)) {
+#ifdef HAVE_BF16_DOT
+            int64_t at[KT];
+            const uint16_t *krow16[KT + 6];
+            tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
+            for (int j = 0; j < n; j++) krow16[j] = (const uint16_t *)a->k_cache + at[j];
+            for (int j = n; j < (n + 5) / 6 * 6; j++) krow16[j] = (const uint16_t *)s->zero;
+            tile_scores_bf16(s->qp, rbp, krow16, n, d, s->st);
+#endif
+        } else {
+            tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
+                      s->kbuf, s->krow);
+            for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
+            tile_scores(s->qt, rbp, s->krow, n, d, s->st);
+        }
         if (base + n > first_new + (a->tail_words ? 0 : t_first + 1)) { /* the tile meets the mask */
             for (int j = 0; j < n; j++) {
                 const int key = base + j;
@@ -608,7 +691,8 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 
 /* Floats of one thread's scratch, a multiple of 16 so that every thread's part stays aligned. */
 static size_t scratch_floats(int d) {
-    const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d;
+    const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d
+                          + (size_t)(d + 1) / 2 * RB;
     return (floats + 15) / 16 * 16;
 }
 
@@ -621,6 +705,7 @@ static void scratch_init(Scratch *s, float *base, int d) {
     s->vbuf = s->kbuf + (size_t)KT * d;
     s->zero = s->vbuf + (size_t)KT * d;
     memset(s->zero, 0, sizeof(float) * (size_t)d);
+    s->qp = (uint32_t *)(s->zero + d);
 }
 
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are

@@ -243,3 +243,46 @@ def test_a_changed_header_rebuilds_the_kernels_that_include_it(tmp_path, monkeyp
     (src / "split_merge.h").write_text((src / "split_merge.h").read_text() + "\n/* edited */\n")
     cpu_build.build(src / "paged_flash.c")
     assert len(list((tmp_path / "cache" / "cpu_kernels").glob("paged_flash-*.so"))) == 2
+
+
+def _sink_and_recent_case(d: int = 64, ctx: int = 700, q_len: int = 24, seed: int = 0):
+    """One sequence, one KV head, bf16 pages, float32 q with bits below bf16's: the first four
+    keys and the new tokens carry the attention; every key in between scores ~50 below them
+    (weights ~e^-60) whatever rounding q gets."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(d, generator=gen)
+    u = u / u.norm()
+    q = (4.0 * u + 0.3 * torch.randn(q_len, 1, d, generator=gen)).float()
+    k = torch.randn(ctx, 1, d, generator=gen)
+    k[4:ctx - q_len] = -100.0 * u + 0.1 * torch.randn(ctx - q_len - 4, 1, d, generator=gen)
+    v = torch.randn(ctx, 1, d, generator=gen)
+    bs = 16
+    blocks = list(range((ctx + bs - 1) // bs))
+    pad = len(blocks) * bs - ctx
+    k_cache = torch.cat([k, torch.zeros(pad, 1, d)]).view(len(blocks), bs, 1, d).bfloat16()
+    v_cache = torch.cat([v, torch.zeros(pad, 1, d)]).view(len(blocks), bs, 1, d).bfloat16()
+    return q, k_cache, v_cache, blocks
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bfloat16_pages_score_the_first_and_the_diagonal_keys_with_float32_q(splits):
+    """Where the scores over bf16 pages run by vdpbf16ps (avx512bf16: q rounded to bf16 in the
+    key tiles between the sequence's first tile and the tiles its new tokens' causal edge
+    crosses), the first tile (the attention sink) and the diagonal tiles keep float32 q: with
+    the attention on those keys only, the log-sum-exp equals float32 q's to float32 error,
+    where rounding q there moves it by more than 1e-4 (checked against a reference fed the
+    rounded q). (The output is also checked, to the bound of P.V's rounding of p.)"""
+    q, k_cache, v_cache, blocks = _sink_and_recent_case()
+    ctx, scale = 700, 0.125
+    out, lse = cpu_flash.attend(q, k_cache, v_cache, blocks, ctx, scale, splits=splits)
+    table = torch.tensor([blocks], dtype=torch.int32)
+    args = (k_cache.float(), v_cache.float(), table, torch.tensor([ctx], dtype=torch.int32),
+            torch.tensor([0, q.shape[0]], dtype=torch.int32))
+    ref_out, ref_lse = reference.paged_attention(q, *args, scale=scale)
+    _, rounded_lse = reference.paged_attention(q.bfloat16().float(), *args, scale=scale)
+    assert (rounded_lse - ref_lse).abs().max() > 1e-4  # q's rounding shows on these keys
+    v_max = float(v_cache.float().abs().max())
+    rounds_p = cpu_build.isa() == "avx512bf16"  # P.V rounds the weights to bf16 at that level
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 + (2 ** -9 * v_max if rounds_p else 0.0))
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
