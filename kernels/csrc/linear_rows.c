@@ -436,12 +436,15 @@ static void slice_panels(const float *x, int64_t ldx, int M, const void *w, int 
 #if HAVE_AVX2 && HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_BF16_PANELS 1
 /* bfloat16 weights from PANEL_MIN_ROWS rows on, where the CPU has AVX-512 BF16: the rows of x
- * are rounded to bfloat16 once per call (round to nearest even, as torch's .bfloat16()) and the
+ * are rounded to bfloat16 once per call (round to nearest even, as torch's .bfloat16() except
+ * for subnormals, which vcvtneps2bf16 and vdpbf16ps take as zero) and the
  * products run by vdpbf16ps, which multiplies pairs of bfloat16 exactly and adds both products
  * to a float32 lane: 32 multiply-adds per instruction, twice the float32 FMA's. Sums stay
  * float32, as do the prologues (RMSNorm, SwiGLU: computed in float32, then rounded) and the
  * epilogue. This is what a bf16 model's prefill does in HF and vLLM (bf16 inputs, fp32
- * accumulation); the dot products (decode, up to 16 rows) keep float32 activations.
+ * accumulation). Calls of up to 16 rows (the dot products: decode of up to 16 sequences)
+ * keep float32 rows; any call from 17 rows on rounds them (prefill chunks, verification, a
+ * decode batch of 17 or more), so a bf16 model's numbers depend on the size of the step it is in.
  * Layout: pairs along K. xb[m][p] = (x[m][2p], x[m][2p + 1]) as one 32-bit word (0 past K);
  * panel s: wb[s][p][j] = (w[n0 + 16 s + j][k0 + 2p], w[..][k0 + 2p + 1]), 0 past the block
  * or the slice. */

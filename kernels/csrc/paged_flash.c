@@ -321,8 +321,10 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
  * instead of 1.3x) parted the real model's bfloat16 greedy tokens from float32's
  * (tests/test_real_model.py: token 58 of 64 with float32 weight products, token 3 with bf16
  * ones, a three-way tie within 0.06 nats), and with the edges exact they stay equal at the
- * same speed. Rows run in 32-row strips (two registers) and a last strip of 16 or 8 rows
- * (masked). */
+ * same speed. That equality sits on the tie: widening the fp32 tiles to the 64 keys before each
+ * row block (so that a row's recent keys keep fp32 q whatever the tiling) parted them again at
+ * token 3, and which keys are exact follows the tiling (KV splits, so the thread count).
+ * Rows run in 32-row strips (two registers) and a last strip of 16 or 8 rows (masked). */
 INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
@@ -619,7 +621,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         }
     }
 #ifdef HAVE_BF16_DOT
-    const int qpairs = pairs && d % 2 == 0 && QK_BF16; /* scores by vdpbf16ps: Q^T pairs in kbuf */
+    const int qpairs = pairs && d % 2 == 0 && QK_BF16; /* scores by vdpbf16ps: Q^T pairs in qp */
     if (qpairs) pair_q_bf16(s->qt, rbp, d, s->qp);
 #else
     const int qpairs = 0;
@@ -641,6 +643,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
+        /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
         const int exact = base < KT || base + n > first_new + (a->tail_words ? 0 : t_first + 1);
         if (qpairs && !(QK_EXACT_EDGES && exact)) {
 #ifdef HAVE_BF16_DOT

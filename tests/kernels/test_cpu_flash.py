@@ -286,3 +286,38 @@ def test_bfloat16_pages_score_the_first_and_the_diagonal_keys_with_float32_q(spl
     rounds_p = cpu_build.isa() == "avx512bf16"  # P.V rounds the weights to bf16 at that level
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 + (2 ** -9 * v_max if rounds_p else 0.0))
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+MIXED_CASES = {  # long enough that tiles between the first and the diagonal ones exist
+    "d80-gqa3": Case((5,), (700,), num_kv_heads=2, group=3, head_dim=80, seed=21),
+    "d72-tree": Case((7,), (500,), num_kv_heads=1, group=3, head_dim=72, trees=(TWO_BRANCH_TREE,), seed=22),
+    "d64-block5-two-seqs": Case((40, 3), (600, 300), num_kv_heads=3, group=3, block_size=5, seed=23),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(MIXED_CASES))
+@pytest.mark.parametrize("splits", [None, 4])
+def test_float32_q_over_bfloat16_pages_within_the_rounding_bound(name, splits):
+    """float32 q over bf16 pages (what a bf16 model runs), against the reference on the same
+    pages widened. At avx512bf16 the middle key tiles score with q rounded to bf16: each score
+    then moves by at most scale * 2^-9 * sum_x |q_x k_x|, which moves an output by at most twice
+    that times max|V| (first order), plus 2^-9 max|V| for P.V's rounding of p. Elsewhere the
+    bound is float32 error. Head dims 80 and 72, a tree mask, a block size of 5, KV splits."""
+    batch = make_batch(MIXED_CASES[name])
+    q = batch.q.float()
+    mixed = dataclasses.replace(batch, q=q, k_cache=batch.k_cache.bfloat16(), v_cache=batch.v_cache.bfloat16())
+    widened = dataclasses.replace(mixed, k_cache=mixed.k_cache.float(), v_cache=mixed.v_cache.float())
+    out, lse = kernel_impl(splits).paged_attention(*mixed.args(), tree_mask=mixed.tree_mask)
+    ref_out, ref_lse = reference.paged_attention(*widened.args(), tree_mask=widened.tree_mask)
+    k = widened.k_cache[widened.k_cache.isfinite().all(-1)]  # [N, D] rows that hold keys
+    v_max = float(widened.v_cache[widened.v_cache.isfinite()].abs().max())
+    scale = q.shape[-1] ** -0.5
+    score_move = scale * 2 ** -9 * float((q.abs().flatten(0, 1) @ k.abs().T).max())
+    if cpu_build.isa() == "avx512bf16":
+        atol, lse_tol = 1e-4 + 2 * score_move * v_max + 2 ** -9 * v_max, 1e-4 + score_move
+    else:
+        atol, lse_tol = 1e-4, 1e-4
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=atol)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=lse_tol)
