@@ -506,7 +506,7 @@ static inline __attribute__((always_inline)) void panel_rows_bf16(int MR, const 
     }
 }
 
-/* slice_panels over the pairs: xb [M, (K + 1) / 2], wp room for two panels of PANEL_K / 2 pairs. */
+/* slice_panels over the pairs: xb [M, (K + 1) / 2], wp room for two panels of (block + 1) / 2 pairs. */
 static void slice_panels_bf16(const uint32_t *xb, int M, const uint16_t *w, int K, Epilogue ep, int n_begin,
                               int n_end, float *y, int64_t ldy, uint32_t *wp) {
     const int ns = n_end - n_begin, block = panel_block(K); /* a multiple of 8: every k0 is even */
@@ -606,50 +606,23 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
     }
     const Epilogue ep = {bias, res, ldr};
     const int num_slices = (N + SLICE - 1) / SLICE;
-#if HAVE_BF16_PANELS
-    if (M >= PANEL_MIN_ROWS && wt == WT_BF16) {
-        const int64_t pairs = (K + 1) / 2;
-        const size_t per_thread = (size_t)(panel_block(K) / 2 + 1) * 32;
-        uint32_t *xb = malloc(sizeof(uint32_t) * (size_t)M * (size_t)pairs);
-        uint32_t *pool = aligned_alloc(64, sizeof(uint32_t) * per_thread * (size_t)threads);
-        if (!xb || !pool) {
-            free(xb);
-            free(pool);
-            free(tmp);
-            return -2;
-        }
-        round_rows_bf16(x, ldx, M, K, xb, threads);
-#pragma omp parallel num_threads(threads)
-        {
-#ifdef _OPENMP
-            uint32_t *wp = pool + per_thread * (size_t)omp_get_thread_num();
-#else
-            uint32_t *wp = pool;
-#endif
-            for (int m0 = 0; m0 < M; m0 += PANEL_M) {
-                const int mb = M - m0 < PANEL_M ? M - m0 : PANEL_M;
-#pragma omp for schedule(static)
-                for (int s = 0; s < num_slices; s++) {
-                    const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
-                    slice_panels_bf16(xb + m0 * pairs, mb, (const uint16_t *)w, K, tile_ep(ep, m0), n0, n1,
-                                      y + m0 * ldy, ldy, wp);
-                }
-            }
-        }
-        free(pool);
-        free(xb);
-        free(tmp);
-        return 0;
-    }
-#endif
 #if HAVE_AVX2
     if (M >= PANEL_MIN_ROWS) { /* every thread's panels in one allocation, before the parallel region */
-        const size_t per_thread = (size_t)panel_block(K) * 32;
+        /* bf16 weights at AVX-512 BF16: x's rows rounded to bf16 pairs once, [M, (K + 1) / 2] */
+        const int bf16 = HAVE_BF16_PANELS && wt == WT_BF16;
+        const int64_t pairs = (K + 1) / 2;
+        const size_t per_thread = (size_t)panel_block(K) * 32; /* floats, or more than the pairs need */
         float *pool = aligned_alloc(64, sizeof(float) * per_thread * (size_t)threads);
-        if (!pool) {
+        uint32_t *xb = bf16 ? malloc(sizeof(uint32_t) * (size_t)M * (size_t)pairs) : NULL;
+        if (!pool || (bf16 && !xb)) {
+            free(pool);
+            free(xb);
             free(tmp);
             return -2;
         }
+#if HAVE_BF16_PANELS
+        if (bf16) round_rows_bf16(x, ldx, M, K, xb, threads);
+#endif
 #pragma omp parallel num_threads(threads)
         {
 #ifdef _OPENMP
@@ -663,11 +636,19 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
 #pragma omp for schedule(static)
                 for (int s = 0; s < num_slices; s++) {
                     const int n0 = s * SLICE, n1 = (n0 + SLICE < N) ? n0 + SLICE : N;
+#if HAVE_BF16_PANELS
+                    if (bf16) {
+                        slice_panels_bf16(xb + m0 * pairs, mb, (const uint16_t *)w, K, tile_ep(ep, m0), n0, n1,
+                                          y + m0 * ldy, ldy, (uint32_t *)wp);
+                        continue;
+                    }
+#endif
                     slice_panels(x + m0 * ldx, ldx, mb, w, wt, K, tile_ep(ep, m0), n0, n1, y + m0 * ldy, ldy, wp);
                 }
             }
         }
         free(pool);
+        free(xb);
         free(tmp);
         return 0;
     }

@@ -376,13 +376,15 @@ INLINE void pv_bf16_columns(const uint32_t *pp, int rbp, const uint32_t *vp, int
     }
 }
 
-/* P^T's n key rows (float32) become (n + 1) / 2 rows of bfloat16 pairs, in place (pair row jp
- * is written over row jp, whose own values went into pair row jp / 2 before). */
-static void pair_p_bf16(float *st, int rbp, int n) {
+/* n rows of float32 (row stride rbp) as (n + 1) / 2 rows of bfloat16 pairs, dst[p][i] =
+ * (src[2p][i], src[2p + 1][i]) (0 for a missing last row): Q^T before a work item's scores, and
+ * P^T after each softmax, in place (dst == src: pair row p is written over row p, whose own
+ * values went into pair row p / 2 before). */
+static void pair_rows_bf16(const float *src, int rbp, int n, uint32_t *dst_rows) {
     for (int jp = 0; jp < (n + 1) / 2; jp++) {
-        const float *lo = st + (int64_t)(2 * jp) * rbp, *hi = lo + rbp;
+        const float *lo = src + (int64_t)(2 * jp) * rbp, *hi = lo + rbp;
         const int has_hi = 2 * jp + 1 < n;
-        uint32_t *dst = (uint32_t *)(st + (int64_t)jp * rbp);
+        uint32_t *dst = dst_rows + (int64_t)jp * rbp;
         for (int i = 0; i < rbp; i += 16) {
             const __mmask16 live = rbp - i >= 16 ? 0xFFFF : 0x00FF;
             const __m512 x = _mm512_maskz_loadu_ps(live, lo + i);
@@ -441,21 +443,6 @@ static void tile_scores_bf16(const uint32_t *qp, int rbp, const uint16_t *const 
         for (; i0 + 32 <= rbp; i0 += 32) qk_bf16(qp, rbp, krow + k0, d / 2, s, i0, 1, 0xFFFF);
         for (; i0 + 16 <= rbp; i0 += 16) qk_bf16(qp, rbp, krow + k0, d / 2, s, i0, 0, 0xFFFF);
         if (i0 < rbp) qk_bf16(qp, rbp, krow + k0, d / 2, s, i0, 0, 0x00FF);
-    }
-}
-
-/* Q^T (float32, d rows of rbp) as bfloat16 pairs qp[p][row] = (Q^T[2p][row], Q^T[2p + 1][row]). */
-static void pair_q_bf16(const float *qt, int rbp, int d, uint32_t *qp) {
-    for (int p = 0; p < d / 2; p++) {
-        const float *lo = qt + (int64_t)(2 * p) * rbp, *hi = lo + rbp;
-        uint32_t *dst = qp + (int64_t)p * rbp;
-        for (int i = 0; i < rbp; i += 16) {
-            const __mmask16 live = rbp - i >= 16 ? 0xFFFF : 0x00FF;
-            const __m512i xl = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, lo + i)));
-            const __m512i yh = _mm512_slli_epi32(
-                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, hi + i))), 16);
-            _mm512_mask_storeu_epi32(dst + i, live, _mm512_or_si512(xl, yh));
-        }
     }
 }
 
@@ -622,7 +609,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
     }
 #ifdef HAVE_BF16_DOT
     const int qpairs = pairs && d % 2 == 0 && QK_BF16; /* scores by vdpbf16ps: Q^T pairs in qp */
-    if (qpairs) pair_q_bf16(s->qt, rbp, d, s->qp);
+    if (qpairs) pair_rows_bf16(s->qt, rbp, d, s->qp);
 #else
     const int qpairs = 0;
 #endif
@@ -643,13 +630,13 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
+        const int meets_mask = base + n > first_new + (a->tail_words ? 0 : t_first + 1);
+        int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
+        if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
         /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
-        const int exact = base < KT || base + n > first_new + (a->tail_words ? 0 : t_first + 1);
-        if (qpairs && !(QK_EXACT_EDGES && exact)) {
+        if (qpairs && !(QK_EXACT_EDGES && (base < KT || meets_mask))) {
 #ifdef HAVE_BF16_DOT
-            int64_t at[KT];
             const uint16_t *krow16[KT + 6];
-            tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
             for (int j = 0; j < n; j++) krow16[j] = (const uint16_t *)a->k_cache + at[j];
             for (int j = n; j < (n + 5) / 6 * 6; j++) krow16[j] = (const uint16_t *)s->zero;
             tile_scores_bf16(s->qp, rbp, krow16, n, d, s->st);
@@ -660,7 +647,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
             tile_scores(s->qt, rbp, s->krow, n, d, s->st);
         }
-        if (base + n > first_new + (a->tail_words ? 0 : t_first + 1)) { /* the tile meets the mask */
+        if (meets_mask) {
             for (int j = 0; j < n; j++) {
                 const int key = base + j;
                 if (key < first_new) continue;
@@ -676,9 +663,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         const int rescale = tile_softmax(s->st, rbp, n, s->m, s->l, s->alpha);
         if (pairs) {
 #ifdef HAVE_BF16_DOT
-            pair_p_bf16(s->st, rbp, n);
-            int64_t at[KT];
-            tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
+            pair_rows_bf16(s->st, rbp, n, (uint32_t *)s->st);
             for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
             pair_v_bf16(s->vrow16, n, d, (const uint16_t *)s->zero, (uint32_t *)s->vbuf);
             tile_accumulate_bf16((const uint32_t *)s->st, rbp, (const uint32_t *)s->vbuf, n, d, s->ot,
