@@ -70,17 +70,27 @@ def runs():
         tops.append([max(entry, key=entry.get) for entry in out[len(p):len(p) + len(want)]])
     int8.close()
     lines, firsts, agree = [], [], 0
-    for lead, want, mine, top in zip(LEADS, reference, got, tops):
+    for lead, want, mine, top, logprobs in zip(LEADS, reference, got, tops, ref_logprobs):
         first = next((i for i, (a, b) in enumerate(zip(want[:32], mine)) if a != b), None)
         firsts.append(first)
         hits = sum(a == b for a, b in zip(top, want))
         agree += hits
-        lines.append(f"{lead}: " + ("first 32 tokens equal" if first is None else f"differs at token {first}")
-                     + f"; top-1 agreement {hits}/{len(want)}")
+        gaps = [top2_gap(step) for step in logprobs[:32]]
+        tightest = min(range(len(gaps)), key=gaps.__getitem__)
+        lines.append(f"{lead}: " + ("first 32 tokens equal" if first is None else
+                                    f"differs at token {first} (float32's top-2 gap there {gaps[first]:.4f} nats)")
+                     + f"; float32's tightest top-2 gap in the first 32: {gaps[tightest]:.4f} nats at token "
+                     f"{tightest}; top-1 agreement {hits}/{len(want)}")
     report = "\n".join(lines + [f"equal first 32: {firsts.count(None)}/5; top-1 agreement "
                                 f"{agree}/{5 * 256} = {agree / (5 * 256):.3f}"])
     print(report)
     return reference, ref_logprobs, got, firsts, agree / (5 * 256), report
+
+
+def top2_gap(step: dict[int, float]) -> float:
+    """float32's margin at one step: its top log-probability minus the runner-up's (nats)."""
+    first, second = sorted(step.values(), reverse=True)[:2]
+    return first - second
 
 
 def test_int8_keeps_the_first_32_tokens_on_4_of_5_prompts(runs):
@@ -88,7 +98,9 @@ def test_int8_keeps_the_first_32_tokens_on_4_of_5_prompts(runs):
     of 5 with the same machine's AVX2 level (docs/benchmarks.md, int8 KV pages): which prompts
     pass follows the near-ties that a last-bit change of the float32 or int8 path flips, so this
     test can fail on another CPU. (this model's next-token distribution has a top-2 gap under
-    0.05 nats at ~4% of positions)"""
+    0.05 nats at ~4% of positions; four of these prompts have one in their first 32 steps, GPL-2
+    0.009 nats at token 20. benchmarks/int8_error_study.py: rounding every KV row to bf16 kept
+    4 of 5 in 4 of 5 noise draws, int8 as stored in 3 of 6)"""
     *_, firsts, _, report = runs
     assert firsts.count(None) >= 4, report
 

@@ -1,0 +1,182 @@
+"""Study: how int8 KV rounding moves the real model's greedy tokens, against other roundings.
+
+Not a speed benchmark and not the shipped int8 path: a temporary attention hook runs the
+float32 engine and, before each attention call, overwrites the KV pages of every sequence
+with a rounded copy of their exact rows (kept aside by the hook). What is rounded and how is
+the variant; everything else (model, prompts, chunks of 512, greedy, lookahead off) is
+``tests/test_int8_kv_real.py``'s. Rounding from the exact rows each step means no page is
+rounded twice (the shipped write requantises a page when a later row raises its scale).
+
+A variant is ``name:W:sink[:kind][:seed]``:
+
+* ``W``: the last W tokens of each sequence stay exact (pages wholly before ``L - W`` are
+  rounded once, when they leave the window); ``0``: every page, the last partial one
+  included, is rounded every step.
+* ``sink``: ``1`` keeps the sequence's first page exact; ``c`` subtracts the first token's K
+  and V from every row before rounding and adds them back (exact in real arithmetic: the
+  first token is then stored exactly); ``0`` neither.
+* ``kind``: ``-`` (default) int8, one scale per 64-token page and KV head (amax / 127, as
+  shipped); ``1`` one scale per row and head instead; ``k`` / ``v`` round only K / only V;
+  ``b`` bfloat16 rounding; ``h`` float16 rounding.
+* ``seed``: ``0`` (default) the shipped Hadamard rotation; ``n`` a random orthogonal rotation
+  seeded with n (another draw of the rounding noise, the same error size).
+
+Printed per variant: how many of the five prompts keep float32's first 32 greedy tokens (and
+where the others part), and the mean and largest |change| of float32's chosen token's
+log-probability over the steps before the first difference. First the float32 run's
+top-2 gaps: the four smallest of each prompt's first 32 steps (the near-ties).
+
+    python benchmarks/int8_error_study.py base:0:0,w64s:64:1,bf16:0:0:b --tokens 32
+
+Each variant costs about as much as one pass of the five 6,000-token prompts (~100 s on 2
+cores). Results: docs/benchmarks.md (int8 KV pages and 32K prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from test_int8_kv_real import LEADS, engine, prompts  # noqa: E402
+
+import longctx.attention as attention  # noqa: E402
+from longctx import SamplingParams  # noqa: E402
+from longctx.kernels import kv_quant  # noqa: E402
+
+
+class Variant:
+    def __init__(self, spec: str) -> None:
+        name, window, sink, *rest = spec.split(":")
+        self.spec, self.name, self.window = spec, name, int(window)
+        if sink not in ("0", "1", "c"):
+            raise SystemExit(f"{spec}: sink must be 0, 1 or c")
+        self.sink = sink
+        self.seed = int(rest.pop()) if len(rest) == 2 else 0
+        self.kind = rest[0] if rest else "-"
+        if self.kind not in ("-", "1", "k", "v", "b", "h"):
+            raise SystemExit(f"{spec}: kind must be one of - 1 k v b h")
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """Pages [n, BS, Hkv, D] rounded as the variant says."""
+        if self.kind == "b":
+            return x.to(torch.bfloat16).float()
+        if self.kind == "h":
+            return x.to(torch.float16).float()
+        dims = -1 if self.kind == "1" else (-3, -1)
+        s = x.abs().amax(dim=dims, keepdim=True) / kv_quant.QMAX
+        q = torch.round(x / s.clamp_min(1e-30)).clamp(-kv_quant.QMAX, kv_quant.QMAX) * s
+        return torch.where(s > 0, q, x)
+
+
+class Hook:
+    """Replaces ``PagedAttentionBackend.forward`` while a variant is set."""
+
+    def __init__(self) -> None:
+        self.variant: Variant | None = None
+        self.exact: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.rotations: dict[int, torch.Tensor] = {}
+        self.original = attention.PagedAttentionBackend.forward
+
+    def rotation(self, d: int, seed: int) -> torch.Tensor:
+        if seed not in self.rotations:
+            if seed == 0:
+                self.rotations[seed] = kv_quant.rotation(d)
+            else:
+                gen = torch.Generator().manual_seed(seed)
+                r, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+                self.rotations[seed] = r.float()
+        return self.rotations[seed]
+
+    def forward(self, backend, layer, q, k, v, meta):
+        var = self.variant
+        if var is None:
+            return self.original(backend, layer, q, k, v, meta)
+        k_cache, v_cache = meta.kv_caches[layer][:2]
+        rot = self.rotation(q.shape[-1], var.seed)
+        q, k, v = ((x.float() @ rot) for x in (q, k, v))
+        bs = k_cache.shape[1]
+        if layer not in self.exact:
+            self.exact[layer] = (torch.zeros_like(k_cache), torch.zeros_like(v_cache),
+                                 torch.zeros(k_cache.shape[0], dtype=torch.bool))
+        ek, ev, rounded = self.exact[layer]
+        slots = meta.slot_mapping.long()
+        fresh = slots[slots % bs == 0] // bs  # pages started in this step: forget old rows
+        ek[fresh], ev[fresh], rounded[fresh] = 0, 0, False
+        ek.view(-1, *ek.shape[2:])[slots] = k
+        ev.view(-1, *ev.shape[2:])[slots] = v
+        backend.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        for s, length in enumerate(meta.context_lens_t.tolist()):
+            blocks = meta.block_table[s, :(length + bs - 1) // bs].long()
+            old = max(0, (length - var.window) // bs) if var.window else len(blocks)
+            pages = blocks[(1 if var.sink == "1" else 0):old]
+            if var.window:
+                pages = pages[~rounded[pages]]
+            if not pages.numel():
+                continue
+            k_off = ek[blocks[0], 0] if var.sink == "c" else 0
+            v_off = ev[blocks[0], 0] if var.sink == "c" else 0
+            if var.kind != "v":
+                k_cache[pages] = var.round(ek[pages] - k_off) + k_off
+            if var.kind != "k":
+                v_cache[pages] = var.round(ev[pages] - v_off) + v_off
+            rounded[pages] = True
+        out, _ = backend.kernels.paged_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens_t,
+                                                 meta.cu_seqlens_q, scale=backend.scale, tree_mask=meta.tree_mask)
+        return out @ rot.T
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", help="comma-separated name:W:sink[:kind][:seed]")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, help="JSON file for the results")
+    args = ap.parse_args()
+    variants = [Variant(v) for v in args.variants.split(",")]
+    hook = Hook()
+    attention.PagedAttentionBackend.forward = lambda backend, *a: hook.forward(backend, *a)
+    llm = engine("auto")
+    ids = prompts(llm.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=5)
+
+    def run():
+        hook.exact.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+    ref, ref_lp = run()
+    results = {"near_ties": {}, "variants": {}}
+    for lead, steps in zip(LEADS, ref_lp):
+        gaps = [sorted(step.values(), reverse=True)[:2] for step in steps]
+        gaps = [a - b for a, b in gaps]
+        tight = sorted(range(len(gaps)), key=gaps.__getitem__)[:4]
+        results["near_ties"][lead] = {str(i): round(gaps[i], 4) for i in tight}
+        print(f"float32 {lead}: smallest top-2 gaps (token: nats) {results['near_ties'][lead]}", flush=True)
+    for var in variants:
+        hook.variant = var
+        start = time.time()
+        got, got_lp = run()
+        hook.variant = None
+        firsts, moves = [], []
+        for want, mine, lp_want, lp_mine in zip(ref, got, ref_lp, got_lp):
+            first = next((i for i, (a, b) in enumerate(zip(want, mine)) if a != b), None)
+            firsts.append(first)
+            moves += [abs(lp_want[i][want[i]] - lp_mine[i][want[i]]) for i in range(len(want) if first is None else first)]
+        row = {"equal": firsts.count(None), "first_difference": dict(zip(LEADS, firsts)),
+               "mean_abs_dlogp": sum(moves) / len(moves), "max_abs_dlogp": max(moves)}
+        results["variants"][var.spec] = row
+        print(f"{var.spec}: equal {row['equal']}/5 {firsts}; mean |dlogp| {row['mean_abs_dlogp']:.5f}, "
+              f"max {row['max_abs_dlogp']:.4f} ({time.time() - start:.0f} s)", flush=True)
+    llm.close()
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
