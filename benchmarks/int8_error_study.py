@@ -53,15 +53,21 @@ from longctx.kernels import kv_quant  # noqa: E402
 
 class Variant:
     def __init__(self, spec: str) -> None:
-        name, window, sink, *rest = spec.split(":")
-        self.spec, self.name, self.window = spec, name, int(window)
+        fields = spec.split(":")
+        if not 3 <= len(fields) <= 5:
+            raise SystemExit(f"variant {spec!r}: expected name:W:sink[:kind][:seed]")
+        name, window, sink, *rest = fields
+        if not window.isdigit():
+            raise SystemExit(f"variant {spec!r}: W must be a whole number of tokens, got {window!r}")
         if sink not in ("0", "1", "c"):
-            raise SystemExit(f"{spec}: sink must be 0, 1 or c")
-        self.sink = sink
+            raise SystemExit(f"variant {spec!r}: sink must be 0, 1 or c, got {sink!r}")
+        if len(rest) == 2 and not rest[1].isdigit():
+            raise SystemExit(f"variant {spec!r}: seed must be a whole number, got {rest[1]!r}")
+        self.spec, self.name, self.window, self.sink = spec, name, int(window), sink
         self.seed = int(rest.pop()) if len(rest) == 2 else 0
         self.kind = rest[0] if rest else "-"
         if self.kind not in ("-", "1", "k", "v", "b", "h"):
-            raise SystemExit(f"{spec}: kind must be one of - 1 k v b h")
+            raise SystemExit(f"variant {spec!r}: kind must be one of - 1 k v b h, got {self.kind!r}")
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """Pages [n, BS, Hkv, D] rounded as the variant says."""
