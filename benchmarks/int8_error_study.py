@@ -14,16 +14,25 @@ A variant is ``name:W:sink[:kind][:seed]``:
   included, is rounded every step.
 * ``sink``: ``1`` keeps the sequence's first page exact; ``c`` subtracts the first token's K
   and V from every row before rounding and adds them back (exact in real arithmetic: the
-  first token is then stored exactly); ``0`` neither.
+  first token is then stored exactly); ``e`` rounds every page in the cache (as ``0``) and
+  puts the exact rows of the first page and the last page (1-64 tokens) back after the
+  kernel, from its output and log-sum-exp (``kv_quant.exchange_keys``: the engine-side form
+  of "first page and last page exact" that needs no second page dtype; with W = 0 it should
+  equal ``1:1``, to float32 rounding); ``0`` none of these.
 * ``kind``: ``-`` (default) int8, one scale per 64-token page and KV head (amax / 127, as
   shipped); ``1`` one scale per row and head instead; ``k`` / ``v`` round only K / only V;
-  ``b`` bfloat16 rounding; ``h`` float16 rounding.
+  ``b`` bfloat16 rounding; ``h`` float16 rounding; ``f`` float8 e4m3 with one scale per page
+  and KV head (amax / 448); ``e`` float8 e4m3 with scale 1 (vLLM's fp8 KV cache when no
+  scales are calibrated).
 * ``seed``: ``0`` (default) the shipped Hadamard rotation; ``n`` a random orthogonal rotation
-  seeded with n (another draw of the rounding noise, the same error size).
+  seeded with n (another draw of the rounding noise, the same error size); ``x`` no rotation
+  (the rows as the model makes them, as vLLM stores fp8 KV).
 
 Printed per variant: how many of the five prompts keep float32's first 32 greedy tokens (and
 where the others part), and the mean and largest |change| of float32's chosen token's
-log-probability over the steps before the first difference. First the float32 run's
+log-probability over the steps before the first difference, and at each prompt's tightest
+float32 tie the lead (nats) of float32's token in the variant's run (None where it parted
+there or before: how near the kept prompts came to parting). First the float32 run's
 top-2 gaps: the four smallest of each prompt's first 32 steps (the near-ties).
 
     python benchmarks/int8_error_study.py base:0:0,w64s:64:1,bf16:0:0:b --tokens 32
@@ -48,7 +57,11 @@ from test_int8_kv_real import LEADS, engine, prompts  # noqa: E402
 
 import longctx.attention as attention  # noqa: E402
 from longctx import SamplingParams  # noqa: E402
-from longctx.kernels import kv_quant  # noqa: E402
+from longctx.kernels import kv_quant, reference  # noqa: E402
+
+
+KINDS = ("-", "1", "k", "v", "b", "h", "f", "e")
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
 class Variant:
@@ -59,15 +72,16 @@ class Variant:
         name, window, sink, *rest = fields
         if not window.isdigit():
             raise SystemExit(f"variant {spec!r}: W must be a whole number of tokens, got {window!r}")
-        if sink not in ("0", "1", "c"):
-            raise SystemExit(f"variant {spec!r}: sink must be 0, 1 or c, got {sink!r}")
-        if len(rest) == 2 and not rest[1].isdigit():
-            raise SystemExit(f"variant {spec!r}: seed must be a whole number, got {rest[1]!r}")
+        if sink not in ("0", "1", "c", "e"):
+            raise SystemExit(f"variant {spec!r}: sink must be 0, 1, c or e, got {sink!r}")
+        if len(rest) == 2 and not (rest[1].isdigit() or rest[1] == "x"):
+            raise SystemExit(f"variant {spec!r}: seed must be a whole number or x, got {rest[1]!r}")
         self.spec, self.name, self.window, self.sink = spec, name, int(window), sink
-        self.seed = int(rest.pop()) if len(rest) == 2 else 0
+        seed = rest.pop() if len(rest) == 2 else "0"
+        self.seed = None if seed == "x" else int(seed)
         self.kind = rest[0] if rest else "-"
-        if self.kind not in ("-", "1", "k", "v", "b", "h"):
-            raise SystemExit(f"variant {spec!r}: kind must be one of - 1 k v b h, got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise SystemExit(f"variant {spec!r}: kind must be one of {' '.join(KINDS)}, got {self.kind!r}")
 
     def round(self, x: torch.Tensor) -> torch.Tensor:
         """Pages [n, BS, Hkv, D] rounded as the variant says."""
@@ -75,6 +89,11 @@ class Variant:
             return x.to(torch.bfloat16).float()
         if self.kind == "h":
             return x.to(torch.float16).float()
+        if self.kind == "e":
+            return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        if self.kind == "f":
+            s = (x.abs().amax(dim=(-3, -1), keepdim=True) / FP8_MAX).clamp_min(1e-30)
+            return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
         dims = -1 if self.kind == "1" else (-3, -1)
         s = x.abs().amax(dim=dims, keepdim=True) / kv_quant.QMAX
         q = torch.round(x / s.clamp_min(1e-30)).clamp(-kv_quant.QMAX, kv_quant.QMAX) * s
@@ -90,9 +109,11 @@ class Hook:
         self.rotations: dict[int, torch.Tensor] = {}
         self.original = attention.PagedAttentionBackend.forward
 
-    def rotation(self, d: int, seed: int) -> torch.Tensor:
+    def rotation(self, d: int, seed: int | None) -> torch.Tensor:
         if seed not in self.rotations:
-            if seed == 0:
+            if seed is None:
+                self.rotations[seed] = torch.eye(d)
+            elif seed == 0:
                 self.rotations[seed] = kv_quant.rotation(d)
             else:
                 gen = torch.Generator().manual_seed(seed)
@@ -133,9 +154,29 @@ class Hook:
             if var.kind != "k":
                 v_cache[pages] = var.round(ev[pages] - v_off) + v_off
             rounded[pages] = True
-        out, _ = backend.kernels.paged_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens_t,
-                                                 meta.cu_seqlens_q, scale=backend.scale, tree_mask=meta.tree_mask)
+        out, lse = backend.kernels.paged_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens_t,
+                                                   meta.cu_seqlens_q, scale=backend.scale, tree_mask=meta.tree_mask)
+        if var.sink == "e":
+            self.exchange(backend, meta, q, out, lse, k_cache, v_cache, ek, ev)
         return out @ rot.T
+
+    @staticmethod
+    def exchange(backend, meta, q, out, lse, k_cache, v_cache, ek, ev) -> None:
+        """In place: out / lse with each sequence's first and last page seen exact."""
+        bs, cu = k_cache.shape[1], meta.cu_seqlens_q.tolist()
+        for s, length in enumerate(meta.context_lens_t.tolist()):
+            lo, hi = cu[s], cu[s + 1]
+            if hi == lo:
+                continue
+            keys = sorted(set(range(min(bs, length))) | set(range((length - 1) // bs * bs, length)))
+            idx = torch.tensor(keys)
+            blocks = meta.block_table[s].long()[idx // bs]
+            offs = idx % bs
+            tree = meta.tree_mask[lo:hi] if meta.tree_mask is not None else None
+            visible = reference.causal_visibility(hi - lo, length, tree)[:, idx]
+            out[lo:hi], lse[lo:hi] = kv_quant.exchange_keys(
+                out[lo:hi], lse[lo:hi], q[lo:hi], k_cache[blocks, offs], v_cache[blocks, offs],
+                ek[blocks, offs], ev[blocks, offs], visible, backend.scale)
 
 
 def main() -> None:
@@ -158,10 +199,12 @@ def main() -> None:
 
     ref, ref_lp = run()
     results = {"near_ties": {}, "variants": {}}
+    tightest = []  # each prompt's step with float32's smallest top-2 gap
     for lead, steps in zip(LEADS, ref_lp):
         gaps = [sorted(step.values(), reverse=True)[:2] for step in steps]
         gaps = [a - b for a, b in gaps]
         tight = sorted(range(len(gaps)), key=gaps.__getitem__)[:4]
+        tightest.append(tight[0])
         results["near_ties"][lead] = {str(i): round(gaps[i], 4) for i in tight}
         print(f"float32 {lead}: smallest top-2 gaps (token: nats) {results['near_ties'][lead]}", flush=True)
     for var in variants:
@@ -169,16 +212,24 @@ def main() -> None:
         start = time.time()
         got, got_lp = run()
         hook.variant = None
-        firsts, moves = [], []
+        firsts, moves, margins = [], [], []
         for want, mine, lp_want, lp_mine in zip(ref, got, ref_lp, got_lp):
             first = next((i for i, (a, b) in enumerate(zip(want, mine)) if a != b), None)
             firsts.append(first)
+            i = tightest[len(firsts) - 1]
+            if first is None or first > i:  # float32's token's lead over the best other there
+                others = [lp for t, lp in lp_mine[i].items() if t != want[i]]
+                margins.append(round(lp_mine[i][want[i]] - max(others), 4))
+            else:
+                margins.append(None)
             moves += [abs(lp_want[i][want[i]] - lp_mine[i][want[i]]) for i in range(len(want) if first is None else first)]
         row = {"equal": firsts.count(None), "first_difference": dict(zip(LEADS, firsts)),
+               "margin_at_tightest": dict(zip(LEADS, margins)),
                "mean_abs_dlogp": sum(moves) / len(moves), "max_abs_dlogp": max(moves)}
         results["variants"][var.spec] = row
         print(f"{var.spec}: equal {row['equal']}/5 {firsts}; mean |dlogp| {row['mean_abs_dlogp']:.5f}, "
-              f"max {row['max_abs_dlogp']:.4f} ({time.time() - start:.0f} s)", flush=True)
+              f"max {row['max_abs_dlogp']:.4f}; lead at float32's tightest tie {margins} "
+              f"({time.time() - start:.0f} s)", flush=True)
     llm.close()
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -143,3 +143,37 @@ def write_int8(cache: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, slots:
     step = scale.index_select(0, plan.blocks)[:, :, None].clamp_min(1e-30)  # [T, Hkv, 1]
     q = torch.round(x.to(torch.float32) / step).clamp_(-QMAX, QMAX).to(torch.int8)
     cache.view(-1, *cache.shape[2:]).index_copy_(0, plan.slots, q)
+
+
+def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: torch.Tensor,
+                  v_old: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                  visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one sequence's queries with some keys' rows replaced, from the attention
+    over the old rows: out / lse (fp32 [n, H, D] / [n, H], as the paged kernels return them)
+    over all keys, of which m keys had rows k_old / v_old [m, Hkv, D]; returns out / lse with
+    those m keys' rows k_new / v_new instead. visible [n, m]: which of the m keys each query
+    sees (the kernel's causal or tree mask, sliced to them).
+
+    Each key adds exp(score) to the softmax's sum and exp(score) * v to its numerator, so
+    removing the old rows' terms and adding the new ones' is exact in real arithmetic (float32
+    here: the sum's cancellation costs ~1e-7 relative to the removed mass). For int8 pages this
+    puts exact rows back for a few keys (a sequence's first page and its last, the parts the
+    int8 error study finds largest) without a second page dtype in the kernels. Not used by
+    the engine yet: benchmarks/int8_error_study.py checks it on the real model."""
+    group = q.shape[1] // k_old.shape[1]
+    qf = q.float()
+
+    def terms(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = k.float().repeat_interleave(group, dim=1)  # [m, H, D]
+        s = torch.einsum("nhd,mhd->nhm", qf, k) * scale
+        return s.masked_fill(~visible[:, None, :], float("-inf")), v.float().repeat_interleave(group, dim=1)
+
+    s_old, v_old = terms(k_old, v_old)
+    s_new, v_new = terms(k_new, v_new)
+    top = torch.maximum(lse.float(), torch.maximum(s_old.amax(-1), s_new.amax(-1)))
+    base = torch.exp(lse.float() - top)
+    p_old, p_new = torch.exp(s_old - top[..., None]), torch.exp(s_new - top[..., None])
+    den = base - p_old.sum(-1) + p_new.sum(-1)
+    num = (base[..., None] * out.float() - torch.einsum("nhm,mhd->nhd", p_old, v_old)
+           + torch.einsum("nhm,mhd->nhd", p_new, v_new))
+    return (num / den[..., None]).to(out.dtype), top + torch.log(den)
