@@ -17,8 +17,9 @@ A variant is ``name:W:sink[:kind][:seed]``:
   first token is then stored exactly); ``e`` rounds every page in the cache (as ``0``) and
   puts the exact rows of the first page and the last page (1-64 tokens) back after the
   kernel, from its output and log-sum-exp (``kv_quant.exchange_keys``: the engine-side form
-  of "first page and last page exact" that needs no second page dtype; with W = 0 it should
-  equal ``1:1``, to float32 rounding); ``0`` none of these.
+  of "first page and last page exact" that needs no second page dtype; with W = 0 each step
+  equals ``1:1``'s to float32 rounding, the run is another draw of int8's rounding noise, as
+  last-bit differences make it); ``0`` none of these.
 * ``kind``: ``-`` (default) int8, one scale per 64-token page and KV head (amax / 127, as
   shipped); ``1`` one scale per row and head instead; ``k`` / ``v`` round only K / only V;
   ``b`` bfloat16 rounding; ``h`` float16 rounding; ``f`` float8 e4m3 with one scale per page

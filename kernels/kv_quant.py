@@ -155,8 +155,12 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
     sees (the kernel's causal or tree mask, sliced to them).
 
     Each key adds exp(score) to the softmax's sum and exp(score) * v to its numerator, so
-    removing the old rows' terms and adding the new ones' is exact in real arithmetic (float32
-    here: the sum's cancellation costs ~1e-7 relative to the removed mass). For int8 pages this
+    removing the old rows' terms and adding the new ones' is exact in real arithmetic. In
+    float32 the subtraction cancels: the error is ~1e-7 times exp(lse_old - lse_new), so the
+    old and new rows must score alike (int8 rows against their exact rows do: a few percent);
+    rows whose old and new scores part by nats lose digits, and where nothing is left (no
+    visible key at all) out is 0 and lse -inf, as ``reference.merge_attn_states`` gives.
+    For int8 pages this
     puts exact rows back for a few keys (a sequence's first page and its last, the parts the
     int8 error study finds largest) without a second page dtype in the kernels. Not used by
     the engine yet: benchmarks/int8_error_study.py checks it on the real model."""
@@ -176,4 +180,7 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
     den = base - p_old.sum(-1) + p_new.sum(-1)
     num = (base[..., None] * out.float() - torch.einsum("nhm,mhd->nhd", p_old, v_old)
            + torch.einsum("nhm,mhd->nhd", p_new, v_new))
-    return (num / den[..., None]).to(out.dtype), top + torch.log(den)
+    some = den > 0  # False where nothing is left, NaN included (no visible key: lse - top is -inf + inf)
+    safe = torch.where(some, den, torch.ones_like(den))
+    res = torch.where(some[..., None], num / safe[..., None], torch.zeros_like(num))
+    return res.to(out.dtype), torch.where(some, top + torch.log(safe), torch.full_like(top, float("-inf")))
