@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_int8_kv_real import LEADS, engine, prompts  # noqa: E402
+from test_int8_kv_real import LEADS, engine, prompts, top2_gap  # noqa: E402
 
 import longctx.attention as attention  # noqa: E402
 from longctx import SamplingParams  # noqa: E402
@@ -202,8 +202,7 @@ def main() -> None:
     results = {"near_ties": {}, "variants": {}}
     tightest = []  # each prompt's step with float32's smallest top-2 gap
     for lead, steps in zip(LEADS, ref_lp):
-        gaps = [sorted(step.values(), reverse=True)[:2] for step in steps]
-        gaps = [a - b for a, b in gaps]
+        gaps = [top2_gap(step) for step in steps]
         tight = sorted(range(len(gaps)), key=gaps.__getitem__)[:4]
         tightest.append(tight[0])
         results["near_ties"][lead] = {str(i): round(gaps[i], 4) for i in tight}
@@ -217,10 +216,10 @@ def main() -> None:
         for want, mine, lp_want, lp_mine in zip(ref, got, ref_lp, got_lp):
             first = next((i for i, (a, b) in enumerate(zip(want, mine)) if a != b), None)
             firsts.append(first)
-            i = tightest[len(firsts) - 1]
-            if first is None or first > i:  # float32's token's lead over the best other there
-                others = [lp for t, lp in lp_mine[i].items() if t != want[i]]
-                margins.append(round(lp_mine[i][want[i]] - max(others), 4))
+            t = tightest[len(firsts) - 1]
+            if first is None or first > t:  # float32's token's lead over the best other there
+                others = [lp for tok, lp in lp_mine[t].items() if tok != want[t]]
+                margins.append(round(lp_mine[t][want[t]] - max(others), 4))
             else:
                 margins.append(None)
             moves += [abs(lp_want[i][want[i]] - lp_mine[i][want[i]]) for i in range(len(want) if first is None else first)]

@@ -160,12 +160,13 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
     old and new rows must score alike (int8 rows against their exact rows do: a few percent);
     rows whose old and new scores part by nats lose digits, and where nothing is left (no
     visible key at all) out is 0 and lse -inf, as ``reference.merge_attn_states`` gives.
-    For int8 pages this
-    puts exact rows back for a few keys (a sequence's first page and its last, the parts the
-    int8 error study finds largest) without a second page dtype in the kernels. Not used by
-    the engine yet: benchmarks/int8_error_study.py checks it on the real model."""
+
+    For int8 pages this puts exact rows back for a few keys (a sequence's first page and its
+    last, the parts the int8 error study finds largest) without a second page dtype in the
+    kernels. Not used by the engine yet: benchmarks/int8_error_study.py checks it on the real
+    model."""
     group = q.shape[1] // k_old.shape[1]
-    qf = q.float()
+    qf, lse = q.float(), lse.float()
 
     def terms(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = k.float().repeat_interleave(group, dim=1)  # [m, H, D]
@@ -174,8 +175,8 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
 
     s_old, v_old = terms(k_old, v_old)
     s_new, v_new = terms(k_new, v_new)
-    top = torch.maximum(lse.float(), torch.maximum(s_old.amax(-1), s_new.amax(-1)))
-    base = torch.exp(lse.float() - top)
+    top = torch.maximum(lse, torch.maximum(s_old.amax(-1), s_new.amax(-1)))
+    base = torch.exp(lse - top)
     p_old, p_new = torch.exp(s_old - top[..., None]), torch.exp(s_new - top[..., None])
     den = base - p_old.sum(-1) + p_new.sum(-1)
     num = (base[..., None] * out.float() - torch.einsum("nhm,mhd->nhd", p_old, v_old)
