@@ -55,6 +55,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_paged_decode_batch
     fn.restype = ctypes.c_int
     fn.argtypes = [*BATCH_HEAD, *BATCH_SHAPE, _I, *BATCH_TAIL]
+    tail = lib.longctx_tail_exchange
+    tail.restype = ctypes.c_int
+    tail.argtypes = ([_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _P, _P, _I64, _P, _P]
+                     + [_P] * 8 + [_I64, _I64, _I, _I, _I, _P, ctypes.c_float, _I])
     write = lib.longctx_int8_write_kv
     write.restype = ctypes.c_int
     write.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -325,6 +329,57 @@ paged_decode = cpu_build.define_op(
 int8_write_kv = cpu_build.define_op(
     "int8_write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, "
     "Tensor v, Tensor slots, Tensor starts) -> ()", _int8_write_kv)
+
+
+def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, store_k: torch.Tensor,
+                   store_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_slots: torch.Tensor,
+                   store_rows: torch.Tensor, new_rows: torch.Tensor, cached: torch.Tensor, q_rows: torch.Tensor,
+                   visible: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, write_rows: torch.Tensor,
+                   groups: int, qw: int, kw: int, scale: float, num_threads: int) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode kernel is {status()}")
+    f32 = (q, out, lse, store_k, store_v, k, v)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in f32):
+        raise ValueError("tail_exchange: q, out, lse, the store and the step's k / v must be contiguous float32")
+    if k_cache.dtype != torch.int8 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("tail_exchange: the caches must be contiguous int8 [NB, BS, Hkv, D]")
+    check_scales(k_cache, k_scale, v_scale)
+    num_blocks, bs, num_kv, d = k_cache.shape
+    keys = groups * kw
+    for name, t, n in (("pool_slots", pool_slots, keys), ("store_rows", store_rows, keys),
+                       ("new_rows", new_rows, keys), ("q_rows", q_rows, groups * qw),
+                       ("write_rows", write_rows, q.shape[0]), ("dst", dst, src.numel())):
+        if t.dtype != torch.int64 or t.dim() != 1 or t.numel() != n or not t.is_contiguous():
+            raise ValueError(f"tail_exchange: {name} must be a contiguous int64 [{n}], got {t.dtype} {tuple(t.shape)}")
+    if (cached.dtype != torch.bool or cached.numel() != keys or visible.dtype != torch.bool
+            or visible.numel() != groups * qw * kw or not visible.is_contiguous()):
+        raise ValueError("tail_exchange: cached / visible must be contiguous bool [G * Kw] / [G, Qw, Kw]")
+    if store_k.shape != store_v.shape or tuple(store_k.shape[1:]) != (num_kv, d) or \
+            tuple(k.shape[1:]) != (num_kv, d) or tuple(q.shape[1:]) != tuple(out.shape[1:]):
+        raise ValueError("tail_exchange: the store, k, v, q and out do not fit the caches' [Hkv, D]")
+    rc = lib.longctx_tail_exchange(
+        q.data_ptr(), q.shape[0], out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scale.data_ptr(), v_scale.data_ptr(), num_blocks, bs, q.shape[1], num_kv, d, store_k.data_ptr(),
+        store_v.data_ptr(), store_k.shape[0], k.data_ptr(), v.data_ptr(), pool_slots.data_ptr(),
+        store_rows.data_ptr(), new_rows.data_ptr(), cached.data_ptr(), q_rows.data_ptr(), visible.data_ptr(),
+        src.data_ptr(), dst.data_ptr(), src.numel(), out.shape[0], groups, qw, kw, write_rows.data_ptr(), scale,
+        num_threads)
+    if rc != 0:
+        raise ValueError(f"tail_exchange rejected its arguments (code {rc}: "
+                         f"{ {-1: 'a shape out of range', -2: 'an index outside its tensor', -4: 'out of memory'}.get(rc)})")
+
+
+tail_exchange = cpu_build.define_op(
+    "tail_exchange(Tensor q, Tensor(a!) out, Tensor(b!) lse, Tensor k_cache, Tensor v_cache, Tensor k_scale, "
+    "Tensor v_scale, Tensor(c!) store_k, Tensor(d!) store_v, Tensor k, Tensor v, Tensor pool_slots, "
+    "Tensor store_rows, Tensor new_rows, Tensor cached, Tensor q_rows, Tensor visible, Tensor src, Tensor dst, "
+    "Tensor write_rows, int groups, int qw, int kw, float scale, int num_threads) -> ()", _tail_exchange)
+tail_exchange.__doc__ = """``torch.ops.longctx.tail_exchange``: ``exact_tail.TailStep.exchange`` and
+``keep`` in one call on the CPU (int8 caches, float32 everything else): the int8 rows of each
+result row's visible tail keys swapped for their exact rows in ``out``/``lse``, then the step's
+exact rows written into the store."""
 paged_decode.__doc__ = """``torch.ops.longctx.paged_decode``: a step's varlen batch through the decode kernel,
 written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
 

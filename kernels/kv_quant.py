@@ -152,7 +152,9 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
     over the old rows: out / lse (fp32 [n, H, D] / [n, H], as the paged kernels return them)
     over all keys, of which m keys had rows k_old / v_old [m, Hkv, D]; returns out / lse with
     those m keys' rows k_new / v_new instead. visible [n, m]: which of the m keys each query
-    sees (the kernel's causal or tree mask, sliced to them).
+    sees (the kernel's causal or tree mask, sliced to them). Leading batch dimensions are
+    allowed (groups of queries, each with its own keys: q [..., n, H, D], k [..., m, Hkv, D],
+    visible [..., n, m]).
 
     Each key adds exp(score) to the softmax's sum and exp(score) * v to its numerator, so
     removing the old rows' terms and adding the new ones' is exact in real arithmetic. In
@@ -161,17 +163,17 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
     rows whose old and new scores part by nats lose digits, and where nothing is left (no
     visible key at all) out is 0 and lse -inf, as ``reference.merge_attn_states`` gives.
 
-    For int8 pages this puts exact rows back for a few keys (a sequence's first page and its
-    last, the parts the int8 error study finds largest) without a second page dtype in the
-    kernels. Not used by the engine yet: benchmarks/int8_error_study.py checks it on the real
-    model."""
-    group = q.shape[1] // k_old.shape[1]
+    For int8 pages this puts exact rows back for a few keys without a second page dtype in
+    the kernels: the engine's exact tail (``longctx.kv.exact_tail``: each query's own page)
+    and benchmarks/int8_error_study.py's variants."""
+    group = q.shape[-2] // k_old.shape[-2]
     qf, lse = q.float(), lse.float()
+    hidden = ~visible[..., :, None, :]  # [..., n, 1, m]
 
     def terms(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = k.float().repeat_interleave(group, dim=1)  # [m, H, D]
-        s = torch.einsum("nhd,mhd->nhm", qf, k) * scale
-        return s.masked_fill(~visible[:, None, :], float("-inf")), v.float().repeat_interleave(group, dim=1)
+        k = k.float().repeat_interleave(group, dim=-2)  # [..., m, H, D]
+        s = torch.einsum("...nhd,...mhd->...nhm", qf, k) * scale
+        return s.masked_fill(hidden, float("-inf")), v.float().repeat_interleave(group, dim=-2)
 
     s_old, v_old = terms(k_old, v_old)
     s_new, v_new = terms(k_new, v_new)
@@ -179,8 +181,8 @@ def exchange_keys(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_old: 
     base = torch.exp(lse - top)
     p_old, p_new = torch.exp(s_old - top[..., None]), torch.exp(s_new - top[..., None])
     den = base - p_old.sum(-1) + p_new.sum(-1)
-    num = (base[..., None] * out.float() - torch.einsum("nhm,mhd->nhd", p_old, v_old)
-           + torch.einsum("nhm,mhd->nhd", p_new, v_new))
+    num = (base[..., None] * out.float() - torch.einsum("...nhm,...mhd->...nhd", p_old, v_old)
+           + torch.einsum("...nhm,...mhd->...nhd", p_new, v_new))
     some = den > 0  # False where nothing is left, NaN included (no visible key: lse - top is -inf + inf)
     safe = torch.where(some, den, torch.ones_like(den))
     res = torch.where(some[..., None], num / safe[..., None], torch.zeros_like(num))

@@ -32,6 +32,11 @@ from longctx.kernels import kv_quant, torch_paged
 ROTATE_INT8 = os.environ.get("LONGCTX_INT8_ROTATE", "1") != "0"
 
 
+def int8_rotation(head_dim: int, device: torch.device | str) -> torch.Tensor | None:
+    """What int8 pages' K/V are turned by (``ROTATE_INT8``), or None."""
+    return kv_quant.rotation(head_dim, device) if ROTATE_INT8 else None
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one step. Lists are the same numbers as the tensors,
@@ -51,6 +56,7 @@ class AttentionMetadata:
     max_position: int | None = None  # 1 + the largest position in the step (RoPE tables)
     cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: context offsets (flash-attn varlen)
     host_block_table: list[list[int]] | None = None
+    tail: Any = None  # int8 pages: ``exact_tail.TailStep`` (each query's own page exact), or None
     # what a kernels module derives from this metadata once and reuses in every layer
     step_cache: dict = field(default_factory=dict)
 
@@ -96,9 +102,11 @@ class PagedAttentionBackend:
             self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **extra)
         if getattr(self.kernels, "TAKES_EXTENTS", False) and meta.max_query_len is not None:
             extra["extents"] = (meta.max_query_len, meta.max_context_len)
-        out, _ = self.kernels.paged_attention(
+        out, lse = self.kernels.paged_attention(
             q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
             scale=self.scale, tree_mask=meta.tree_mask, **quant, **extra)
+        if scales and meta.tail is not None:  # each query's first and own page exact
+            out = meta.tail.apply(layer_idx, out, lse, q, k, v, meta.kv_caches[layer_idx], self.scale)
         if rot is not None:
             out = (out.float() @ rot.T).to(out.dtype)
         return out

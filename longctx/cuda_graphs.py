@@ -40,6 +40,7 @@ from itertools import accumulate
 import torch
 
 from longctx.attention import AttentionMetadata
+from longctx.kv.exact_tail import FIELDS, TailPlan, TailSeq, TailStep
 from longctx.runner import flatten_batch
 from longctx.scheduler import ScheduledBatch
 
@@ -97,6 +98,10 @@ class StepGraphs:
         self.block_table = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=dev)
         self.cu_q = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         self.cu_k = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+        # int8 pages: the exact tail's plan (``TailPlan.fixed`` per shape; its store is sized
+        # for ``max_num_seqs`` before the capture, so its tensors stay where the graphs read them)
+        self.tail_ints = (torch.zeros(3 * t + FIELDS * n, dtype=torch.long, device=dev)
+                          if self.kv.tail is not None else None)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # every graph writes its logits here (one buffer, not one per captured shape: the
         # shapes share the graph memory pool, and a held output per shape could not be shared)
@@ -139,7 +144,16 @@ class StepGraphs:
             block_table=self.block_table[:size], slot_mapping=self.slots[:tokens],
             tree_mask=self.tree[:tokens] if width > 1 else None, kv_caches=self.kv.caches,
             max_query_len=width, max_context_len=max(context_lens) if context_lens else self.max_model_len,
-            max_position=self.max_model_len, host_block_table=tables, cu_seqlens_k=self.cu_k[:size + 1])
+            max_position=self.max_model_len, host_block_table=tables, cu_seqlens_k=self.cu_k[:size + 1],
+            tail=self._tail(size, width))
+
+    def _tail(self, size: int, width: int) -> TailStep | None:
+        if self.tail_ints is None:
+            return None
+        plan = TailPlan.fixed(size, width, self.block_size)
+        tokens = size * width
+        return TailStep(plan, self.tail_ints[:sum(plan.sizes)], self.kv.tail, self.positions[:tokens],
+                        self.tree[:tokens] if width > 1 else None, self.block_table[:size])
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
         bs = self.block_size
@@ -176,6 +190,11 @@ class StepGraphs:
         cu_q = [i * width for i in range(size + 1)]
         cu_k = list(accumulate(ctx, initial=0))
         parts = [ids, positions, slots, tree, rows, ctx, [b for r in table for b in r], cu_q, cu_k]
+        if self.tail_ints is not None:  # the padded rows are drafts / decodes of their sequences
+            seqs = [TailSeq(s.tail_slot, s.start_pos, width, i * width, width > 1) for i, s in enumerate(batch.seqs)]
+            seqs += [TailSeq(-1, 0, width, i * width, width > 1) for i in range(len(batch.seqs), size)]
+            plan = TailPlan(seqs, self.kv.tail, tokens, widths=(width, 2 * self.block_size - 1 + width))
+            parts.append(plan.ints)
         dev = torch.split(self.runner.packer.upload_ints([x for p in parts for x in p]), [len(p) for p in parts])
         self.ids[:tokens].copy_(dev[0])
         self.positions[:tokens].copy_(dev[1])
@@ -186,6 +205,8 @@ class StepGraphs:
         self.block_table[:size].copy_(dev[6].view(size, self.width))
         self.cu_q[:size + 1].copy_(dev[7])
         self.cu_k[:size + 1].copy_(dev[8])
+        if self.tail_ints is not None:
+            self.tail_ints[:dev[9].numel()].copy_(dev[9])
         return ctx, table, len(rows)
 
     def _forward(self, size: int, width: int, meta: AttentionMetadata) -> torch.Tensor:

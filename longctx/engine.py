@@ -213,7 +213,8 @@ class LLMEngine:
                                    sched.max_num_batched_tokens)
         else:
             self.runner = ModelRunner(self.model, DeviceKVPool(self.model_config, num_blocks, cache.block_size,
-                                                               self.dtype, self.device, self.kv_dtype),
+                                                               self.dtype, self.device, self.kv_dtype,
+                                                               tail_slots=sched.max_num_seqs),
                                       backend, self.device)
         try:
             self.kv = self.runner.kv
@@ -482,7 +483,7 @@ class LLMEngine:
                               num_accepted=result.num_accepted, rows=result.kept_queries,
                               result=sampled)
         if not update.finished:
-            self.runner.move_draft_kv(seq.block_ids, seq.start_pos, result.accepted_nodes)
+            self.runner.move_draft_kv(seq.block_ids, seq.start_pos, result.accepted_nodes, seq.tail_slot)
             self.scheduler.accept_draft(seq.request_id, result.num_accepted)
         return update
 

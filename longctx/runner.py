@@ -17,8 +17,9 @@ from itertools import accumulate
 
 import torch
 
-from longctx.attention import AttentionMetadata
+from longctx.attention import AttentionMetadata, int8_rotation
 from longctx.kv.device_pool import DeviceKVPool
+from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
 from longctx.kv.mover import KVMover
 from longctx.lookahead.tree import tree_ancestor_words, tree_depths  # noqa: F401 - also for callers
 from longctx.model.llama import LlamaForCausalLM
@@ -105,9 +106,11 @@ class InputPacker:
         self.downloads += 1
         return values.tolist()
 
-    def pack(self, step: StepInputs, table: list[list[int]]) -> dict[str, torch.Tensor | None]:
+    def pack(self, step: StepInputs, table: list[list[int]],
+             tail: list[int] | None = None) -> dict[str, torch.Tensor | None]:
         """The device tensors of ``step``: ids, positions, slots, cu_seqlens_q, context_lens,
-        block_table (int32 [B, W]), tree_mask (or None) and rows (the tokens to sample)."""
+        block_table (int32 [B, W]), tree_mask (or None), rows (the tokens to sample) and, when
+        given, ``tail`` (an exact-tail plan's ints) in the same upload."""
         num_seqs = len(step.query_lens)
         width = len(table[0]) if table else 0
         parts = {"ids": step.token_ids, "positions": step.positions, "slots": step.slots,
@@ -117,6 +120,8 @@ class InputPacker:
                  "block_table": [b for row in table for b in row], "rows": step.sample_rows}
         if step.tree_words is not None:
             parts["tree_mask"] = step.tree_words
+        if tail is not None:
+            parts["tail"] = tail
         sizes = [len(p) for p in parts.values()]
         dev = self.upload_ints([x for part in parts.values() for x in part])
         out: dict[str, torch.Tensor | None] = dict(zip(parts, torch.split(dev, sizes)))
@@ -200,7 +205,10 @@ class ModelRunner(SamplingRunner):
         step = flatten_batch(batch, self.block_size)
         width = max(len(s.block_ids) for s in batch.seqs)
         table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
-        t = self.packer.pack(step, table)
+        plan = None
+        if self.kv.tail is not None:  # int8 pages: each query's own page exact
+            plan = TailPlan(tail_seqs(batch.seqs, step.query_lens), self.kv.tail, len(step.token_ids))
+        t = self.packer.pack(step, table, plan.ints if plan else None)
         meta = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, cu_seqlens_q=t["cu_seqlens_q"],
             context_lens_t=t["context_lens"], block_table=t["block_table"], slot_mapping=t["slots"],
@@ -208,12 +216,17 @@ class ModelRunner(SamplingRunner):
             kv_caches=self.kv.caches, max_query_len=max(step.query_lens),
             max_context_len=max(step.context_lens), max_position=max(step.positions) + 1,
             host_block_table=table)
+        if plan is not None:
+            meta.tail = TailStep(plan, t["tail"], self.kv.tail, t["positions"], t["tree_mask"], t["block_table"])
         return t["ids"], t["positions"], meta, (step.sample_rows, t["rows"])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits (fp32) for the seqs of ``batch`` that sample, in order: one row each, or
         ``1 + num_draft`` rows for a seq with a draft tree."""
+        if self.kv.tail is not None:  # int8 pages: prefix hits' first pages, exact
+            fill_first_pages(self.model, self.kv.tail, first_pages_to_fill(batch.seqs),
+                             int8_rotation(self.model.config.head_dim, self.device))
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         input_ids, positions, meta, (rows, rows_t) = self.prepare(batch)
@@ -263,17 +276,27 @@ class ModelRunner(SamplingRunner):
         """``request_id`` asked for ``k`` top prompt log-probabilities per token."""
         self._num_prompt_logprobs[request_id] = k
 
-    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
+    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int],
+                      tail_slot: int = -1) -> None:
         self.kv.move_slots(*draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size))
+        if self.kv.tail is not None:  # int8 pages: the exact rows of the newest pages move alike
+            self.kv.tail.move(tail_slot, *draft_position_moves(start_pos, accepted))
+
+
+def draft_position_moves(start_pos: int, accepted: list[int]) -> tuple[list[int], list[int]]:
+    """Compacting an accepted draft branch: node ``accepted[j]`` (KV at position ``start_pos +
+    1 + accepted[j]``) moves to position ``start_pos + 1 + j``. Returns the (source, target)
+    positions of the nodes that move."""
+    pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def draft_slot_moves(seq_block_ids: list[int], start_pos: int, accepted: list[int],
                      block_size: int) -> tuple[list[int], list[int]]:
-    """Compacting an accepted draft branch: node ``accepted[j]`` (KV at position ``start_pos +
-    1 + accepted[j]``) moves to position ``start_pos + 1 + j``. Returns the (source, target)
-    slots of the nodes that move; the pool copies all sources before writing any target."""
+    """``draft_position_moves`` as KV slots; the pool copies all sources before writing any
+    target."""
     def slot(p: int) -> int:
         return seq_block_ids[p // block_size] * block_size + p % block_size
 
-    pairs = [(start_pos + 1 + node, start_pos + 1 + j) for j, node in enumerate(accepted) if node != j]
-    return [slot(a) for a, _ in pairs], [slot(b) for _, b in pairs]
+    src, dst = draft_position_moves(start_pos, accepted)
+    return [slot(a) for a in src], [slot(b) for b in dst]

@@ -104,6 +104,7 @@ class Request:
     draft_parents: list[int] = field(default_factory=list)  # -1: the last token; else a draft node
     disk_load: Any = None  # while LOADING: the prefix store's ``DiskLoad`` of its pages
     disk_tried: bool = False  # its disk pages were read once: the disk is not probed again
+    tail_slot: int = -1  # while it has pages: its exact-tail slot (``longctx.kv.exact_tail``)
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +133,10 @@ class ScheduledSeq:
     draft_parents: tuple[int, ...] = ()  # token_ids[1:] are draft nodes with these parents
     # prompt_logprobs: the prompt tokens that tokens start_pos, start_pos + 1, ... predict
     logprob_targets: tuple[int, ...] = ()
+    tail_slot: int = -1  # where its newest exact K/V rows are kept (int8 pages), -1: nowhere
+    # its first step on that slot past its first page (a prefix hit): the first page's tokens,
+    # whose exact K/V the runner recomputes (``exact_tail.fill_first_pages``)
+    sink_token_ids: tuple[int, ...] = ()
 
     @property
     def num_draft(self) -> int:
@@ -222,6 +227,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.loading: dict[str, Request] = {}  # waiting for prefix pages from disk
         self.num_reserved_blocks = 0  # taken from the pool for good (the CUDA graphs' scratch page)
+        # exact-tail slots (one per running request: ``max_num_seqs``), lowest first
+        self._free_tail_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._new_loads: list = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -450,6 +457,11 @@ class Scheduler:
 
     def _seq(self, req: Request, num_new: int, num_draft: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
+        sink: tuple[int, ...] = ()
+        if req.tail_slot < 0 and self._free_tail_slots:  # held until its pages are freed
+            req.tail_slot = self._free_tail_slots.pop()
+            if start > 0:  # its pages came from the prefix cache: the first page's rows did not
+                sink = tuple(req.token_slice(0, min(start, self.block_size)))
         targets: tuple[int, ...] = ()
         if req.params.prompt_logprobs is not None:  # predictions of prompt tokens start + 1 ...
             targets = tuple(req.prompt_token_ids[start + 1:start + num_new + 1])
@@ -457,14 +469,16 @@ class Scheduler:
                             token_ids=req.token_slice(start, start + num_new) + req.draft_token_ids[:num_draft],
                             start_pos=start, block_ids=list(req.block_ids),
                             sample=start + num_new == req.num_tokens,
-                            draft_parents=tuple(req.draft_parents[:num_draft]), logprob_targets=targets)
+                            draft_parents=tuple(req.draft_parents[:num_draft]), logprob_targets=targets,
+                            tail_slot=req.tail_slot, sink_token_ids=sink)
 
     @staticmethod
     def _without_draft(seq: ScheduledSeq) -> ScheduledSeq:
         if not seq.num_draft:
             return seq
         return ScheduledSeq(seq.request_id, seq.token_ids[:len(seq.token_ids) - seq.num_draft],
-                            seq.start_pos, seq.block_ids, seq.sample)
+                            seq.start_pos, seq.block_ids, seq.sample, tail_slot=seq.tail_slot,
+                            sink_token_ids=seq.sink_token_ids)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens; False if the pool is short."""
@@ -502,3 +516,6 @@ class Scheduler:
         if req.block_ids:
             self.pool.release(req.block_ids)
             req.block_ids = []
+        if req.tail_slot >= 0:  # its exact tail rows go with its pages
+            self._free_tail_slots.append(req.tail_slot)
+            req.tail_slot = -1

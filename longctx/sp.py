@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longctx.attention import ROTATE_INT8
+from longctx.attention import ROTATE_INT8, int8_rotation
 from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
 from longctx.kv.device_pool import DeviceKVPool, kv_storage_dtype
 from longctx.model.llama import LlamaForCausalLM
@@ -57,7 +57,8 @@ from longctx.kernels.cpu_build import set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
                                         local_slot, slot_owner)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
-from longctx.runner import InputPacker, SamplingRunner, draft_slot_moves, flatten_batch
+from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
+from longctx.runner import InputPacker, SamplingRunner, draft_position_moves, draft_slot_moves, flatten_batch
 from longctx.sampling import PenaltyState, Sampler
 from longctx.scheduler import ScheduledBatch
 
@@ -116,6 +117,7 @@ class RankExecutor:
         set_cpu_threads(linear_threads)  # per calling thread for the C kernels (the server steps in its own)
         step = ShardedStep(self._seqs(batch, flat), owned, flat.slots, self.rank, self.world, bs,
                            self.device, threads=(linear_threads, self.threads))
+        step.tail = self._tail(batch, flat, owned[self.rank])
         mine = owned[self.rank]
         c = self.config
         if mine:
@@ -128,6 +130,24 @@ class RankExecutor:
                                 c.num_attention_heads, c.num_key_value_heads, act)
             hidden = torch.empty((0, c.hidden_size), dtype=act, device=self.device)
         return self._logits(hidden, mine, owned, flat.sample_rows)
+
+    def _tail(self, batch: ScheduledBatch, flat: Any, own: list[int] | None) -> TailStep | None:
+        """int8 pages: the step's exact tail (``longctx.kv.exact_tail``), the same plan on every
+        rank; each keeps every row (its store is a full copy) and exchanges its own queries'.
+        Prefix hits' first pages are recomputed on every rank first."""
+        store = self.kv.tail
+        if store is None:
+            return None
+        fill_first_pages(self.model, store, first_pages_to_fill(batch.seqs),
+                         int8_rotation(self.config.head_dim, self.device))
+        plan = TailPlan(tail_seqs(batch.seqs, flat.query_lens), store, len(flat.token_ids))
+        dev = self.device
+        width = max(len(s.block_ids) for s in batch.seqs)
+        table = torch.tensor([list(s.block_ids) + [0] * (width - len(s.block_ids)) for s in batch.seqs],
+                             dtype=torch.int32, device=dev)
+        tree = None if flat.tree_words is None else torch.tensor(flat.tree_words, dtype=torch.int64, device=dev)
+        return TailStep(plan, torch.tensor(plan.ints, dtype=torch.long, device=dev), store,
+                        torch.tensor(flat.positions, dtype=torch.long, device=dev), tree, table, own)
 
     def _seqs(self, batch: ScheduledBatch, flat: Any) -> list[StepSeq]:
         seqs, start = [], 0
@@ -144,6 +164,7 @@ class RankExecutor:
         set_cpu_threads(self.threads)
         step = ShardedStep(self._seqs(batch, flat), None, flat.slots, self.rank, self.world,
                            self.kv.block_size, self.device, split_linear=self.column_split)
+        step.tail = self._tail(batch, flat, None)
         ids = torch.tensor(flat.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(flat.positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.attention, step)  # (T, E), the same on every rank
@@ -237,12 +258,16 @@ class RankExecutor:
             else:
                 dist.send(chunk, r, group=self.cpu_group)
 
-    def move_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy token slots ``src`` to ``dst`` (global slots) in every layer, across ranks:
+    def move_slots(self, src: list[int], dst: list[int], tail: tuple | None = None) -> None:
+        """``tail``: (slot, source positions, target positions) of the exact tail's rows, which
+        every rank keeps a copy of (moved alike). Copy token slots ``src`` to ``dst`` (global
+        slots) in every layer, across ranks:
         the owners of the sources contribute their rows to one all-reduce (every other row is
         zero, so the sum is exact), and the owners of the destinations write them. int8 pages:
         the rows travel dequantised (fp32) and are written again under the destination pages'
         scales, as ``DeviceKVPool.move_slots`` does in one process."""
+        if tail is not None and self.kv.tail is not None:
+            self.kv.tail.move(*tail)
         bs, world = self.kv.block_size, self.world
         c = self.config
         quantized = self.kv.quantized
@@ -381,8 +406,8 @@ class ShardedKVPool:
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
         self._run("write_pages", list(block_ids), pages)
 
-    def move_slots(self, src: list[int], dst: list[int]) -> None:
-        self._run("move_slots", list(src), list(dst))
+    def move_slots(self, src: list[int], dst: list[int], tail: tuple | None = None) -> None:
+        self._run("move_slots", list(src), list(dst), tail)
 
 
 class SequenceParallelRunner(SamplingRunner):
@@ -410,10 +435,11 @@ class SequenceParallelRunner(SamplingRunner):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         return self.ranks.run("execute", (batch,), lambda: self.executor.execute(batch))
 
-    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int]) -> None:
+    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int],
+                      tail_slot: int = -1) -> None:
         src, dst = draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size)
         if src:
-            self.kv.move_slots(src, dst)
+            self.kv.move_slots(src, dst, (tail_slot, *draft_position_moves(start_pos, accepted)))
 
     def comm_reports(self, reset: bool = False) -> list[dict]:
         """Every rank's traffic (``RankExecutor.report``), in rank order."""

@@ -342,6 +342,7 @@ class PagedSPAttention:
             mine = F.pad(mine, (0, 0, 0, 0, 0, step.max_owned - mine.shape[0]))
             every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, step.gather_rows)  # (T, ., D)
             q_all, k_all, v_all = every.split([num_heads, num_kv, num_kv], dim=1)
+        exact_k, exact_v = k_all, v_all
         if step.write_rows.numel():  # int8: write_kv finds the rows that enter a page holding values
             self.kernels.write_kv(k_cache, v_cache, k_all[step.write_rows], v_all[step.write_rows],
                                   step.write_slots, **quant, **self._extra(step))
@@ -361,6 +362,11 @@ class PagedSPAttention:
             out, lse, first = parts_out[0].clone(), parts_lse[0].clone(), 1
         for r in range(first, self.comm.world_size):
             merge_into(out, lse, parts_out[r], parts_lse[r])
+        tail = getattr(step, "tail", None)
+        if quant and tail is not None:  # each query's own page exact, as in one process
+            out = tail.exchange(layer_idx, out, lse, q_all, exact_k, exact_v,
+                                self._tail_stored_rows(k_cache, v_cache, quant, step, tail), self.scale)
+            tail.keep(layer_idx, exact_k, exact_v)
         if rot is not None:
             out = out.float() @ rot.T
         return out.to(q.dtype)
@@ -379,6 +385,29 @@ class PagedSPAttention:
             mine[:n, 1] = kv_quant.dequantize_rows(v_cache, quant["v_scale"], step.write_slots)
         every = self.comm.all_gather(mine).flatten(0, 1).index_select(0, written_at)  # (T, 2, Hkv, D)
         return every[:, 0].to(dtype), every[:, 1].to(dtype)
+
+    def _tail_stored_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, quant: dict, step: ShardedStep,
+                          tail: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The exact tail's keys as their int8 pages hold them (``TailStep.stored_rows`` over
+        ranks): each rank reads the rows on its pages, one all-gather brings every rank all."""
+        if not tail.num_groups:
+            return None
+        tail.ready()
+        plan = step.kernel_cache.get("tail.rows")
+        if plan is None:
+            bs, world = k_cache.shape[1], self.comm.world_size
+            slots = tail.pool_slots
+            owner = (slots // bs) % world
+            mine = (owner == self.comm.rank)[:, None, None]
+            local = torch.where(mine[:, 0, 0], (slots // bs // world) * bs + slots % bs, 0)
+            pick = owner * slots.numel() + torch.arange(slots.numel(), device=slots.device)
+            plan = step.kernel_cache["tail.rows"] = (local, mine, pick)
+        local, mine, pick = plan
+        rows = torch.stack([kv_quant.dequantize_rows(k_cache, quant["k_scale"], local),
+                            kv_quant.dequantize_rows(v_cache, quant["v_scale"], local)], 1)
+        rows = torch.where(mine[:, None], rows, 0)  # (G * Kw, 2, Hkv, D)
+        every = self.comm.all_gather(rows).flatten(0, 1).index_select(0, pick)
+        return every[:, 0], every[:, 1]
 
     def _cached_part(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      step: ShardedStep, quant: dict) -> tuple[torch.Tensor, torch.Tensor]:

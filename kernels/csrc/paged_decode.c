@@ -855,3 +855,119 @@ int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, floa
     int8_write_one(v_cache, v_scale, v, slots, n, starts, r_count, bs, h, d, old);
     return 0;
 }
+
+/* The exact tail of int8 pages (longctx/kv/exact_tail.py, kv_quant.exchange_keys): for each
+ * result row p (query q_rows[src[p]], output row dst[p]) and head, swap the int8 rows of its
+ * group's visible keys for their exact rows in out / lse, then write the step's exact rows
+ * into the store (after every read: a chunk's last pages may reuse its first page's half).
+ * Key j of group g (k = g * kw + j): its int8 row at pool slot pool_slots[k]; its exact row in
+ * the store (store_rows[k]) where cached[k], else the step's row new_rows[k]. visible: [G, qw,
+ * kw] bytes. q, out [T, H, D], lse [T, H], step k / v [T, Hkv, D] and the store [R, Hkv, D]:
+ * contiguous float32. Returns 0, or -1 (a shape out of range), -2 (an index outside its tensor),
+ * -4 (out of memory). */
+#define TAIL_LANES 16
+int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *lse,
+                          const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
+                          const float *v_scale, int64_t num_blocks, int bs, int num_heads, int num_kv, int d,
+                          float *store_k, float *store_v, int64_t store_len, const float *k_step,
+                          const float *v_step, const int64_t *pool_slots, const int64_t *store_rows,
+                          const int64_t *new_rows, const uint8_t *cached, const int64_t *q_rows,
+                          const uint8_t *visible, const int64_t *src, const int64_t *dst, int64_t n_out,
+                          int64_t out_rows, int groups, int qw, int kw, const int64_t *write_rows,
+                          float scale, int threads) {
+    if (bs < 1 || num_kv < 1 || d < 1 || d > 256 || num_heads % num_kv || groups < 0 || qw < 0 || kw < 0
+        || n_out < 0 || total_q < 0)
+        return -1;
+    const int64_t nkeys = (int64_t)groups * kw, hd = (int64_t)num_kv * d;
+    for (int64_t k = 0; k < nkeys; k++) {
+        if (pool_slots[k] < 0 || pool_slots[k] >= num_blocks * bs || store_rows[k] < 0 || store_rows[k] >= store_len
+            || (!cached[k] && (new_rows[k] < 0 || new_rows[k] >= total_q)))
+            return -2;
+    }
+    for (int64_t p = 0; p < n_out; p++)
+        if (src[p] < 0 || src[p] >= (int64_t)groups * qw || dst[p] < 0 || dst[p] >= out_rows
+            || q_rows[src[p]] < 0 || q_rows[src[p]] >= total_q)
+            return -2;
+    for (int64_t t = 0; t < total_q; t++)
+        if (write_rows[t] < 0 || write_rows[t] >= store_len) return -2;
+    const int group = num_heads / num_kv;
+    int ok = 1;
+#pragma omp parallel num_threads(threads) if (n_out * num_heads >= 64)
+    {
+        float *w = malloc(sizeof(float) * (size_t)(2 * kw + d + 1));
+        if (!w) {
+#pragma omp atomic write
+            ok = 0;
+        }
+        float *s_old = w, *s_new = w ? w + kw : NULL, *acc = w ? w + 2 * kw : NULL;
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < n_out * num_heads; job++) {
+            if (!w) continue;
+            const int64_t p = job / num_heads;
+            const int h = (int)(job % num_heads), hk = h / group;
+            const int64_t g = src[p] / qw, qi = q_rows[src[p]], o = dst[p];
+            const float *qv = q + (qi * num_heads + h) * d;
+            const uint8_t *vis = visible + src[p] * kw;
+            const float l0 = lse[o * num_heads + h];
+            float top = l0;
+            for (int j = 0; j < kw; j++) {
+                s_old[j] = s_new[j] = -INFINITY;
+                if (!vis[j]) continue;
+                const int64_t k = g * kw + j, slot = pool_slots[k];
+                const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d;
+                const float ks = k_scale[(slot / bs) * num_kv + hk];
+                const float *kn = cached[k] ? store_k + store_rows[k] * hd + (int64_t)hk * d
+                                            : k_step + new_rows[k] * hd + (int64_t)hk * d;
+                float a[TAIL_LANES] = {0}, b[TAIL_LANES] = {0}; /* lanes: products the compiler vectorises */
+                int e = 0;
+                for (; e + TAIL_LANES <= d; e += TAIL_LANES)
+                    for (int l = 0; l < TAIL_LANES; l++) {
+                        a[l] += qv[e + l] * (float)ko[e + l];
+                        b[l] += qv[e + l] * kn[e + l];
+                    }
+                for (; e < d; e++) {
+                    a[0] += qv[e] * (float)ko[e];
+                    b[0] += qv[e] * kn[e];
+                }
+                float sa = 0.f, sb = 0.f;
+                for (int l = 0; l < TAIL_LANES; l++) {
+                    sa += a[l];
+                    sb += b[l];
+                }
+                s_old[j] = sa * ks * scale;
+                s_new[j] = sb * scale;
+                if (s_old[j] > top) top = s_old[j];
+                if (s_new[j] > top) top = s_new[j];
+            }
+            float *ov = out + (o * num_heads + h) * d;
+            const float base = isinf(top) ? 0.f : exp_nonpos(l0 - top); /* l0 = -inf gives 0 */
+            const float den = isinf(top) ? 0.f : base - exp_row(s_old, kw, top) + exp_row(s_new, kw, top);
+            for (int e = 0; e < d; e++) acc[e] = base * ov[e];
+            for (int j = 0; j < kw && !isinf(top); j++) {
+                if (!vis[j]) continue;
+                const int64_t k = g * kw + j, slot = pool_slots[k];
+                const float po = s_old[j], pn = s_new[j]; /* exp_row turned the scores into weights */
+                const int8_t *vo = v_cache + slot * hd + (int64_t)hk * d;
+                const float vs = v_scale[(slot / bs) * num_kv + hk] * po;
+                const float *vn = cached[k] ? store_v + store_rows[k] * hd + (int64_t)hk * d
+                                            : v_step + new_rows[k] * hd + (int64_t)hk * d;
+                for (int e = 0; e < d; e++) acc[e] += pn * vn[e] - vs * (float)vo[e];
+            }
+            if (den > 0.f) {
+                const float inv = 1.f / den;
+                for (int e = 0; e < d; e++) ov[e] = acc[e] * inv;
+                lse[o * num_heads + h] = top + logf(den);
+            } else { /* nothing left to see */
+                for (int e = 0; e < d; e++) ov[e] = 0.f;
+                lse[o * num_heads + h] = -INFINITY;
+            }
+        }
+        free(w);
+    }
+    if (!ok) return -4;
+    for (int64_t t = 0; t < total_q; t++) { /* this step's exact rows, after every read */
+        memcpy(store_k + write_rows[t] * hd, k_step + t * hd, sizeof(float) * (size_t)hd);
+        memcpy(store_v + write_rows[t] * hd, v_step + t * hd, sizeof(float) * (size_t)hd);
+    }
+    return 0;
+}

@@ -13,9 +13,16 @@ resident memory grows with the KV actually used, not with the budget.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from longctx.config import CacheConfig
+from longctx.kv.exact_tail import TailStore
+
+# int8 pages: each query sees its own page exact (``exact_tail``); LONGCTX_INT8_EXACT_TAIL=0
+# reads every key as stored (for comparisons: the error study, benchmarks)
+EXACT_TAIL = os.environ.get("LONGCTX_INT8_EXACT_TAIL", "1") != "0"
 from longctx.model.config import ModelConfig
 
 
@@ -84,10 +91,12 @@ class DeviceKVPool:
     ``kv_dtype=torch.int8``, int8 with a scale per (page, KV head) for each (``scales``, fp32
     ``[NB, Hkv]``; ``longctx.kernels.kv_quant``). A page as the host and disk tiers see it
     (``read_pages``/``write_pages``): ``[L, 2, BS, Hkv, D]`` of the model's dtype, or for int8
-    ``[L, 2, BS * Hkv * D + 4 * Hkv]`` bytes, each row a page's int8 values then its scales."""
+    ``[L, 2, BS * Hkv * D + 4 * Hkv]`` bytes, each row a page's int8 values then its scales.
+    int8 pools also keep the exact rows of each sequence's newest pages (``tail``, a
+    ``exact_tail.TailStore`` of ``tail_slots`` sequences to start with)."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, kv_dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str, kv_dtype: torch.dtype | None = None, tail_slots: int = 8) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.kv_dtype = kv_dtype or dtype
@@ -100,6 +109,9 @@ class DeviceKVPool:
             for _ in range(model.num_hidden_layers)
         ]
         self.scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.tail: TailStore | None = None  # int8: each query's own page exact (``exact_tail``)
+        if self.quantized and EXACT_TAIL:
+            self.tail = TailStore(model.num_hidden_layers, tail_slots, block_size, heads, dim, dtype, device)
         if self.quantized:
             self.scales = [(torch.zeros(num_blocks, heads, device=device), torch.zeros(num_blocks, heads, device=device))
                            for _ in range(model.num_hidden_layers)]
