@@ -863,9 +863,24 @@ int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, floa
  * Key j of group g (k = g * kw + j): its int8 row at pool slot pool_slots[k]; its exact row in
  * the store (store_rows[k]) where cached[k], else the step's row new_rows[k]. visible: [G, qw,
  * kw] bytes. q, out [T, H, D], lse [T, H], step k / v [T, Hkv, D] and the store [R, Hkv, D]:
- * contiguous float32. Returns 0, or -1 (a shape out of range), -2 (an index outside its tensor),
- * -4 (out of memory). */
-#define TAIL_LANES 16
+ * contiguous float32; src ascending (result rows in group order). Work goes by (group, KV
+ * head): the group's keys are converted once into float32 blocks, K transposed, so each
+ * query's scores and output are products over contiguous rows (vectorised across keys / D).
+ * Returns 0, or -1 (a shape out of range), -2 (an index outside its tensor), -4 (out of memory). */
+/* A per-thread buffer of at least n floats, kept between calls (OpenMP's threads persist):
+ * a decode step calls once per layer, and a fresh allocation of this size is an mmap. */
+static float *tail_workspace(size_t n) {
+    static __thread float *buf = NULL;
+    static __thread size_t cap = 0;
+    if (n > cap) {
+        float *grown = realloc(buf, sizeof(float) * n);
+        if (!grown) return NULL;
+        buf = grown;
+        cap = n;
+    }
+    return buf;
+}
+
 int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *lse,
                           const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
                           const float *v_scale, int64_t num_blocks, int bs, int num_heads, int num_kv, int d,
@@ -885,85 +900,99 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
             return -2;
     }
     for (int64_t p = 0; p < n_out; p++)
-        if (src[p] < 0 || src[p] >= (int64_t)groups * qw || dst[p] < 0 || dst[p] >= out_rows
-            || q_rows[src[p]] < 0 || q_rows[src[p]] >= total_q)
+        if (src[p] < 0 || src[p] >= (int64_t)groups * qw || (p && src[p] <= src[p - 1]) || dst[p] < 0
+            || dst[p] >= out_rows || q_rows[src[p]] < 0 || q_rows[src[p]] >= total_q)
             return -2;
     for (int64_t t = 0; t < total_q; t++)
         if (write_rows[t] < 0 || write_rows[t] >= store_len) return -2;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(groups + 1)); /* group g's result rows: first[g] .. first[g + 1] */
+    if (!first) return -4;
+    for (int g = 0, p = 0; g <= groups; g++) {
+        while (p < n_out && src[p] / qw < g) p++;
+        first[g] = p;
+    }
     const int group = num_heads / num_kv;
     int ok = 1;
 #pragma omp parallel num_threads(threads) if (n_out * num_heads >= 64)
     {
-        float *w = malloc(sizeof(float) * (size_t)(2 * kw + d + 1));
+        const size_t block = (size_t)kw * d;
+        float *w = tail_workspace(4 * block + 2 * (size_t)kw + (size_t)d);
         if (!w) {
 #pragma omp atomic write
             ok = 0;
         }
-        float *s_old = w, *s_new = w ? w + kw : NULL, *acc = w ? w + 2 * kw : NULL;
-#pragma omp for schedule(static)
-        for (int64_t job = 0; job < n_out * num_heads; job++) {
-            if (!w) continue;
-            const int64_t p = job / num_heads;
-            const int h = (int)(job % num_heads), hk = h / group;
-            const int64_t g = src[p] / qw, qi = q_rows[src[p]], o = dst[p];
-            const float *qv = q + (qi * num_heads + h) * d;
-            const uint8_t *vis = visible + src[p] * kw;
-            const float l0 = lse[o * num_heads + h];
-            float top = l0;
-            for (int j = 0; j < kw; j++) {
-                s_old[j] = s_new[j] = -INFINITY;
-                if (!vis[j]) continue;
+#pragma omp for schedule(dynamic)
+        for (int64_t job = 0; job < (int64_t)groups * num_kv; job++) {
+            const int64_t g = job / num_kv;
+            const int hk = (int)(job % num_kv);
+            if (!w || first[g] == first[g + 1]) continue;
+            float *restrict kto = w, *restrict ktn = w + block, *restrict vo = w + 2 * block,
+                  *restrict vn = w + 3 * block, *restrict so = w + 4 * block, *restrict sn = so + kw,
+                  *restrict acc = sn + kw;
+            for (int j = 0; j < kw; j++) { /* the group's keys: K transposed [d][kw], V [kw][d] */
                 const int64_t k = g * kw + j, slot = pool_slots[k];
-                const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d;
-                const float ks = k_scale[(slot / bs) * num_kv + hk];
-                const float *kn = cached[k] ? store_k + store_rows[k] * hd + (int64_t)hk * d
-                                            : k_step + new_rows[k] * hd + (int64_t)hk * d;
-                float a[TAIL_LANES] = {0}, b[TAIL_LANES] = {0}; /* lanes: products the compiler vectorises */
-                int e = 0;
-                for (; e + TAIL_LANES <= d; e += TAIL_LANES)
-                    for (int l = 0; l < TAIL_LANES; l++) {
-                        a[l] += qv[e + l] * (float)ko[e + l];
-                        b[l] += qv[e + l] * kn[e + l];
+                const float ks = k_scale[(slot / bs) * num_kv + hk], vs = v_scale[(slot / bs) * num_kv + hk];
+                const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d, *vq = v_cache + slot * hd + (int64_t)hk * d;
+                const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
+                const float *vx = (cached[k] ? store_v + store_rows[k] * hd : v_step + new_rows[k] * hd) + (int64_t)hk * d;
+                for (int e = 0; e < d; e++) {
+                    kto[(int64_t)e * kw + j] = (float)ko[e] * ks;
+                    ktn[(int64_t)e * kw + j] = kx[e];
+                    vo[(int64_t)j * d + e] = (float)vq[e] * vs;
+                    vn[(int64_t)j * d + e] = vx[e];
+                }
+            }
+            for (int64_t p = first[g]; p < first[g + 1]; p++) {
+                const uint8_t *vis = visible + src[p] * kw;
+                const int64_t qi = q_rows[src[p]], o = dst[p];
+                int n = kw; /* keys past the last one this query sees are skipped (a causal page's) */
+                while (n > 0 && !vis[n - 1]) n--;
+                for (int h = hk * group; h < (hk + 1) * group; h++) {
+                    const float *qv = q + (qi * num_heads + h) * d;
+                    for (int j = 0; j < n; j++) so[j] = sn[j] = 0.f;
+                    for (int e = 0; e < d; e++) { /* scores, across keys */
+                        const float x = qv[e] * scale;
+                        const float *a = kto + (int64_t)e * kw, *b = ktn + (int64_t)e * kw;
+                        for (int j = 0; j < n; j++) {
+                            so[j] += x * a[j];
+                            sn[j] += x * b[j];
+                        }
                     }
-                for (; e < d; e++) {
-                    a[0] += qv[e] * (float)ko[e];
-                    b[0] += qv[e] * kn[e];
+                    const float l0 = lse[o * num_heads + h];
+                    float top = l0;
+                    for (int j = 0; j < n; j++) {
+                        if (!vis[j]) so[j] = sn[j] = -INFINITY;
+                        top = so[j] > top ? so[j] : top;
+                        top = sn[j] > top ? sn[j] : top;
+                    }
+                    float *ov = out + (o * num_heads + h) * d;
+                    if (isinf(top)) { /* nothing seen at all */
+                        for (int e = 0; e < d; e++) ov[e] = 0.f;
+                        lse[o * num_heads + h] = -INFINITY;
+                        continue;
+                    }
+                    const float base = exp_nonpos(l0 - top); /* l0 = -inf gives 0 */
+                    const float den = base - exp_row(so, n, top) + exp_row(sn, n, top);
+                    for (int e = 0; e < d; e++) acc[e] = base * ov[e];
+                    for (int j = 0; j < n; j++) { /* exp_row turned the scores into weights */
+                        if (so[j] == 0.f && sn[j] == 0.f) continue;
+                        const float po = so[j], pn = sn[j];
+                        const float *a = vo + (int64_t)j * d, *b = vn + (int64_t)j * d;
+                        for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * a[e];
+                    }
+                    if (den > 0.f) {
+                        const float inv = 1.f / den;
+                        for (int e = 0; e < d; e++) ov[e] = acc[e] * inv;
+                        lse[o * num_heads + h] = top + logf(den);
+                    } else {
+                        for (int e = 0; e < d; e++) ov[e] = 0.f;
+                        lse[o * num_heads + h] = -INFINITY;
+                    }
                 }
-                float sa = 0.f, sb = 0.f;
-                for (int l = 0; l < TAIL_LANES; l++) {
-                    sa += a[l];
-                    sb += b[l];
-                }
-                s_old[j] = sa * ks * scale;
-                s_new[j] = sb * scale;
-                if (s_old[j] > top) top = s_old[j];
-                if (s_new[j] > top) top = s_new[j];
-            }
-            float *ov = out + (o * num_heads + h) * d;
-            const float base = isinf(top) ? 0.f : exp_nonpos(l0 - top); /* l0 = -inf gives 0 */
-            const float den = isinf(top) ? 0.f : base - exp_row(s_old, kw, top) + exp_row(s_new, kw, top);
-            for (int e = 0; e < d; e++) acc[e] = base * ov[e];
-            for (int j = 0; j < kw && !isinf(top); j++) {
-                if (!vis[j]) continue;
-                const int64_t k = g * kw + j, slot = pool_slots[k];
-                const float po = s_old[j], pn = s_new[j]; /* exp_row turned the scores into weights */
-                const int8_t *vo = v_cache + slot * hd + (int64_t)hk * d;
-                const float vs = v_scale[(slot / bs) * num_kv + hk] * po;
-                const float *vn = cached[k] ? store_v + store_rows[k] * hd + (int64_t)hk * d
-                                            : v_step + new_rows[k] * hd + (int64_t)hk * d;
-                for (int e = 0; e < d; e++) acc[e] += pn * vn[e] - vs * (float)vo[e];
-            }
-            if (den > 0.f) {
-                const float inv = 1.f / den;
-                for (int e = 0; e < d; e++) ov[e] = acc[e] * inv;
-                lse[o * num_heads + h] = top + logf(den);
-            } else { /* nothing left to see */
-                for (int e = 0; e < d; e++) ov[e] = 0.f;
-                lse[o * num_heads + h] = -INFINITY;
             }
         }
-        free(w);
     }
+    free(first);
     if (!ok) return -4;
     for (int64_t t = 0; t < total_q; t++) { /* this step's exact rows, after every read */
         memcpy(store_k + write_rows[t] * hd, k_step + t * hd, sizeof(float) * (size_t)hd);
