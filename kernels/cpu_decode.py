@@ -340,25 +340,26 @@ def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cach
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
-    f32 = (q, out, lse, store_k, store_v, k, v)
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in f32):
-        raise ValueError("tail_exchange: q, out, lse, the store and the step's k / v must be contiguous float32")
-    if k_cache.dtype != torch.int8 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("tail_exchange: the caches must be contiguous int8 [NB, BS, Hkv, D]")
-    check_scales(k_cache, k_scale, v_scale)
     num_blocks, bs, num_kv, d = k_cache.shape
-    keys = groups * kw
-    for name, t, n in (("pool_slots", pool_slots, keys), ("store_rows", store_rows, keys),
-                       ("new_rows", new_rows, keys), ("q_rows", q_rows, groups * qw),
-                       ("write_rows", write_rows, q.shape[0]), ("dst", dst, src.numel())):
-        if t.dtype != torch.int64 or t.dim() != 1 or t.numel() != n or not t.is_contiguous():
-            raise ValueError(f"tail_exchange: {name} must be a contiguous int64 [{n}], got {t.dtype} {tuple(t.shape)}")
-    if (cached.dtype != torch.bool or cached.numel() != keys or visible.dtype != torch.bool
-            or visible.numel() != groups * qw * kw or not visible.is_contiguous()):
-        raise ValueError("tail_exchange: cached / visible must be contiguous bool [G * Kw] / [G, Qw, Kw]")
-    if store_k.shape != store_v.shape or tuple(store_k.shape[1:]) != (num_kv, d) or \
-            tuple(k.shape[1:]) != (num_kv, d) or tuple(q.shape[1:]) != tuple(out.shape[1:]):
-        raise ValueError("tail_exchange: the store, k, v, q and out do not fit the caches' [Hkv, D]")
+    keys, f32, i64 = groups * kw, torch.float32, torch.int64
+    # what the C side reads as flat arrays: each dtype, contiguous, at least as long as it reads
+    # (it checks every index itself)
+    for name, t, dtype, n in (("q", q, f32, 0), ("out", out, f32, 0), ("lse", lse, f32, 0),
+                              ("store_k", store_k, f32, 0), ("store_v", store_v, f32, 0), ("k", k, f32, 0),
+                              ("v", v, f32, 0), ("pool_slots", pool_slots, i64, keys),
+                              ("store_rows", store_rows, i64, keys), ("new_rows", new_rows, i64, keys),
+                              ("q_rows", q_rows, i64, groups * qw), ("write_rows", write_rows, i64, q.shape[0]),
+                              ("dst", dst, i64, src.numel()), ("src", src, i64, 0),
+                              ("cached", cached, torch.bool, keys), ("visible", visible, torch.bool, keys * qw),
+                              ("k_cache", k_cache, torch.int8, 0), ("v_cache", v_cache, torch.int8, 0)):
+        if t.dtype != dtype or not t.is_contiguous() or t.numel() < n:
+            raise ValueError(f"tail_exchange: {name} must be a contiguous {dtype} tensor of at least {n} values, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    check_scales(k_cache, k_scale, v_scale)
+    if (v_cache.shape != k_cache.shape or store_k.shape != store_v.shape or tuple(store_k.shape[1:]) != (num_kv, d)
+            or tuple(k.shape) != tuple(v.shape) or tuple(k.shape[1:]) != (num_kv, d) or q.shape != out.shape
+            or k.shape[0] != q.shape[0] or tuple(lse.shape) != tuple(q.shape[:2])):
+        raise ValueError("tail_exchange: q, out, lse, k, v and the store do not fit the caches' [Hkv, D]")
     rc = lib.longctx_tail_exchange(
         q.data_ptr(), q.shape[0], out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr(), v_scale.data_ptr(), num_blocks, bs, q.shape[1], num_kv, d, store_k.data_ptr(),

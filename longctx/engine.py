@@ -27,6 +27,7 @@ from longctx.detokenizer import Detokenizer, make_detokenizer
 from longctx.kv.device_pool import (DeviceKVPool, bytes_per_block, kv_storage_dtype, num_blocks_for,
                                     profile_kv_cache_gb)
 from longctx.kv.disk_store import DiskKVStore
+from longctx.kv.exact_tail import tail_store_bytes
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
@@ -201,8 +202,12 @@ class LLMEngine:
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
-            cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=profile_kv_cache_gb(
-                self.model, backend, self.device, sched.max_num_batched_tokens, cache.gpu_memory_utilization))
+            budget = profile_kv_cache_gb(self.model, backend, self.device, sched.max_num_batched_tokens,
+                                         cache.gpu_memory_utilization)
+            if cache.kv_cache_dtype == "int8":  # less the exact tail's rows (outside the pages)
+                budget -= tail_store_bytes(self.model_config, sched.max_num_seqs, cache.block_size,
+                                           self.dtype) / (1 << 30)
+            cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=budget)
         self.kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, self.dtype)
         num_blocks = num_blocks_for(self.model_config, cache, self.kv_dtype)  # per rank
         self.sequence_parallel_size = parallel.sequence_parallel_size

@@ -160,6 +160,14 @@ def test_the_int8_error_without_the_tail_would_fail_the_check():
         PagedAttentionBackend.forward = original
 
 
+def test_the_budget_the_engine_takes_off_on_cuda_is_the_stores_size():
+    """On CUDA the profiled KV budget loses what the store of ``max_num_seqs`` slots takes."""
+    cfg = SimpleNamespace(num_key_value_heads=3, head_dim=D, num_hidden_layers=4)
+    for dtype in (torch.float32, torch.bfloat16):
+        store = TailStore(4, 6, BS, 3, D, dtype, "cpu")
+        assert exact_tail.tail_store_bytes(cfg, 6, BS, dtype) == store.nbytes
+
+
 def test_the_store_grows_and_keeps_its_rows():
     store = TailStore(2, 1, BS, 2, D, torch.float32, "cpu")
     store.layers[1][0][store.row(0, 13)] = 4.0

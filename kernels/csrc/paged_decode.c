@@ -916,7 +916,7 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
 #pragma omp parallel num_threads(threads) if (n_out * num_heads >= 64)
     {
         const size_t block = (size_t)kw * d;
-        float *w = tail_workspace(4 * block + 2 * (size_t)kw + (size_t)d);
+        float *w = tail_workspace(2 * block + 2 * (size_t)kw + (size_t)d);
         if (!w) {
 #pragma omp atomic write
             ok = 0;
@@ -926,20 +926,16 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
             const int64_t g = job / num_kv;
             const int hk = (int)(job % num_kv);
             if (!w || first[g] == first[g + 1]) continue;
-            float *restrict kto = w, *restrict ktn = w + block, *restrict vo = w + 2 * block,
-                  *restrict vn = w + 3 * block, *restrict so = w + 4 * block, *restrict sn = so + kw,
-                  *restrict acc = sn + kw;
-            for (int j = 0; j < kw; j++) { /* the group's keys: K transposed [d][kw], V [kw][d] */
+            float *restrict kto = w, *restrict ktn = w + block, *restrict so = w + 2 * block,
+                  *restrict sn = so + kw, *restrict acc = sn + kw;
+            for (int j = 0; j < kw; j++) { /* the group's keys, K transposed [d][kw] (V is read in place) */
                 const int64_t k = g * kw + j, slot = pool_slots[k];
-                const float ks = k_scale[(slot / bs) * num_kv + hk], vs = v_scale[(slot / bs) * num_kv + hk];
-                const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d, *vq = v_cache + slot * hd + (int64_t)hk * d;
+                const float ks = k_scale[(slot / bs) * num_kv + hk];
+                const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d;
                 const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
-                const float *vx = (cached[k] ? store_v + store_rows[k] * hd : v_step + new_rows[k] * hd) + (int64_t)hk * d;
                 for (int e = 0; e < d; e++) {
                     kto[(int64_t)e * kw + j] = (float)ko[e] * ks;
                     ktn[(int64_t)e * kw + j] = kx[e];
-                    vo[(int64_t)j * d + e] = (float)vq[e] * vs;
-                    vn[(int64_t)j * d + e] = vx[e];
                 }
             }
             for (int64_t p = first[g]; p < first[g + 1]; p++) {
@@ -976,9 +972,12 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
                     for (int e = 0; e < d; e++) acc[e] = base * ov[e];
                     for (int j = 0; j < n; j++) { /* exp_row turned the scores into weights */
                         if (so[j] == 0.f && sn[j] == 0.f) continue;
-                        const float po = so[j], pn = sn[j];
-                        const float *a = vo + (int64_t)j * d, *b = vn + (int64_t)j * d;
-                        for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * a[e];
+                        const int64_t k = g * kw + j, slot = pool_slots[k];
+                        const float po = so[j] * v_scale[(slot / bs) * num_kv + hk], pn = sn[j];
+                        const int8_t *restrict a = v_cache + slot * hd + (int64_t)hk * d;
+                        const float *restrict b =
+                            (cached[k] ? store_v + store_rows[k] * hd : v_step + new_rows[k] * hd) + (int64_t)hk * d;
+                        for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * (float)a[e];
                     }
                     if (den > 0.f) {
                         const float inv = 1.f / den;

@@ -46,6 +46,13 @@ from longctx.kernels import kv_quant
 FIELDS = 11  # numbers per group in a TailPlan
 
 
+def tail_store_bytes(model, num_slots: int, block_size: int, dtype: torch.dtype) -> int:
+    """What a ``TailStore`` of ``num_slots`` slots takes for ``model`` (a ModelConfig)."""
+    rows = 1 + (num_slots + 1) * 3 * block_size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * rows * model.num_key_value_heads * model.head_dim * itemsize
+
+
 class TailStore:
     """Exact K/V rows of sequences' last two pages, per layer: ``layers[l] = (K, V)``, each
     ``[1 + (num_slots + 1) * 3 * BS, Hkv, D]``. Row 0 is zero and never written (what keys that
