@@ -57,7 +57,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [*BATCH_HEAD, *BATCH_SHAPE, _I, *BATCH_TAIL]
     tail = lib.longctx_tail_exchange
     tail.restype = ctypes.c_int
-    tail.argtypes = ([_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _P, _P, _I64, _P, _P]
+    tail.argtypes = ([_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _P, _P, _I64, _P, _P]
                      + [_P] * 8 + [_I64, _I64, _I, _I, _I, _P, ctypes.c_float, _I])
     write = lib.longctx_int8_write_kv
     write.restype = ctypes.c_int
@@ -332,7 +332,8 @@ int8_write_kv = cpu_build.define_op(
 
 
 def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, store_k: torch.Tensor,
+                   v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, old_k: torch.Tensor | None,
+                   old_v: torch.Tensor | None, store_k: torch.Tensor,
                    store_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_slots: torch.Tensor,
                    store_rows: torch.Tensor, new_rows: torch.Tensor, cached: torch.Tensor, q_rows: torch.Tensor,
                    visible: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, write_rows: torch.Tensor,
@@ -356,13 +357,20 @@ def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cach
             raise ValueError(f"tail_exchange: {name} must be a contiguous {dtype} tensor of at least {n} values, "
                              f"got {t.dtype} {tuple(t.shape)}")
     check_scales(k_cache, k_scale, v_scale)
+    if (old_k is None) != (old_v is None):
+        raise ValueError("tail_exchange: give both old_k and old_v, or neither")
+    for name, t in (("old_k", old_k), ("old_v", old_v)):
+        if t is not None and (t.dtype != f32 or not t.is_contiguous() or t.numel() < keys * num_kv * d):
+            raise ValueError(f"tail_exchange: {name} must be a contiguous float32 [G * Kw, Hkv, D], got "
+                             f"{t.dtype} {tuple(t.shape)}")
     if (v_cache.shape != k_cache.shape or store_k.shape != store_v.shape or tuple(store_k.shape[1:]) != (num_kv, d)
-            or tuple(k.shape) != tuple(v.shape) or tuple(k.shape[1:]) != (num_kv, d) or q.shape != out.shape
-            or k.shape[0] != q.shape[0] or tuple(lse.shape) != tuple(q.shape[:2])):
+            or tuple(k.shape) != tuple(v.shape) or tuple(k.shape[1:]) != (num_kv, d) or q.shape[1:] != out.shape[1:]
+            or k.shape[0] != q.shape[0] or tuple(lse.shape) != tuple(out.shape[:2])):
         raise ValueError("tail_exchange: q, out, lse, k, v and the store do not fit the caches' [Hkv, D]")
     rc = lib.longctx_tail_exchange(
         q.data_ptr(), q.shape[0], out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_scale.data_ptr(), v_scale.data_ptr(), num_blocks, bs, q.shape[1], num_kv, d, store_k.data_ptr(),
+        k_scale.data_ptr(), v_scale.data_ptr(), None if old_k is None else old_k.data_ptr(),
+        None if old_v is None else old_v.data_ptr(), num_blocks, bs, q.shape[1], num_kv, d, store_k.data_ptr(),
         store_v.data_ptr(), store_k.shape[0], k.data_ptr(), v.data_ptr(), pool_slots.data_ptr(),
         store_rows.data_ptr(), new_rows.data_ptr(), cached.data_ptr(), q_rows.data_ptr(), visible.data_ptr(),
         src.data_ptr(), dst.data_ptr(), src.numel(), out.shape[0], groups, qw, kw, write_rows.data_ptr(), scale,
@@ -374,13 +382,15 @@ def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cach
 
 tail_exchange = cpu_build.define_op(
     "tail_exchange(Tensor q, Tensor(a!) out, Tensor(b!) lse, Tensor k_cache, Tensor v_cache, Tensor k_scale, "
-    "Tensor v_scale, Tensor(c!) store_k, Tensor(d!) store_v, Tensor k, Tensor v, Tensor pool_slots, "
+    "Tensor v_scale, Tensor? old_k, Tensor? old_v, Tensor(c!) store_k, Tensor(d!) store_v, Tensor k, Tensor v, Tensor pool_slots, "
     "Tensor store_rows, Tensor new_rows, Tensor cached, Tensor q_rows, Tensor visible, Tensor src, Tensor dst, "
     "Tensor write_rows, int groups, int qw, int kw, float scale, int num_threads) -> ()", _tail_exchange)
 tail_exchange.__doc__ = """``torch.ops.longctx.tail_exchange``: ``exact_tail.TailStep.exchange`` and
 ``keep`` in one call on the CPU (int8 caches, float32 everything else): the int8 rows of each
 result row's visible tail keys swapped for their exact rows in ``out``/``lse``, then the step's
-exact rows written into the store."""
+exact rows written into the store. ``old_k``/``old_v``: the int8 rows already read (float32
+[G * Kw, Hkv, D]: a sequence-parallel rank's, gathered from the ranks holding them), else the
+caches are read."""
 paged_decode.__doc__ = """``torch.ops.longctx.paged_decode``: a step's varlen batch through the decode kernel,
 written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
 

@@ -363,10 +363,10 @@ class PagedSPAttention:
         for r in range(first, self.comm.world_size):
             merge_into(out, lse, parts_out[r], parts_lse[r])
         tail = getattr(step, "tail", None)
-        if quant and tail is not None:  # each query's own page exact, as in one process
-            out = tail.exchange(layer_idx, out, lse, q_all, exact_k, exact_v,
-                                self._tail_stored_rows(k_cache, v_cache, quant, step, tail), self.scale)
-            tail.keep(layer_idx, exact_k, exact_v)
+        if quant and tail is not None:  # each query's first and own page exact, as in one process
+            old = self._tail_stored_rows(k_cache, v_cache, quant, step, tail)
+            out = tail.apply(layer_idx, out.contiguous(), lse.contiguous(), q_all.contiguous(), exact_k.contiguous(),
+                             exact_v.contiguous(), self.kv_layers[layer_idx], self.scale, old=old)
         if rot is not None:
             out = out.float() @ rot.T
         return out.to(q.dtype)

@@ -168,6 +168,15 @@ def test_the_budget_the_engine_takes_off_on_cuda_is_the_stores_size():
         assert exact_tail.tail_store_bytes(cfg, 6, BS, dtype) == store.nbytes
 
 
+def test_a_bf16_model_on_the_cpu_keeps_float32_rows():
+    """The CPU computes a bf16 model in float32 and the C exchange reads float32: the store is
+    float32 there whatever the model's dtype (an int8 pool only)."""
+    cfg = SimpleNamespace(num_key_value_heads=2, head_dim=D, num_hidden_layers=1)
+    pool = DeviceKVPool(cfg, 4, BS, torch.bfloat16, "cpu", torch.int8)
+    assert pool.tail.layers[0][0].dtype == torch.float32
+    assert DeviceKVPool(cfg, 4, BS, torch.bfloat16, "cpu").tail is None
+
+
 def test_the_store_grows_and_keeps_its_rows():
     store = TailStore(2, 1, BS, 2, D, torch.float32, "cpu")
     store.layers[1][0][store.row(0, 13)] = 4.0

@@ -861,7 +861,8 @@ int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, floa
  * group's visible keys for their exact rows in out / lse, then write the step's exact rows
  * into the store (after every read: a chunk's last pages may reuse its first page's half).
  * Key j of group g (k = g * kw + j): its int8 row at pool slot pool_slots[k]; its exact row in
- * the store (store_rows[k]) where cached[k], else the step's row new_rows[k]. visible: [G, qw,
+ * the store (store_rows[k]) where cached[k], else the step's row new_rows[k]; with old_k / old_v
+ * (float32 [G * kw, Hkv, D], both or neither) the int8 rows are those instead. visible: [G, qw,
  * kw] bytes. q, out [T, H, D], lse [T, H], step k / v [T, Hkv, D] and the store [R, Hkv, D]:
  * contiguous float32; src ascending (result rows in group order). Work goes by (group, KV
  * head): the group's keys are converted once into float32 blocks, K transposed, so each
@@ -883,7 +884,8 @@ static float *tail_workspace(size_t n) {
 
 int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *lse,
                           const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
-                          const float *v_scale, int64_t num_blocks, int bs, int num_heads, int num_kv, int d,
+                          const float *v_scale, const float *old_k, const float *old_v, int64_t num_blocks,
+                          int bs, int num_heads, int num_kv, int d,
                           float *store_k, float *store_v, int64_t store_len, const float *k_step,
                           const float *v_step, const int64_t *pool_slots, const int64_t *store_rows,
                           const int64_t *new_rows, const uint8_t *cached, const int64_t *q_rows,
@@ -895,7 +897,8 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
         return -1;
     const int64_t nkeys = (int64_t)groups * kw, hd = (int64_t)num_kv * d;
     for (int64_t k = 0; k < nkeys; k++) {
-        if (pool_slots[k] < 0 || pool_slots[k] >= num_blocks * bs || store_rows[k] < 0 || store_rows[k] >= store_len
+        if ((!old_k && (pool_slots[k] < 0 || pool_slots[k] >= num_blocks * bs)) || store_rows[k] < 0
+            || store_rows[k] >= store_len
             || (!cached[k] && (new_rows[k] < 0 || new_rows[k] >= total_q)))
             return -2;
     }
@@ -929,10 +932,19 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
             float *restrict kto = w, *restrict ktn = w + block, *restrict so = w + 2 * block,
                   *restrict sn = so + kw, *restrict acc = sn + kw;
             for (int j = 0; j < kw; j++) { /* the group's keys, K transposed [d][kw] (V is read in place) */
-                const int64_t k = g * kw + j, slot = pool_slots[k];
+                const int64_t k = g * kw + j;
+                const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
+                if (old_k) { /* the old rows given (float32 [G * kw, Hkv, D]: a rank's gathered rows) */
+                    const float *ko = old_k + k * hd + (int64_t)hk * d;
+                    for (int e = 0; e < d; e++) {
+                        kto[(int64_t)e * kw + j] = ko[e];
+                        ktn[(int64_t)e * kw + j] = kx[e];
+                    }
+                    continue;
+                }
+                const int64_t slot = pool_slots[k];
                 const float ks = k_scale[(slot / bs) * num_kv + hk];
                 const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d;
-                const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
                 for (int e = 0; e < d; e++) {
                     kto[(int64_t)e * kw + j] = (float)ko[e] * ks;
                     ktn[(int64_t)e * kw + j] = kx[e];
@@ -972,11 +984,18 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
                     for (int e = 0; e < d; e++) acc[e] = base * ov[e];
                     for (int j = 0; j < n; j++) { /* exp_row turned the scores into weights */
                         if (so[j] == 0.f && sn[j] == 0.f) continue;
-                        const int64_t k = g * kw + j, slot = pool_slots[k];
-                        const float po = so[j] * v_scale[(slot / bs) * num_kv + hk], pn = sn[j];
-                        const int8_t *restrict a = v_cache + slot * hd + (int64_t)hk * d;
+                        const int64_t k = g * kw + j;
+                        const float pn = sn[j];
                         const float *restrict b =
                             (cached[k] ? store_v + store_rows[k] * hd : v_step + new_rows[k] * hd) + (int64_t)hk * d;
+                        if (old_v) {
+                            const float po = so[j], *restrict a = old_v + k * hd + (int64_t)hk * d;
+                            for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * a[e];
+                            continue;
+                        }
+                        const int64_t slot = pool_slots[k];
+                        const float po = so[j] * v_scale[(slot / bs) * num_kv + hk];
+                        const int8_t *restrict a = v_cache + slot * hd + (int64_t)hk * d;
                         for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * (float)a[e];
                     }
                     if (den > 0.f) {

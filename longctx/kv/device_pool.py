@@ -111,7 +111,9 @@ class DeviceKVPool:
         self.scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.tail: TailStore | None = None  # int8: each query's own page exact (``exact_tail``)
         if self.quantized and EXACT_TAIL:
-            self.tail = TailStore(model.num_hidden_layers, tail_slots, block_size, heads, dim, dtype, device)
+            # float32 on the CPU (a bf16 model computes in float32 there, and the C exchange reads float32)
+            tail_dtype = torch.float32 if self.device.type == "cpu" else dtype
+            self.tail = TailStore(model.num_hidden_layers, tail_slots, block_size, heads, dim, tail_dtype, device)
         if self.quantized:
             self.scales = [(torch.zeros(num_blocks, heads, device=device), torch.zeros(num_blocks, heads, device=device))
                            for _ in range(model.num_hidden_layers)]

@@ -264,9 +264,11 @@ class TailStep:
         self.visible = self.visible.contiguous()
 
     def apply(self, layer: int, out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, caches: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+              v: torch.Tensor, caches: tuple[torch.Tensor, ...], scale: float,
+              old: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``exchange`` over the pages ``caches`` (K, V, K scale, V scale), then ``keep``: one
-        process's layer. On the CPU with float32 activations one C call
+        process's layer (``old``: the keys' int8 rows when the caller read them, as a
+        sequence-parallel rank does; else from ``caches``). On the CPU with float32 activations one C call
         (``torch.ops.longctx.tail_exchange``; per layer of SmolLM2 on 2 cores: +0.15 ms for a
         decoded token against +0.9 ms for the ~50 operations of the torch form, and +7 ms
         against +13 ms for a 512-token chunk at 4K); elsewhere (CUDA) the torch form."""
@@ -279,13 +281,14 @@ class TailStep:
                 and sk.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
                 and q.is_contiguous() and k_cache.is_contiguous() and _c_kernel()):
             self.ready()
+            old_k, old_v = (None, None) if old is None else (old[0].float().contiguous(), old[1].float().contiguous())
             _c_kernel().tail_exchange(
-                q, out, lse, k_cache, v_cache, k_scale, v_scale, sk, sv, k.float().contiguous(),
+                q, out, lse, k_cache, v_cache, k_scale, v_scale, old_k, old_v, sk, sv, k.float().contiguous(),
                 v.float().contiguous(), self.pool_slots, self.store_rows, self.new_rows, self.cached,
                 self.q_rows, self.visible, self.src, self.dst, self.write_rows, self.num_groups, self.qw,
                 self.kw, scale, torch.get_num_threads())
             return out
-        out = self.exchange(layer, out, lse, q, k, v, self.stored_rows(*caches), scale)
+        out = self.exchange(layer, out, lse, q, k, v, self.stored_rows(*caches) if old is None else old, scale)
         self.keep(layer, k, v)
         return out
 
