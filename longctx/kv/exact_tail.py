@@ -27,11 +27,12 @@ recomputes); when it starts past its first page (a prefix hit on any tier), the 
 recomputes that page's exact rows from its tokens first (``fill_first_pages``: they see only
 each other), so no tier stores them.
 
-Cost: per layer a few gathers and two small attention products per group of queries (a page of
-a prefill chunk, or one decoding sequence with its drafts), over at most 2 * BS - 1 + its new
-tokens keys; memory three pages of the model's dtype per slot (``TailStore.nbytes``), outside
-the KV budget. On the CPU the store is allocated empty and only the slots in use become
-resident. ``LONGCTX_INT8_EXACT_TAIL=0`` turns it off (every key read as stored).
+Cost: per layer two small attention products per group of queries (a page of a prefill chunk,
+or one decoding sequence with its drafts) over at most 2 * BS - 1 + its new tokens keys, one C
+call on the CPU (``torch.ops.longctx.tail_exchange``); memory three pages per slot (float32 on
+the CPU, else the model's dtype; ``TailStore.nbytes``), outside the KV budget (CUDA's profiled
+budget is reduced by it). On the CPU the store is allocated empty and only the slots in use
+become resident. ``LONGCTX_INT8_EXACT_TAIL=0`` turns it off (every key read as stored).
 """
 
 from __future__ import annotations
