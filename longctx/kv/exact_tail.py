@@ -87,11 +87,12 @@ class TailStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)
 
-    def row(self, slot: int, pos: int) -> int:
+    def row(self, slot, pos):
         """Where the exact row of position ``pos`` of the sequence in ``slot`` is kept: a slot
-        holds three pages, its first page's rows, then its even and its odd pages'."""
+        holds three pages, its first page's rows, then its even and its odd pages'. Ints, or
+        int64 tensors that broadcast (a step's groups)."""
         bs = self.block_size
-        return 1 + (slot + 1) * 3 * bs + (0 if pos < bs else bs * (1 + (pos // bs) % 2)) + pos % bs
+        return 1 + (slot + 1) * 3 * bs + (pos >= bs) * bs * (1 + (pos // bs) % 2) + pos % bs
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Accepted lookahead drafts: the rows of positions ``src`` go to positions ``dst``
@@ -255,8 +256,7 @@ class TailStep:
         page = (k_pos // bs).clamp(0, block_table.shape[1] - 1)
         blocks = block_table.long()[b[:, None], page]
         self.pool_slots = (blocks * bs + k_pos % bs).flatten()
-        region = torch.where(k_pos < bs, 0, bs * (1 + (k_pos // bs) % 2))
-        keep = 1 + (slot[:, None] + 1) * 3 * bs + region + k_pos % bs  # TailStore.row
+        keep = store.row(slot[:, None], k_pos)
         kept = slot[:, None] >= 0  # a sequence without a slot sees its cached keys as stored
         self.visible &= ~cached[:, None, :] | kept[:, :, None]
         self.cached = cached.flatten().contiguous()
@@ -278,12 +278,13 @@ class TailStep:
             self.keep(layer, k, v)
             return out
         k_cache, v_cache, k_scale, v_scale = caches
-        if (out.device.type == "cpu" and out.dtype == torch.float32 and q.dtype == torch.float32
+        c = _c_kernel() if out.device.type == "cpu" else None
+        if (c is not None and out.dtype == torch.float32 and q.dtype == torch.float32
                 and sk.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
-                and q.is_contiguous() and k_cache.is_contiguous() and _c_kernel()):
+                and q.is_contiguous() and k_cache.is_contiguous()):
             self.ready()
             old_k, old_v = (None, None) if old is None else (old[0].float().contiguous(), old[1].float().contiguous())
-            _c_kernel().tail_exchange(
+            c.tail_exchange(
                 q, out, lse, k_cache, v_cache, k_scale, v_scale, old_k, old_v, sk, sv, k.float().contiguous(),
                 v.float().contiguous(), self.pool_slots, self.store_rows, self.new_rows, self.cached,
                 self.q_rows, self.visible, self.src, self.dst, self.write_rows, self.num_groups, self.qw,
@@ -315,7 +316,7 @@ class TailStep:
                  k: torch.Tensor, v: torch.Tensor, old: tuple[torch.Tensor, torch.Tensor] | None,
                  scale: float) -> torch.Tensor:
         """``out`` [T, H, D] (with ``lse`` [T, H]: attention over the int8 pages) with each
-        query's own-page keys exact; ``q``, ``k``, ``v``: the step's (as the pages see them),
+        query's first-page and own-page keys exact; ``q``, ``k``, ``v``: the step's (as the pages see them),
         ``old``: ``stored_rows``. Returns ``out`` (updated in place). With ``own``: out and lse
         hold the own tokens' rows; q, k and v every token's."""
         if not self.num_groups or not self.dst.numel():
@@ -350,17 +351,18 @@ class _FirstPageCapture:
     the pages store them) in the store, and attends causally within each sequence."""
 
     def __init__(self, store: TailStore, rows: torch.Tensor, rotation: torch.Tensor | None, head_dim: int) -> None:
+        from longctx.attention import dense_causal  # (attention imports this package's neighbours)
+
         self.store, self.rows, self.rotation = store, rows, rotation
         self.scale = head_dim ** -0.5
+        self.dense_causal = dense_causal
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
-        from longctx.attention import dense_causal
-
         sk, sv = self.store.layers[layer]
         kr, vr = (k, v) if self.rotation is None else ((x.float() @ self.rotation) for x in (k, v))
         sk.index_copy_(0, self.rows, kr.to(sk.dtype))
         sv.index_copy_(0, self.rows, vr.to(sv.dtype))
-        return dense_causal(q, k, v, meta.query_lens, self.scale)
+        return self.dense_causal(q, k, v, meta.query_lens, self.scale)
 
 
 def fill_first_pages(model, store: TailStore, seqs: list[tuple[int, tuple[int, ...]]],
