@@ -179,6 +179,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
+SMALL_ROWS = 64  # rows up to which ``small_product`` runs on the calling thread
+
+
+def small_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T for a few rows (M <= ``SMALL_ROWS``; float32, contiguous, CPU; weight
+    [N, K] float32 contiguous) on the calling thread, with the few checks such a call needs:
+    the products beside attention (int8 pages' rotation), four a layer in a decode step. There
+    a parallel region cost more than the product: measured in 32K-token decode steps on the
+    2-core EPYC (2026-11-27), ~0.11 ms a call through ``linear`` or torch's matmul against ~7 us
+    on one thread, the workers having gone idle during the attention kernel."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU linear kernel is {status()}")
+    rows, k = x.shape if x.dim() == 2 else (0, 0)
+    if (x.dim() != 2 or not 1 <= rows <= SMALL_ROWS or x.dtype != torch.float32 or not x.is_contiguous()
+            or x.device.type != "cpu" or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != torch.float32
+            or not weight.is_contiguous() or weight.device.type != "cpu"):
+        raise ValueError(f"small_product takes x [1..{SMALL_ROWS}, K] and weight [N, K], float32, contiguous, "
+                         f"on the CPU; got x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(rows, n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{rows}, {n}], got {out.dtype} {tuple(out.shape)}")
+    rc = lib.longctx_linear_rows(x.data_ptr(), k, rows, weight.data_ptr(), 0, n, k, None, out.data_ptr(), n, 0,
+                                 None, 0.0, None, 0, 1)
+    if rc != 0:
+        raise ValueError(f"linear_rows rejected its arguments (code {rc}): x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    return out
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     lib = _load()
     if lib is None:

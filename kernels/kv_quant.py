@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cpu_decode
+from . import cpu_decode, cpu_linear
 
 # index_reduce_ ("prod", "amax") is what keeps the scale update free of host reads
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
@@ -91,6 +91,52 @@ def rotation(head_dim: int, device: torch.device | str = "cpu", dtype: torch.dty
             r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen, dtype=torch.float64))
         found = _ROTATIONS[key] = r.to(device=device, dtype=dtype)
     return found
+
+
+def _turn_weight(rot: torch.Tensor, back: bool) -> torch.Tensor | None:
+    """The row kernel's [out, in] weight for x @ rot (``back``: x @ rot.T), or None where that
+    kernel does not take the product (not float32 on the CPU, or not built here)."""
+    if rot.device.type != "cpu" or rot.dtype != torch.float32 or not cpu_linear.available():
+        return None
+    key = (rot.shape[0], back)
+    found = _TURN_WEIGHTS.get(key)
+    if found is None or found[0] is not rot:
+        found = _TURN_WEIGHTS[key] = (rot, (rot if back else rot.T).contiguous())
+    return found[1]
+
+
+_TURN_WEIGHTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def turn(x: torch.Tensor, rot: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """x [..., D] @ ``rot`` (``back``: @ ``rot.T``) in float32, returned contiguous in x's
+    dtype. On the CPU, float32 rows go to the compiled row kernel (``cpu_linear``): a few rows
+    (a decode step's) on the calling thread (``small_product``, see there why), more with the
+    kernel's threads."""
+    w = _turn_weight(rot, back) if x.dtype == torch.float32 and x.device.type == "cpu" else None
+    if w is None or not x.numel():
+        return (x.float() @ (rot.T if back else rot)).to(x.dtype).contiguous()
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= cpu_linear.SMALL_ROWS:
+        return cpu_linear.small_product(rows.contiguous(), w).view(x.shape)
+    return cpu_linear.linear(rows, w).view(x.shape)
+
+
+def turn_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``turn`` of a step's q [T, H, D], k and v [T, Hkv, D], contiguous. A decoded token's
+    three, when they are one buffer's consecutive heads (the model's qkv projection), go
+    through one product."""
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    if (t == 1 and q.dtype == torch.float32 and k.data_ptr() == q.data_ptr() + 4 * h * d
+            and v.data_ptr() == k.data_ptr() + 4 * hkv * d and q.is_contiguous() and k.is_contiguous()
+            and v.is_contiguous() and q.device.type == "cpu"):
+        w = _turn_weight(rot, False)
+        if w is not None:  # as_strided checks the rows against q's storage, which then holds k and v
+            out = cpu_linear.small_product(q.as_strided((h + 2 * hkv, d), (d, 1)), w)
+            return out[:h].view(1, h, d), out[h:h + hkv].view(1, hkv, d), out[h + hkv:].view(1, hkv, d)
+    return turn(q, rot), turn(k, rot), turn(v, rot)
 
 
 class WritePlan(NamedTuple):

@@ -92,7 +92,7 @@ class PagedAttentionBackend:
                 rot = meta.step_cache.get("int8.rotation")
                 if rot is None:
                     rot = meta.step_cache["int8.rotation"] = kv_quant.rotation(q.shape[-1], q.device)
-                q, k, v = ((x.float() @ rot).to(x.dtype) for x in (q, k, v))
+                q, k, v = kv_quant.turn_qkv(q, k, v, rot)
             starts = meta.step_cache.get("int8.starts")
             if starts is None:
                 starts = meta.step_cache["int8.starts"] = (
@@ -108,7 +108,7 @@ class PagedAttentionBackend:
         if scales and meta.tail is not None:  # each query's first and own page exact
             out = meta.tail.apply(layer_idx, out, lse, q, k, v, meta.kv_caches[layer_idx], self.scale)
         if rot is not None:
-            out = (out.float() @ rot.T).to(out.dtype)
+            out = kv_quant.turn(out, rot, back=True)
         return out
 
 

@@ -334,7 +334,7 @@ class PagedSPAttention:
         quant = {"k_scale": scales[0], "v_scale": scales[1]} if scales else {}
         rot = self.rotation
         if rot is not None:  # int8 pages hold turned K/V (see the class)
-            q, k, v = ((x.float() @ rot).to(x.dtype) for x in (q, k, v))
+            q, k, v = kv_quant.turn_qkv(q, k, v, rot)
         if step.replicated:  # every rank computed every token's q, k, v
             q_all, k_all, v_all = q, k, v
         else:
@@ -368,7 +368,7 @@ class PagedSPAttention:
             out = tail.apply(layer_idx, out.contiguous(), lse.contiguous(), q_all.contiguous(), exact_k.contiguous(),
                              exact_v.contiguous(), self.kv_layers[layer_idx], self.scale, old=old)
         if rot is not None:
-            out = out.float() @ rot.T
+            out = kv_quant.turn(out.float(), rot, back=True)
         return out.to(q.dtype)
 
     def _stored_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, quant: dict, step: ShardedStep,

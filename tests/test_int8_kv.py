@@ -318,6 +318,28 @@ def test_the_compiled_write_gives_the_torch_writes_bytes(seed):
             assert torch.equal(a, b), step
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_turning_q_k_v_matches_the_products(tokens, dtype):
+    """``kv_quant.turn_qkv`` (q, k and v through the rotation; one product when they are one
+    qkv buffer's consecutive heads, as the model hands them over) and ``turn`` back: the same
+    as ``x @ R`` and ``x @ R.T`` in float32, contiguous, in the input's dtype; for separate
+    tensors, for the views of one buffer, and for the views in another order."""
+    r = kv_quant.rotation(64)
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 15 * 64, generator=gen).to(dtype)
+    views = (qkv[:, :576].view(tokens, 9, 64), qkv[:, 576:768].view(tokens, 3, 64), qkv[:, 768:].view(tokens, 3, 64))
+    swapped = (views[0], views[2], views[1])  # k after v: not the one-product layout
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    for q, k, v in (views, swapped, tuple(x.clone() for x in views)):
+        got = kv_quant.turn_qkv(q, k, v, r)
+        for x, y in zip(got, (q, k, v)):
+            assert x.dtype == dtype and x.shape == y.shape and x.is_contiguous()
+            torch.testing.assert_close(x.float(), y.float() @ r, **tol)
+        back = kv_quant.turn(got[0], r, back=True)
+        torch.testing.assert_close(back.float(), q.float(), **tol)
+
+
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_the_rotation_is_orthogonal_and_leaves_attention_unchanged(head_dim):
     """int8 pages hold k @ R and v @ R, queries are rotated alike and outputs rotated back:

@@ -870,6 +870,58 @@ int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, floa
  * Returns 0, or -1 (a shape out of range), -2 (an index outside its tensor), -4 (out of memory). */
 /* A per-thread buffer of at least n floats, kept between calls (OpenMP's threads persist):
  * a decode step calls once per layer, and a fresh allocation of this size is an mmap. */
+/* *a = x . y, *b = x . z over d floats (the exact tail's direct scores). */
+static inline void dot2(const float *restrict x, const float *restrict y, const float *restrict z, int d,
+                        float *a, float *b) {
+    int e = 0;
+    float sa = 0.f, sb = 0.f;
+#ifdef HAVE_AVX512
+    __m512 va = _mm512_setzero_ps(), vb = _mm512_setzero_ps();
+    for (; e + 16 <= d; e += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + e);
+        va = _mm512_fmadd_ps(xv, _mm512_loadu_ps(y + e), va);
+        vb = _mm512_fmadd_ps(xv, _mm512_loadu_ps(z + e), vb);
+    }
+    sa = _mm512_reduce_add_ps(va);
+    sb = _mm512_reduce_add_ps(vb);
+#elif defined(HAVE_AVX2)
+    __m256 va = _mm256_setzero_ps(), vb = _mm256_setzero_ps();
+    for (; e + 8 <= d; e += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + e);
+        va = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + e), va);
+        vb = _mm256_fmadd_ps(xv, _mm256_loadu_ps(z + e), vb);
+    }
+    __m128 ha = _mm_add_ps(_mm256_castps256_ps128(va), _mm256_extractf128_ps(va, 1));
+    __m128 hb = _mm_add_ps(_mm256_castps256_ps128(vb), _mm256_extractf128_ps(vb, 1));
+    ha = _mm_hadd_ps(ha, hb); /* a01 a23 b01 b23 */
+    ha = _mm_hadd_ps(ha, ha);  /* a b a b */
+    sa = _mm_cvtss_f32(ha);
+    sb = _mm_cvtss_f32(_mm_shuffle_ps(ha, ha, 1));
+#endif
+    for (; e < d; e++) {
+        sa += x[e] * y[e];
+        sb += x[e] * z[e];
+    }
+    *a = sa;
+    *b = sb;
+}
+
+/* Key k's stored row of head hk as the kernels read it, float32: old's row where the caller
+ * gave them (*scale 1), else its int8 row converted into row (unscaled; *scale its page's). */
+static inline const float *tail_old_row(const float *old, const int8_t *cache, const float *scales,
+                                        const int64_t *pool_slots, int64_t k, int64_t hd, int hk, int d, int bs,
+                                        int num_kv, float *row, float *scale) {
+    if (old) {
+        *scale = 1.f;
+        return old + k * hd + (int64_t)hk * d;
+    }
+    const int64_t slot = pool_slots[k];
+    *scale = scales[(slot / bs) * num_kv + hk];
+    int8_row(cache + slot * hd + (int64_t)hk * d, d, row);
+    return row;
+}
+
+#define TAIL_DIRECT_ROWS 16 /* a job of at most this many rows dots each key row in place */
 static float *tail_workspace(size_t n) {
     static __thread float *buf = NULL;
     static __thread size_t cap = 0;
@@ -916,10 +968,11 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
     }
     const int group = num_heads / num_kv;
     int ok = 1;
+    const int rows_most = qw * group; /* a job's result rows: its group's queries x heads */
 #pragma omp parallel num_threads(threads) if (n_out * num_heads >= 64)
     {
-        const size_t block = (size_t)kw * d;
-        float *w = tail_workspace(2 * block + 2 * (size_t)kw + (size_t)d);
+        const size_t block = (size_t)kw * d, rk = (size_t)rows_most * kw;
+        float *w = tail_workspace(2 * block + 2 * rk + (size_t)rows_most * (d + 3) + (size_t)d);
         if (!w) {
 #pragma omp atomic write
             ok = 0;
@@ -929,83 +982,118 @@ int longctx_tail_exchange(const float *q, int64_t total_q, float *out, float *ls
             const int64_t g = job / num_kv;
             const int hk = (int)(job % num_kv);
             if (!w || first[g] == first[g + 1]) continue;
-            float *restrict kto = w, *restrict ktn = w + block, *restrict so = w + 2 * block,
-                  *restrict sn = so + kw, *restrict acc = sn + kw;
-            for (int j = 0; j < kw; j++) { /* the group's keys, K transposed [d][kw] (V is read in place) */
-                const int64_t k = g * kw + j;
-                const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
-                if (old_k) { /* the old rows given (float32 [G * kw, Hkv, D]: a rank's gathered rows) */
-                    const float *ko = old_k + k * hd + (int64_t)hk * d;
-                    for (int e = 0; e < d; e++) {
-                        kto[(int64_t)e * kw + j] = ko[e];
-                        ktn[(int64_t)e * kw + j] = kx[e];
-                    }
-                    continue;
-                }
-                const int64_t slot = pool_slots[k];
-                const float ks = k_scale[(slot / bs) * num_kv + hk];
-                const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d;
-                for (int e = 0; e < d; e++) {
-                    kto[(int64_t)e * kw + j] = (float)ko[e] * ks;
-                    ktn[(int64_t)e * kw + j] = kx[e];
-                }
-            }
+            /* row r: result first[g] + r / group, head hk * group + r % group */
+            const int rows = (int)(first[g + 1] - first[g]) * group;
+            float *restrict kto = w, *restrict ktn = w + block, *restrict so_all = w + 2 * block,
+                  *restrict sn_all = so_all + rk, *restrict acc = sn_all + rk, *restrict top = acc + (size_t)rows_most * d,
+                  *restrict base = top + rows_most, *restrict den = base + rows_most, *restrict row = den + rows_most;
+            const float *qv[TAIL_DIRECT_ROWS];
+            int n = 0; /* keys past the last one any of the job's queries sees are skipped (a causal page's) */
             for (int64_t p = first[g]; p < first[g + 1]; p++) {
                 const uint8_t *vis = visible + src[p] * kw;
-                const int64_t qi = q_rows[src[p]], o = dst[p];
-                int n = kw; /* keys past the last one this query sees are skipped (a causal page's) */
-                while (n > 0 && !vis[n - 1]) n--;
-                for (int h = hk * group; h < (hk + 1) * group; h++) {
-                    const float *qv = q + (qi * num_heads + h) * d;
+                int m = kw;
+                while (m > n && !vis[m - 1]) m--;
+                n = m > n ? m : n;
+            }
+            if (rows <= TAIL_DIRECT_ROWS) {
+                /* few rows (a decode, a drafting sequence's verify): each key row is read once and
+                 * dotted with every row's query where it lies, no transposed copy */
+                for (int r = 0; r < rows; r++)
+                    qv[r] = q + (q_rows[src[first[g] + r / group]] * num_heads + hk * group + r % group) * d;
+                for (int j = 0; j < n; j++) {
+                    const int64_t k = g * kw + j;
+                    const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
+                    float ks;
+                    const float *ko = tail_old_row(old_k, k_cache, k_scale, pool_slots, k, hd, hk, d, bs, num_kv, row, &ks);
+                    for (int r = 0; r < rows; r++) {
+                        float a, b;
+                        dot2(qv[r], ko, kx, d, &a, &b);
+                        so_all[(size_t)r * kw + j] = a * ks * scale;
+                        sn_all[(size_t)r * kw + j] = b * scale;
+                    }
+                }
+            } else {
+                for (int j = 0; j < n; j++) { /* the group's keys, K transposed [d][kw] (V is read in place) */
+                    const int64_t k = g * kw + j;
+                    const float *kx = (cached[k] ? store_k + store_rows[k] * hd : k_step + new_rows[k] * hd) + (int64_t)hk * d;
+                    if (old_k) { /* the old rows given (float32 [G * kw, Hkv, D]: a rank's gathered rows) */
+                        const float *ko = old_k + k * hd + (int64_t)hk * d;
+                        for (int e = 0; e < d; e++) {
+                            kto[(int64_t)e * kw + j] = ko[e];
+                            ktn[(int64_t)e * kw + j] = kx[e];
+                        }
+                        continue;
+                    }
+                    const int64_t slot = pool_slots[k];
+                    const float ks = k_scale[(slot / bs) * num_kv + hk];
+                    const int8_t *ko = k_cache + slot * hd + (int64_t)hk * d;
+                    for (int e = 0; e < d; e++) {
+                        kto[(int64_t)e * kw + j] = (float)ko[e] * ks;
+                        ktn[(int64_t)e * kw + j] = kx[e];
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    const float *qr = q + (q_rows[src[first[g] + r / group]] * num_heads + hk * group + r % group) * d;
+                    float *restrict so = so_all + (size_t)r * kw, *restrict sn = sn_all + (size_t)r * kw;
                     for (int j = 0; j < n; j++) so[j] = sn[j] = 0.f;
                     for (int e = 0; e < d; e++) { /* scores, across keys */
-                        const float x = qv[e] * scale;
+                        const float x = qr[e] * scale;
                         const float *a = kto + (int64_t)e * kw, *b = ktn + (int64_t)e * kw;
                         for (int j = 0; j < n; j++) {
                             so[j] += x * a[j];
                             sn[j] += x * b[j];
                         }
                     }
-                    const float l0 = lse[o * num_heads + h];
-                    float top = l0;
-                    for (int j = 0; j < n; j++) {
-                        if (!vis[j]) so[j] = sn[j] = -INFINITY;
-                        top = so[j] > top ? so[j] : top;
-                        top = sn[j] > top ? sn[j] : top;
-                    }
-                    float *ov = out + (o * num_heads + h) * d;
-                    if (isinf(top)) { /* nothing seen at all */
-                        for (int e = 0; e < d; e++) ov[e] = 0.f;
-                        lse[o * num_heads + h] = -INFINITY;
-                        continue;
-                    }
-                    const float base = exp_nonpos(l0 - top); /* l0 = -inf gives 0 */
-                    const float den = base - exp_row(so, n, top) + exp_row(sn, n, top);
-                    for (int e = 0; e < d; e++) acc[e] = base * ov[e];
-                    for (int j = 0; j < n; j++) { /* exp_row turned the scores into weights */
-                        if (so[j] == 0.f && sn[j] == 0.f) continue;
-                        const int64_t k = g * kw + j;
-                        const float pn = sn[j];
-                        const float *restrict b =
-                            (cached[k] ? store_v + store_rows[k] * hd : v_step + new_rows[k] * hd) + (int64_t)hk * d;
-                        if (old_v) {
-                            const float po = so[j], *restrict a = old_v + k * hd + (int64_t)hk * d;
-                            for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * a[e];
-                            continue;
-                        }
-                        const int64_t slot = pool_slots[k];
-                        const float po = so[j] * v_scale[(slot / bs) * num_kv + hk];
-                        const int8_t *restrict a = v_cache + slot * hd + (int64_t)hk * d;
-                        for (int e = 0; e < d; e++) acc[e] += pn * b[e] - po * (float)a[e];
-                    }
-                    if (den > 0.f) {
-                        const float inv = 1.f / den;
-                        for (int e = 0; e < d; e++) ov[e] = acc[e] * inv;
-                        lse[o * num_heads + h] = top + logf(den);
-                    } else {
-                        for (int e = 0; e < d; e++) ov[e] = 0.f;
-                        lse[o * num_heads + h] = -INFINITY;
-                    }
+                }
+            }
+            for (int r = 0; r < rows; r++) { /* each row's weights: its own page's and first page's keys swapped */
+                const int64_t p = first[g] + r / group;
+                const uint8_t *vis = visible + src[p] * kw;
+                float *restrict so = so_all + (size_t)r * kw, *restrict sn = sn_all + (size_t)r * kw;
+                const float l0 = lse[dst[p] * num_heads + hk * group + r % group];
+                float t = l0;
+                for (int j = 0; j < n; j++) {
+                    if (!vis[j]) so[j] = sn[j] = -INFINITY;
+                    t = so[j] > t ? so[j] : t;
+                    t = sn[j] > t ? sn[j] : t;
+                }
+                top[r] = t;
+                if (isinf(t)) { /* nothing seen at all */
+                    for (int j = 0; j < n; j++) so[j] = sn[j] = 0.f;
+                    continue;
+                }
+                base[r] = exp_nonpos(l0 - t); /* l0 = -inf gives 0 */
+                den[r] = base[r] - exp_row(so, n, t) + exp_row(sn, n, t); /* the scores are weights now */
+                const float *ov = out + (dst[p] * num_heads + hk * group + r % group) * d;
+                for (int e = 0; e < d; e++) acc[(size_t)r * d + e] = base[r] * ov[e];
+            }
+            for (int j = 0; j < n; j++) { /* V: each key's rows read once for all rows */
+                const int64_t k = g * kw + j;
+                const float *restrict b = (cached[k] ? store_v + store_rows[k] * hd : v_step + new_rows[k] * hd) + (int64_t)hk * d;
+                int any = 0;
+                for (int r = 0; r < rows && !any; r++) any = so_all[(size_t)r * kw + j] != 0.f || sn_all[(size_t)r * kw + j] != 0.f;
+                if (!any) continue;
+                float vs;
+                const float *restrict a = tail_old_row(old_v, v_cache, v_scale, pool_slots, k, hd, hk, d, bs, num_kv, row, &vs);
+                for (int r = 0; r < rows; r++) {
+                    const float pn = sn_all[(size_t)r * kw + j], po = so_all[(size_t)r * kw + j] * vs;
+                    if (pn == 0.f && po == 0.f) continue;
+                    float *restrict ar = acc + (size_t)r * d;
+#pragma omp simd
+                    for (int e = 0; e < d; e++) ar[e] += pn * b[e] - po * a[e];
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const int64_t o = dst[first[g] + r / group];
+                const int h = hk * group + r % group;
+                float *ov = out + (o * num_heads + h) * d;
+                if (!isinf(top[r]) && den[r] > 0.f) {
+                    const float inv = 1.f / den[r];
+                    for (int e = 0; e < d; e++) ov[e] = acc[(size_t)r * d + e] * inv;
+                    lse[o * num_heads + h] = top[r] + logf(den[r]);
+                } else {
+                    for (int e = 0; e < d; e++) ov[e] = 0.f;
+                    lse[o * num_heads + h] = -INFINITY;
                 }
             }
         }

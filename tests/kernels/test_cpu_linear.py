@@ -213,6 +213,37 @@ def test_output_buffer_is_written():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows, n, k", [(1, 64, 64), (15, 64, 64), (3, 37, 29), (64, 128, 72)])
+def test_small_product_matches_reference_on_the_calling_thread(rows, n, k):
+    """``small_product`` (the few-row products beside attention, one thread): the float64
+    reference's product, into a new tensor or the one given."""
+    x, w, _ = _operands(rows, n, k, False, seed=rows + n)
+    torch.testing.assert_close(cpu_linear.small_product(x, w), _reference(x, w), atol=1e-5, rtol=1e-5)
+    out = torch.full((rows, n), float("nan"))
+    assert cpu_linear.small_product(x, w, out) is out
+    torch.testing.assert_close(out, _reference(x, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad", ["too_many_rows", "strided", "bf16_weight", "k_mismatch", "out_shape"])
+def test_small_product_refuses_what_it_does_not_take(bad):
+    x, w, _ = _operands(4, 8, 16, False, seed=1)
+    out = None
+    if bad == "too_many_rows":
+        x = torch.randn(cpu_linear.SMALL_ROWS + 1, 16)
+    elif bad == "strided":
+        x = torch.randn(4, 32)[:, ::2]
+    elif bad == "bf16_weight":
+        w = w.bfloat16()
+    elif bad == "k_mismatch":
+        w = torch.randn(8, 15)
+    else:
+        out = torch.empty(4, 9)
+    with pytest.raises(ValueError, match="small_product|out must be"):
+        cpu_linear.small_product(x, w, out)
+
+
+@needs_kernel
 def test_bad_arguments_are_refused():
     x, w, b = _operands(2, 8, 16, True, seed=5)
     with pytest.raises(ValueError, match="agree on K"):
