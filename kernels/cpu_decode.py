@@ -338,46 +338,85 @@ def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cach
                    store_rows: torch.Tensor, new_rows: torch.Tensor, cached: torch.Tensor, q_rows: torch.Tensor,
                    visible: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, write_rows: torch.Tensor,
                    groups: int, qw: int, kw: int, scale: float, num_threads: int) -> None:
+    step = tail_step_args(pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst, write_rows,
+                          groups, qw, kw, q.shape[0])
+    tail_exchange_layer(step, q, out, lse, k_cache, v_cache, k_scale, v_scale, old_k, old_v, store_k, store_v,
+                        k, v, scale, num_threads)
+
+
+def tail_step_args(pool_slots: torch.Tensor, store_rows: torch.Tensor, new_rows: torch.Tensor, cached: torch.Tensor,
+                   q_rows: torch.Tensor, visible: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                   write_rows: torch.Tensor, groups: int, qw: int, kw: int, total_q: int) -> tuple:
+    """A step's part of ``tail_exchange``'s arguments (the same in every layer), checked once:
+    what ``tail_exchange_layer`` takes. The C side checks every index it reads."""
+    keys, i64 = groups * kw, torch.int64
+    for name, t, dtype, n in (("pool_slots", pool_slots, i64, keys), ("store_rows", store_rows, i64, keys),
+                              ("new_rows", new_rows, i64, keys), ("q_rows", q_rows, i64, groups * qw),
+                              ("write_rows", write_rows, i64, total_q), ("dst", dst, i64, src.numel()),
+                              ("src", src, i64, 0), ("cached", cached, torch.bool, keys),
+                              ("visible", visible, torch.bool, keys * qw)):
+        if t.dtype != dtype or not t.is_contiguous() or t.numel() < n or t.device.type != "cpu":
+            raise ValueError(f"tail_exchange: {name} must be a contiguous {dtype} CPU tensor of at least {n} "
+                             f"values, got {t.dtype} {tuple(t.shape)}")
+    ptrs = tuple(t.data_ptr() for t in (pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst))
+    # the tensors stay referenced: the pointers are only good while they live
+    return (ptrs, src.numel(), groups, qw, kw, write_rows.data_ptr(), total_q,
+            (pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst, write_rows))
+
+
+def tail_exchange_layer(step: tuple, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                        old_k: torch.Tensor | None, old_v: torch.Tensor | None, store_k: torch.Tensor,
+                        store_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        num_threads: int) -> None:
+    """One layer's ``tail_exchange`` with the step's arguments ``tail_step_args`` made: this
+    layer's tensors checked (each dtype and layout in one pass; only a failure spells out
+    which), then the C call."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
+    ptrs, n_out, groups, qw, kw, write_rows, total_q, _ = step
     num_blocks, bs, num_kv, d = k_cache.shape
-    keys, f32, i64 = groups * kw, torch.float32, torch.int64
-    # what the C side reads as flat arrays: each dtype, contiguous, at least as long as it reads
-    # (it checks every index itself)
-    for name, t, dtype, n in (("q", q, f32, 0), ("out", out, f32, 0), ("lse", lse, f32, 0),
-                              ("store_k", store_k, f32, 0), ("store_v", store_v, f32, 0), ("k", k, f32, 0),
-                              ("v", v, f32, 0), ("pool_slots", pool_slots, i64, keys),
-                              ("store_rows", store_rows, i64, keys), ("new_rows", new_rows, i64, keys),
-                              ("q_rows", q_rows, i64, groups * qw), ("write_rows", write_rows, i64, q.shape[0]),
-                              ("dst", dst, i64, src.numel()), ("src", src, i64, 0),
-                              ("cached", cached, torch.bool, keys), ("visible", visible, torch.bool, keys * qw),
-                              ("k_cache", k_cache, torch.int8, 0), ("v_cache", v_cache, torch.int8, 0)):
-        if t.dtype != dtype or not t.is_contiguous() or t.numel() < n:
-            raise ValueError(f"tail_exchange: {name} must be a contiguous {dtype} tensor of at least {n} values, "
-                             f"got {t.dtype} {tuple(t.shape)}")
+    f32 = torch.float32
+    layer = (q, out, lse, store_k, store_v, k, v)
+    if not (all(t.dtype == f32 and t.is_contiguous() for t in layer) and k_cache.dtype == v_cache.dtype == torch.int8
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and q.shape[0] == total_q == k.shape[0]
+            and v_cache.shape == k_cache.shape and store_k.shape == store_v.shape
+            and tuple(store_k.shape[1:]) == (num_kv, d) and k.shape == v.shape and tuple(k.shape[1:]) == (num_kv, d)
+            and q.shape[1:] == out.shape[1:] and tuple(lse.shape) == tuple(out.shape[:2])):
+        _explain_tail_layer(q, out, lse, k_cache, v_cache, store_k, store_v, k, v, total_q)
     check_scales(k_cache, k_scale, v_scale)
     if (old_k is None) != (old_v is None):
         raise ValueError("tail_exchange: give both old_k and old_v, or neither")
     for name, t in (("old_k", old_k), ("old_v", old_v)):
-        if t is not None and (t.dtype != f32 or not t.is_contiguous() or t.numel() < keys * num_kv * d):
+        if t is not None and (t.dtype != f32 or not t.is_contiguous() or t.numel() < groups * kw * num_kv * d):
             raise ValueError(f"tail_exchange: {name} must be a contiguous float32 [G * Kw, Hkv, D], got "
                              f"{t.dtype} {tuple(t.shape)}")
-    if (v_cache.shape != k_cache.shape or store_k.shape != store_v.shape or tuple(store_k.shape[1:]) != (num_kv, d)
-            or tuple(k.shape) != tuple(v.shape) or tuple(k.shape[1:]) != (num_kv, d) or q.shape[1:] != out.shape[1:]
-            or k.shape[0] != q.shape[0] or tuple(lse.shape) != tuple(out.shape[:2])):
-        raise ValueError("tail_exchange: q, out, lse, k, v and the store do not fit the caches' [Hkv, D]")
     rc = lib.longctx_tail_exchange(
-        q.data_ptr(), q.shape[0], out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        q.data_ptr(), total_q, out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr(), v_scale.data_ptr(), None if old_k is None else old_k.data_ptr(),
         None if old_v is None else old_v.data_ptr(), num_blocks, bs, q.shape[1], num_kv, d, store_k.data_ptr(),
-        store_v.data_ptr(), store_k.shape[0], k.data_ptr(), v.data_ptr(), pool_slots.data_ptr(),
-        store_rows.data_ptr(), new_rows.data_ptr(), cached.data_ptr(), q_rows.data_ptr(), visible.data_ptr(),
-        src.data_ptr(), dst.data_ptr(), src.numel(), out.shape[0], groups, qw, kw, write_rows.data_ptr(), scale,
-        num_threads)
+        store_v.data_ptr(), store_k.shape[0], k.data_ptr(), v.data_ptr(), *ptrs, n_out, out.shape[0], groups, qw,
+        kw, write_rows, scale, num_threads)
     if rc != 0:
         raise ValueError(f"tail_exchange rejected its arguments (code {rc}: "
                          f"{ {-1: 'a shape out of range', -2: 'an index outside its tensor', -4: 'out of memory'}.get(rc)})")
+
+
+def _explain_tail_layer(q, out, lse, k_cache, v_cache, store_k, store_v, k, v, total_q) -> None:
+    """tail_exchange_layer's failure: raise ValueError saying what is wrong."""
+    for name, t in (("q", q), ("out", out), ("lse", lse), ("store_k", store_k), ("store_v", store_v), ("k", k),
+                    ("v", v)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"tail_exchange: {name} must be a contiguous float32 tensor, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.int8 or not t.is_contiguous():
+            raise ValueError(f"tail_exchange: {name} must be a contiguous int8 cache, got {t.dtype} {tuple(t.shape)}")
+    if q.shape[0] != total_q or k.shape[0] != total_q:
+        raise ValueError(f"tail_exchange: q and k must have the step's {total_q} rows, got {q.shape[0]} and "
+                         f"{k.shape[0]}")
+    raise ValueError("tail_exchange: q, out, lse, k, v and the store do not fit the caches' [Hkv, D]")
 
 
 tail_exchange = cpu_build.define_op(

@@ -205,3 +205,43 @@ def test_other_kernel_modules_agree(which):
     run_step(pool, backend, runner, [(a, 4, (-1, 0, 0))], gen, 6, 2)
     a.pos = 20
     run_step(pool, backend, runner, [(a, 1, ())], gen, 6, 2)
+
+
+def test_the_c_tail_call_refuses_what_it_does_not_take():
+    """``cpu_decode.tail_exchange`` (the operator) and the per-layer call the step uses: a
+    step tensor of the wrong dtype, a layer tensor that is not contiguous float32, q with
+    another row count and a malformed scale are each refused with a ValueError naming it, and
+    nothing is written."""
+    from longctx.kernels import cpu_decode
+
+    if exact_tail._c_kernel() is None:
+        pytest.skip("the C kernels do not build here")
+    gen = torch.Generator().manual_seed(3)
+    pool, backend, runner = make(6, 2)
+    a = Seq("a", 0, [5, 2, 9, 30])
+    run_step(pool, backend, runner, [(a, 11, ())], gen, 6, 2)
+    seqs = [ScheduledSeq("a", [0], 11, a.blocks, True, (), tail_slot=0)]
+    _, _, meta, _ = runner.prepare(ScheduledBatch(seqs, []))
+    tail = meta.tail
+    tail.ready()
+    q, k, v = torch.randn(1, 6, D), torch.randn(1, 2, D), torch.randn(1, 2, D)
+    out, lse = torch.randn(1, 6, D), torch.randn(1, 6)
+    kc, vc, ks, vs = pool.caches[0]
+    sk, sv = pool.tail.layers[0]
+    steps = [tail.pool_slots, tail.store_rows, tail.new_rows, tail.cached, tail.q_rows, tail.visible, tail.src,
+             tail.dst, tail.write_rows]
+    args = [q, out, lse, kc, vc, ks, vs, None, None, sk, sv, k, v, *steps, tail.num_groups, tail.qw, tail.kw, 0.25, 1]
+    before = (out.clone(), lse.clone(), sk.clone())
+    bad = {13: tail.pool_slots.int(), 0: torch.randn(1, 6, 2 * D)[..., ::2], 11: torch.randn(2, 2, D),
+           5: ks[:, :1]}
+    for at, value in bad.items():
+        wrong = list(args)
+        wrong[at] = value
+        with pytest.raises(ValueError, match="pool_slots|must be a contiguous float32|rows|k_scale"):
+            cpu_decode.tail_exchange(*wrong)
+    step = cpu_decode.tail_step_args(*steps, tail.num_groups, tail.qw, tail.kw, 1)
+    with pytest.raises(ValueError, match="must be a contiguous float32"):
+        cpu_decode.tail_exchange_layer(step, q, out, lse, kc, vc, ks, vs, None, None, sk, sv, k.double(), v, 0.25, 1)
+    assert torch.equal(out, before[0]) and torch.equal(lse, before[1]) and torch.equal(sk, before[2])
+    cpu_decode.tail_exchange(*args)  # the same call, well formed, runs and writes
+    assert not torch.equal(out, before[0])

@@ -208,6 +208,7 @@ class TailStep:
         self._inputs = (positions, tree_mask, block_table)
         self._derived = False
         self._local = None
+        self._c_step: tuple | None = None  # cpu_decode.tail_step_args, made at the first layer
         if own is not None:
             at = {t: i for i, t in enumerate(own)}
             pairs = [(s, at[d]) for s, d in zip(plan.src, plan.dst) if d in at]
@@ -270,7 +271,7 @@ class TailStep:
         """``exchange`` over the pages ``caches`` (K, V, K scale, V scale), then ``keep``: one
         process's layer (``old``: the keys' int8 rows when the caller read them, as a
         sequence-parallel rank does; else from ``caches``). On the CPU with float32 activations one C call
-        (``torch.ops.longctx.tail_exchange``; per layer of SmolLM2 on 2 cores: +0.12 ms for a
+        (``cpu_decode.tail_exchange_layer``, the step's part checked once; per layer of SmolLM2 on 2 cores: +0.12 ms for a
         decoded token against +0.9 ms for the ~50 operations of the torch form, and +7 ms
         against +13 ms for a 512-token chunk at 4K); elsewhere (CUDA) the torch form."""
         sk, sv = self.store.layers[layer]
@@ -282,13 +283,14 @@ class TailStep:
         if (c is not None and out.dtype == torch.float32 and q.dtype == torch.float32
                 and sk.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
                 and q.is_contiguous() and k_cache.is_contiguous()):
-            self.ready()
+            if self._c_step is None:  # the step's tensors, checked once for every layer
+                self.ready()
+                self._c_step = c.tail_step_args(
+                    self.pool_slots, self.store_rows, self.new_rows, self.cached, self.q_rows, self.visible,
+                    self.src, self.dst, self.write_rows, self.num_groups, self.qw, self.kw, q.shape[0])
             old_k, old_v = (None, None) if old is None else (old[0].float().contiguous(), old[1].float().contiguous())
-            c.tail_exchange(
-                q, out, lse, k_cache, v_cache, k_scale, v_scale, old_k, old_v, sk, sv, k.float().contiguous(),
-                v.float().contiguous(), self.pool_slots, self.store_rows, self.new_rows, self.cached,
-                self.q_rows, self.visible, self.src, self.dst, self.write_rows, self.num_groups, self.qw,
-                self.kw, scale, torch.get_num_threads())
+            c.tail_exchange_layer(self._c_step, q, out, lse, k_cache, v_cache, k_scale, v_scale, old_k, old_v, sk,
+                                  sv, k.float().contiguous(), v.float().contiguous(), scale, torch.get_num_threads())
             return out
         out = self.exchange(layer, out, lse, q, k, v, self.stored_rows(*caches) if old is None else old, scale)
         self.keep(layer, k, v)
