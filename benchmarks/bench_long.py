@@ -286,6 +286,75 @@ def worker_tiers(args) -> dict:
     return res
 
 
+def worker_paired(args) -> dict:
+    """Decode at the longest context, float32 and int8 pages in one process, step by step in
+    turn: two engines, each loaded from the disk folder its staircase persisted (that request,
+    a disk hit, is not counted). Then per round each engine takes the same request (the
+    document alone: a device hit that recomputes its last page), runs it to its first token,
+    and the two run their decode steps alternately (``engine.step()``, timed one by one; the
+    order swaps every step: fp32 first on even steps) for ``--decode-tokens`` steps. The
+    machine's speed moves by tens of percent over seconds to minutes (the staircases' decode
+    rates moved 20-40% between runs here, and whole requests of a few seconds by as much), so
+    a ratio of two separate measurements carries that drift; a pair of steps taken ~0.1 s
+    apart mostly does not. Reported: each step's time, the per-pair int8/fp32 ratios and
+    their median."""
+    import torch
+
+    from longctx import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    ctx = max(args.contexts)
+    res: dict = {"context": ctx, "started_at": now_iso(), "rounds": []}
+    llms = {}
+    for dtype, folder in (("auto", args.disk_dir_fp32), ("int8", args.disk_dir)):
+        kw = engine_kwargs(args, dtype)
+        kw.pop("kv_cache_gb", None)
+        if dtype == "auto":
+            kw["kv_cache_gb"] = args.kv_cache_gb  # the staircase's float32 budget
+        kw["disk_cache_dir"] = folder
+        llms[dtype] = LLM(args.model, **kw)
+    tok = llms["int8"].engine.tokenizer
+    doc, _ = document_ids(tok, ctx)
+    for dtype, llm in llms.items():
+        first = timed_request(llm, doc, 2)
+        res[f"{dtype}_load_request"] = {k: v for k, v in first.items() if k != "output_token_ids"}
+    # two tokens past the timed steps: the first comes with the prompt, the last step finishes
+    # the request (its pages go to the prefix store), which is not a decode step's work
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens + 2, ignore_eos=True)
+    for i in range(args.paired_rounds):
+        engines = {d: llm.engine for d, llm in llms.items()}
+        for eng in engines.values():  # the prompt, to its first token (not timed)
+            rid = eng.add_request(doc, params)
+            while not eng.output(rid).outputs[0].token_ids:
+                eng.step()
+        ms: dict = {"auto": [], "int8": []}
+        for step in range(args.decode_tokens):
+            for d in (("auto", "int8") if step % 2 == 0 else ("int8", "auto")):
+                t0 = time.perf_counter()
+                engines[d].step()
+                ms[d].append(1000 * (time.perf_counter() - t0))
+        for eng in engines.values():
+            while eng.has_unfinished():
+                eng.step()
+        ratios = [b / a for a, b in zip(ms["auto"], ms["int8"])]
+        row = {"round": i, "fp32_step_ms": ms["auto"], "int8_step_ms": ms["int8"], "int8_over_fp32": ratios,
+               "median_ratio": statistics.median(ratios),
+               "median_ms": {d: statistics.median(v) for d, v in ms.items()}}
+        res["rounds"].append(row)
+        emit({"event": "paired_round", "context": ctx, "round": i, "fp32_ms_median": row["median_ms"]["auto"],
+              "int8_ms_median": row["median_ms"]["int8"], "int8_over_fp32_median": row["median_ratio"]})
+    if res["rounds"]:
+        every = {d: [x for r in res["rounds"] for x in r[f"{'fp32' if d == 'auto' else d}_step_ms"]]
+                 for d in ("auto", "int8")}
+        res["decode_ms_median"] = {d: statistics.median(v) for d, v in every.items()}
+        res["ratio_median"] = statistics.median(x for r in res["rounds"] for x in r["int8_over_fp32"])
+        res["ratio_of_medians"] = res["decode_ms_median"]["int8"] / res["decode_ms_median"]["auto"]
+        res["round_medians"] = [r["median_ratio"] for r in res["rounds"]]
+    res["peak_rss_gib"] = peak_rss_gib()
+    res["finished_at"] = now_iso()
+    return res
+
+
 # ---------------------------------------------------------------- driver
 
 def kv_facts(args, block_size: int) -> dict:
@@ -328,7 +397,7 @@ def run_worker(args, dtype: str, phase: str, extra: list[str]) -> dict:
                "--contexts", *map(str, args.contexts), "--decode-tokens", str(args.decode_tokens),
                "--threads", str(args.threads), "--model", args.model, "--max-model-len", str(args.max_model_len),
                "--rope-scaling", json.dumps(args.rope_scaling) if args.rope_scaling else "none",
-               "--host-cache-gb", str(args.host_cache_gb), *extra]
+               "--host-cache-gb", str(args.host_cache_gb), "--paired-rounds", str(args.paired_rounds), *extra]
         if args.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.block_size:
@@ -364,6 +433,9 @@ def derive(report: dict, ceil: dict | None) -> dict:
             for c in ctxs if a[c].get("decode_ms_per_token") and b[c].get("decode_ms_per_token")}
         out["prefill_s_ratio_int8_over_fp32"] = {str(c): b[c]["prefill_s"] / a[c]["prefill_s"] for c in ctxs}
         out["peak_rss_ratio_int8_over_fp32"] = ok["int8"]["peak_rss_gib"] / ok["auto"]["peak_rss_gib"]
+    paired = report.get("paired_decode") or {}
+    if "ratio_median" in paired:
+        out["decode_ms_ratio_int8_over_fp32_paired"] = {str(paired["context"]): paired["ratio_median"]}
         out["int8_vs_fp32_identical_leading_tokens"] = {}
         for c in ctxs:
             x, y = a[c]["output_token_ids"], b[c]["output_token_ids"]
@@ -412,6 +484,14 @@ def table(report: dict) -> list[str]:
     rows.append(f"KV bytes/token: fp32 {kv['auto']['bytes_per_token']:.0f}, int8 {kv['int8']['bytes_per_token']:.1f} "
                 f"({kv['int8_over_fp32_bytes']:.3f}x); default {kv['default_kv_cache_gb']:g} GiB holds "
                 f"{kv['auto']['default_budget_tokens']} fp32 / {kv['int8']['default_budget_tokens']} int8 tokens")
+    paired = report.get("paired_decode") or {}
+    if "ratio_median" in paired:
+        each = " ".join(f"{x:.3f}" for x in paired["round_medians"])
+        rows.append(f"paired decode steps at {paired['context']} ({len(paired['rounds'])} rounds, alternating): fp32 "
+                    f"{paired['decode_ms_median']['auto']:.1f} ms/tok, int8 {paired['decode_ms_median']['int8']:.1f} "
+                    f"ms/tok (medians); int8/fp32 median of the pairs {paired['ratio_median']:.3f}x (rounds: {each})")
+    elif paired:
+        rows.append(f"paired decode: {paired.get('not_measured') or paired.get('error')}")
     frac = (report.get("derived") or {}).get("int8_hit_fraction_of_cold") or {}
     for t, v in (report.get("tiers") or {}).items():
         if t == "process":
@@ -437,24 +517,27 @@ def main() -> int:
     p.add_argument("--host-cache-gb", type=float, default=1.0, help="host tier of the tiers process (0: skip)")
     p.add_argument("--skip-tiers", action="store_true", help="no disk/host prefix-hit process")
     p.add_argument("--skip-ceilings", action="store_true", help="do not measure GEMM and copy rates")
+    p.add_argument("--paired-rounds", type=int, default=4,
+                   help="rounds of float32 and int8 decode steps alternating at the longest context (0: skip)")
     p.add_argument("--model", default=MODEL)
     p.add_argument("--out", type=Path, default=None)
     # worker-side (the script re-invokes itself)
     p.add_argument("--one-dtype", choices=("auto", "int8"), help=argparse.SUPPRESS)
-    p.add_argument("--phase", choices=("staircase", "tiers"), default="staircase", help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("staircase", "tiers", "paired"), default="staircase", help=argparse.SUPPRESS)
     p.add_argument("--json-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--kv-cache-gb", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--disk-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--disk-dir-fp32", default="", help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.contexts = sorted(set(args.contexts))
     args.rope_scaling = None if args.rope_scaling.strip().lower() in ("", "none") else json.loads(args.rope_scaling)
-    args.extra_tokens = max(args.decode_tokens, QUESTION_TOKENS + 1)
+    args.extra_tokens = max(args.decode_tokens + 2, QUESTION_TOKENS + 1)  # + 2: the paired requests
     if not args.max_model_len:
         args.max_model_len = max(args.contexts) + args.extra_tokens
 
     if args.one_dtype:
-        res = (worker_tiers if args.phase == "tiers" else worker_staircase)(args)
+        res = {"tiers": worker_tiers, "paired": worker_paired}.get(args.phase, worker_staircase)(args)
         args.json_out.write_text(json.dumps(res))
         return 0
 
@@ -477,12 +560,16 @@ def main() -> int:
         emit({"event": "ceilings", **ceil})
     results: dict = {}
     tiers: dict = {}
-    with tempfile.TemporaryDirectory(prefix="bench-long-disk-") as disk:
+    paired: dict = {}
+    pair = args.paired_rounds > 0 and set(args.dtypes) == {"auto", "int8"}
+    with tempfile.TemporaryDirectory(prefix="bench-long-disk-") as disk, \
+            tempfile.TemporaryDirectory(prefix="bench-long-disk-fp32-") as disk_fp32:
+        fp32_budget = ["--kv-cache-gb", repr(kv["auto"]["budget_passed_gb"])]
         for dtype in args.dtypes:
             extra = []
             if dtype == "auto":
-                extra = ["--kv-cache-gb", repr(kv["auto"]["budget_passed_gb"])]
-            elif not args.skip_tiers:
+                extra = fp32_budget + (["--disk-dir", disk_fp32] if pair else [])
+            elif not args.skip_tiers or pair:
                 extra = ["--disk-dir", disk]
             results[dtype] = run_worker(args, dtype, "staircase", extra)
         if "int8" in args.dtypes and not args.skip_tiers and "stages" in results["int8"]:
@@ -496,6 +583,10 @@ def main() -> int:
                                     if k in t}
         elif "int8" in args.dtypes:
             tiers = {"not_measured": "--skip-tiers" if args.skip_tiers else "the int8 staircase failed"}
+        if pair and all("stages" in results[d] for d in ("auto", "int8")):
+            paired = run_worker(args, "int8", "paired", fp32_budget + ["--disk-dir", disk, "--disk-dir-fp32", disk_fp32])
+        elif args.paired_rounds > 0:
+            paired = {"not_measured": "needs both dtypes' staircases"}
 
     chunk = next((r["engine"]["max_num_batched_tokens"] for r in results.values() if "engine" in r), None)
     stair_aligned = bool(chunk) and all(c % chunk == 0 for c in args.contexts)
@@ -523,11 +614,18 @@ def main() -> int:
                      "(llm.close(); files likely in the OS page cache); host hit in that process after "
                      "every device page was pushed to its host tier (untimed)",
             "repeats": "one staircase per dtype; no repeats (the machine is noisy; compare within a run)",
+            "paired_decode": "at the longest context, float32 and int8 engines in one process, each loaded from "
+                             "the disk folder its staircase persisted (that request not counted); per round each "
+                             "takes the document alone (a device hit recomputing its last page) to its first "
+                             "token, then their decode steps run alternately (engine.step() timed one by one, "
+                             "order swapped every step) for --decode-tokens steps; ratio_median: the median over "
+                             "all pairs of int8 step ms / fp32 step ms",
         },
         "kv": kv,
         "ceilings": ceil,
         "results": results,
         "tiers": tiers,
+        "paired_decode": paired,
     }
     report["derived"] = derive(report, ceil)
     RESULTS.mkdir(exist_ok=True)
