@@ -476,6 +476,14 @@ def plot_long_context(results, folder, out: Path) -> None:
         for x, y in pre:
             ax2.annotate(f"{y:.1f} s", (x, y), textcoords="offset points",
                          xytext=(6, -11 if dtype == "int8" else 5), fontsize=8, color=color)
+    paired = data.get("paired_decode") or {}
+    if "ratio_median" in paired:  # the alternating steps at the longest context (bench_long's paired phase)
+        x = paired["context"]
+        for dtype, ms in paired["decode_ms_median"].items():
+            ax1.plot([x], [ms], marker="D", markerfacecolor="none", color=colors.get(dtype), linestyle="none",
+                     label="paired steps, median" if dtype == "auto" else None)
+        ax1.annotate(f"paired: {paired['ratio_median']:.2f}x", (x, paired["decode_ms_median"]["int8"]),
+                     textcoords="offset points", xytext=(6, 6), fontsize=8, color=colors["int8"])
     fp32_fit = ((data.get("kv") or {}).get("auto") or {}).get("default_budget_tokens")
     budget = (data.get("kv") or {}).get("default_kv_cache_gb")
     for ax in (ax1, ax2):
@@ -491,7 +499,8 @@ def plot_long_context(results, folder, out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     ax1.set_ylabel("decode time (ms per token, batch 1)")
-    ax1.set_title("decode at each context (labels: ms, int8/float32)", fontsize=9)
+    ax1.set_title("decode at each context (labels: ms, int8/float32; diamonds: the two\n"
+                  "engines' steps alternating in one process, median int8/float32 of the pairs)", fontsize=9)
     ax2.set_ylabel("prefill time (s)")
     ax2.set_title("prefill of the whole context (sum of the staircase stages)", fontsize=9)
     tiers = data.get("tiers") or {}
