@@ -41,13 +41,21 @@ exists only when sized): it then pushes every device page to the host tier (unti
 a third question: host-tier TTFT. Each is also given as a fraction of the cold prefill (the
 staircase sum).
 
+Paired decode steps at the longest context (``--paired-rounds``, default 4; 0 skips): both
+staircases persist their pages (float32 to a folder of its own), and one more process loads a
+float32 and an int8 engine from them and runs their decode steps alternately, each
+``engine.step()`` timed, the order swapped every step; the median of the per-pair int8/float32
+ratios is ``derived.decode_ms_ratio_int8_over_fp32_paired``. This machine's speed drifts by tens
+of percent between and within runs; pairs ~0.1 s apart mostly cancel it (see ``worker_paired``).
+
 One staircase per dtype (a 32K prefill takes minutes here): no repeats; decode is the mean
 over N - 1 steps, and the median inter-token latency is also given. The machine's ceilings
 (fp32 GEMM, memory copy) are measured first, and decode is given as a multiple of its
 bandwidth floor (fp32 weights + the KV bytes of the context read once per token).
 
 Usage:  python benchmarks/bench_long.py [--contexts 8192 16384 32768] [--decode-tokens 32]
-            [--dtypes auto int8] [--max-num-batched-tokens N] [--threads 2] [--out PATH]
+            [--dtypes auto int8] [--max-num-batched-tokens N] [--threads 2] [--paired-rounds 4]
+            [--out PATH]
 Prints one JSON line per measurement as it goes, a table last, and writes
 benchmarks/results/long-<host>-<cpu>.json (``-max<N>`` added when the longest context is
 under 32768; or ``--out``).
@@ -307,11 +315,9 @@ def worker_paired(args) -> dict:
     res: dict = {"context": ctx, "started_at": now_iso(), "rounds": []}
     llms = {}
     for dtype, folder in (("auto", args.disk_dir_fp32), ("int8", args.disk_dir)):
-        kw = engine_kwargs(args, dtype)
-        kw.pop("kv_cache_gb", None)
-        if dtype == "auto":
-            kw["kv_cache_gb"] = args.kv_cache_gb  # the staircase's float32 budget
-        kw["disk_cache_dir"] = folder
+        kw = {**engine_kwargs(args, dtype), "disk_cache_dir": folder}
+        if dtype == "int8":  # the budget passed is the float32 staircase's; int8 keeps the default
+            kw.pop("kv_cache_gb", None)
         llms[dtype] = LLM(args.model, **kw)
     tok = llms["int8"].engine.tokenizer
     doc, _ = document_ids(tok, ctx)
@@ -321,8 +327,9 @@ def worker_paired(args) -> dict:
     # two tokens past the timed steps: the first comes with the prompt, the last step finishes
     # the request (its pages go to the prefix store), which is not a decode step's work
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens + 2, ignore_eos=True)
+    engines = {d: llm.engine for d, llm in llms.items()}
+    every: dict = {"auto": [], "int8": []}  # every timed step, over the rounds
     for i in range(args.paired_rounds):
-        engines = {d: llm.engine for d, llm in llms.items()}
         for eng in engines.values():  # the prompt, to its first token (not timed)
             rid = eng.add_request(doc, params)
             while not eng.output(rid).outputs[0].token_ids:
@@ -336,6 +343,8 @@ def worker_paired(args) -> dict:
         for eng in engines.values():
             while eng.has_unfinished():
                 eng.step()
+        for d, v in ms.items():
+            every[d] += v
         ratios = [b / a for a, b in zip(ms["auto"], ms["int8"])]
         row = {"round": i, "fp32_step_ms": ms["auto"], "int8_step_ms": ms["int8"], "int8_over_fp32": ratios,
                "median_ratio": statistics.median(ratios),
@@ -344,8 +353,6 @@ def worker_paired(args) -> dict:
         emit({"event": "paired_round", "context": ctx, "round": i, "fp32_ms_median": row["median_ms"]["auto"],
               "int8_ms_median": row["median_ms"]["int8"], "int8_over_fp32_median": row["median_ratio"]})
     if res["rounds"]:
-        every = {d: [x for r in res["rounds"] for x in r[f"{'fp32' if d == 'auto' else d}_step_ms"]]
-                 for d in ("auto", "int8")}
         res["decode_ms_median"] = {d: statistics.median(v) for d, v in every.items()}
         res["ratio_median"] = statistics.median(x for r in res["rounds"] for x in r["int8_over_fp32"])
         res["ratio_of_medians"] = res["decode_ms_median"]["int8"] / res["decode_ms_median"]["auto"]
@@ -433,14 +440,14 @@ def derive(report: dict, ceil: dict | None) -> dict:
             for c in ctxs if a[c].get("decode_ms_per_token") and b[c].get("decode_ms_per_token")}
         out["prefill_s_ratio_int8_over_fp32"] = {str(c): b[c]["prefill_s"] / a[c]["prefill_s"] for c in ctxs}
         out["peak_rss_ratio_int8_over_fp32"] = ok["int8"]["peak_rss_gib"] / ok["auto"]["peak_rss_gib"]
-    paired = report.get("paired_decode") or {}
-    if "ratio_median" in paired:
-        out["decode_ms_ratio_int8_over_fp32_paired"] = {str(paired["context"]): paired["ratio_median"]}
         out["int8_vs_fp32_identical_leading_tokens"] = {}
         for c in ctxs:
             x, y = a[c]["output_token_ids"], b[c]["output_token_ids"]
             out["int8_vs_fp32_identical_leading_tokens"][str(c)] = next(
                 (i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    paired = report.get("paired_decode") or {}
+    if "ratio_median" in paired:
+        out["decode_ms_ratio_int8_over_fp32_paired"] = {str(paired["context"]): paired["ratio_median"]}
     if ceil and ceil.get("copy_gbps"):
         from bench_e2e import decode_bytes
 

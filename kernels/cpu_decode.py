@@ -344,9 +344,22 @@ def _tail_exchange(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cach
                         k, v, scale, num_threads)
 
 
+class TailStepArgs(NamedTuple):
+    """A step's part of ``tail_exchange``'s arguments, checked (``tail_step_args``)."""
+
+    pointers: tuple[int, ...]  # pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst
+    n_out: int  # result rows (src's length)
+    groups: int
+    qw: int
+    kw: int
+    write_rows: int  # its pointer
+    total_q: int  # the step's query rows
+    tensors: tuple  # what the pointers point into, kept alive with them
+
+
 def tail_step_args(pool_slots: torch.Tensor, store_rows: torch.Tensor, new_rows: torch.Tensor, cached: torch.Tensor,
                    q_rows: torch.Tensor, visible: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                   write_rows: torch.Tensor, groups: int, qw: int, kw: int, total_q: int) -> tuple:
+                   write_rows: torch.Tensor, groups: int, qw: int, kw: int, total_q: int) -> TailStepArgs:
     """A step's part of ``tail_exchange``'s arguments (the same in every layer), checked once:
     what ``tail_exchange_layer`` takes. The C side checks every index it reads."""
     keys, i64 = groups * kw, torch.int64
@@ -358,13 +371,12 @@ def tail_step_args(pool_slots: torch.Tensor, store_rows: torch.Tensor, new_rows:
         if t.dtype != dtype or not t.is_contiguous() or t.numel() < n or t.device.type != "cpu":
             raise ValueError(f"tail_exchange: {name} must be a contiguous {dtype} CPU tensor of at least {n} "
                              f"values, got {t.dtype} {tuple(t.shape)}")
-    ptrs = tuple(t.data_ptr() for t in (pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst))
-    # the tensors stay referenced: the pointers are only good while they live
-    return (ptrs, src.numel(), groups, qw, kw, write_rows.data_ptr(), total_q,
-            (pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst, write_rows))
+    tensors = (pool_slots, store_rows, new_rows, cached, q_rows, visible, src, dst)
+    return TailStepArgs(tuple(t.data_ptr() for t in tensors), src.numel(), groups, qw, kw, write_rows.data_ptr(),
+                        total_q, (*tensors, write_rows))
 
 
-def tail_exchange_layer(step: tuple, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
+def tail_exchange_layer(step: TailStepArgs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                         old_k: torch.Tensor | None, old_v: torch.Tensor | None, store_k: torch.Tensor,
                         store_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -375,7 +387,7 @@ def tail_exchange_layer(step: tuple, q: torch.Tensor, out: torch.Tensor, lse: to
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
-    ptrs, n_out, groups, qw, kw, write_rows, total_q, _ = step
+    groups, kw, total_q = step.groups, step.kw, step.total_q
     num_blocks, bs, num_kv, d = k_cache.shape
     f32 = torch.float32
     layer = (q, out, lse, store_k, store_v, k, v)
@@ -396,8 +408,8 @@ def tail_exchange_layer(step: tuple, q: torch.Tensor, out: torch.Tensor, lse: to
         q.data_ptr(), total_q, out.data_ptr(), lse.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr(), v_scale.data_ptr(), None if old_k is None else old_k.data_ptr(),
         None if old_v is None else old_v.data_ptr(), num_blocks, bs, q.shape[1], num_kv, d, store_k.data_ptr(),
-        store_v.data_ptr(), store_k.shape[0], k.data_ptr(), v.data_ptr(), *ptrs, n_out, out.shape[0], groups, qw,
-        kw, write_rows, scale, num_threads)
+        store_v.data_ptr(), store_k.shape[0], k.data_ptr(), v.data_ptr(), *step.pointers, step.n_out, out.shape[0],
+        groups, step.qw, kw, step.write_rows, scale, num_threads)
     if rc != 0:
         raise ValueError(f"tail_exchange rejected its arguments (code {rc}: "
                          f"{ {-1: 'a shape out of range', -2: 'an index outside its tensor', -4: 'out of memory'}.get(rc)})")

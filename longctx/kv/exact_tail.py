@@ -208,7 +208,7 @@ class TailStep:
         self._inputs = (positions, tree_mask, block_table)
         self._derived = False
         self._local = None
-        self._c_step: tuple | None = None  # cpu_decode.tail_step_args, made at the first layer
+        self._c_step = None  # cpu_decode.TailStepArgs, made at the first layer on the CPU
         if own is not None:
             at = {t: i for i, t in enumerate(own)}
             pairs = [(s, at[d]) for s, d in zip(plan.src, plan.dst) if d in at]
