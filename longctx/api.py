@@ -19,7 +19,8 @@ from typing import Any, Union
 
 from longctx import tasks
 from longctx.config import split_engine_kwargs
-from longctx.engine import LLMEngine, RequestOutput
+from longctx.engine import LLMEngine
+from longctx.output_processor import RequestOutput
 from longctx.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]

@@ -42,7 +42,7 @@ import torch
 from longctx.attention import AttentionMetadata
 from longctx.kv.exact_tail import FIELDS, TailPlan, TailSeq, TailStep
 from longctx.runner import flatten_batch
-from longctx.scheduler import ScheduledBatch
+from longctx.outputs import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ which steps
 
-    def shape_for(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+    def shape_for(self, batch: SchedulerOutput) -> tuple[int, int] | None:
         """The smallest captured shape ``batch`` fits, or None if it does not qualify."""
         seqs = batch.seqs
         if not seqs or not all(s.sample and len(s.token_ids) == 1 + s.num_draft
@@ -127,7 +127,7 @@ class StepGraphs:
             return None
         return size, width
 
-    def can_run(self, batch: ScheduledBatch) -> bool:
+    def can_run(self, batch: SchedulerOutput) -> bool:
         return self.shape_for(batch) is not None
 
     # ------------------------------------------------------------------ inputs
@@ -160,7 +160,7 @@ class StepGraphs:
         block = block_ids[pos // bs] if pos // bs < len(block_ids) else self.scratch_block
         return block * bs + pos % bs
 
-    def _load_inputs(self, batch: ScheduledBatch, size: int, width: int):
+    def _load_inputs(self, batch: SchedulerOutput, size: int, width: int):
         """Pack the step (padded to ``size`` x ``width``) on the host, upload once, copy into
         the static buffers. Returns the host context lengths, block table rows and the number
         of real rows."""
@@ -242,7 +242,7 @@ class StepGraphs:
         log.info("captured CUDA graphs for %d (sequences, tokens per sequence) shapes", len(self.shapes))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits of the step's sampled rows, in the runner's order (``can_run(batch)``)."""
         size, width = self.shape_for(batch)
         ctx, table, num_rows = self._load_inputs(batch, size, width)

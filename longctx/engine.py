@@ -1,9 +1,14 @@
-"""The engine: the step loop (schedule -> run -> sample -> update) and per-request outputs.
+"""The engine: builds the parts from the configs and runs one step as one transaction.
 
-Owns: building the model, KV pool, scheduler and runner from the configs; one ``step()``;
-detokenization, stop rules and timings of each request.
-Never: parsing user input (``longctx.api`` and the CLI do that) or choosing what runs
-(the scheduler).
+    output  = scheduler.schedule()                 plain data (``longctx.outputs``)
+    result  = runner.execute(output)               forward, sampling, draft acceptance
+    updates = scheduler.update(output, result)     tokens committed, requests ended
+    processor.process(output, result, updates)     text, stop strings, metrics
+
+Owns: building the model, KV pool, scheduler, runner and output processor; ``step()``; the
+prefix store's persistence around them.
+Never: parsing user input (``longctx.api`` and the CLI do that), choosing what runs (the
+scheduler), touching tensors of a step (the runner) or a ``Request``'s fields.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import itertools
 import math
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +27,6 @@ from longctx.cache.radix_tree import RadixTree
 from longctx.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
-from longctx.detokenizer import Detokenizer, make_detokenizer
 from longctx.kv.device_pool import (DeviceKVPool, bytes_per_block, kv_storage_dtype, num_blocks_for,
                                     profile_kv_cache_gb)
 from longctx.kv.disk_store import DiskKVStore
@@ -31,105 +34,17 @@ from longctx.kv.exact_tail import tail_store_bytes
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
-from longctx.lookahead.acceptance import accept_tokens
 from longctx.lookahead.controller import LookaheadController
-from longctx.lookahead.tree import DraftTree
 from longctx.model.config import ModelConfig
 from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
 from longctx.model.loader import TORCH_DTYPES, load_model, load_row_kernel_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
+from longctx.output_processor import OutputProcessor, RequestOutput, StepUpdate
 from longctx.runner import ModelRunner
-from longctx.runner import SeqResult
-from longctx.sampling import SeqSampling
 from longctx.sampling_params import SamplingParams
-from longctx.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler
+from longctx.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
-
-DISK_WAIT_S = 0.05  # a step with nothing to run waits this long for a disk read to finish
-
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one per token (a step's tokens share one)
-    num_verify_steps: int = 0  # lookahead: steps that verified a draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def inter_token_latencies(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None  # per token: its own and the top ones
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token
-    # {token id: logprob} with the token's own and the top ones
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-@dataclass
-class StepUpdate:
-    """What one step did for one request: new tokens and text, or prefill progress."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    num_computed_tokens: int
-    num_prompt_tokens: int
-    finished: bool
-    finish_reason: str | None
-    new_logprobs: list[dict[int, float]] | None = None  # per new token, when the request asked
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    prompt: str | None
-    metrics: RequestMetrics
-    text: str = ""
-    num_sent: int = 0  # characters of ``text`` already handed out as ``new_text``
-    detok: Detokenizer | None = None  # the output's text, token by token (made on the first)
-    stop_ids: frozenset[int] = frozenset()
-    logprobs: list[dict[int, float]] | None = None  # per output token, when asked
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper start of some stop string: text a
-    later token may turn into a stop (and cut), so it is not handed out yet."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
 
 def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
                   device: torch.device) -> tuple[LlamaForCausalLM, str | None]:
@@ -221,13 +136,15 @@ class LLMEngine:
                                                                self.dtype, self.device, self.kv_dtype,
                                                                tail_slots=sched.max_num_seqs),
                                       backend, self.device)
+        self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         try:
             self.kv = self.runner.kv
             self.pool = BlockPool(self.kv.num_blocks)
             self.kv_mover: KVMover | None = None
             self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
             self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
-                                       context_cost=self.model_config.context_cost_tokens)
+                                       context_cost=self.model_config.context_cost_tokens,
+                                       drafter=self.lookahead)
         except BaseException:
             self._stop_runner()  # sequence-parallel ranks already started: no orphans
             raise
@@ -236,18 +153,16 @@ class LLMEngine:
                 and self.model_config.rope_scaling.rope_type != "dynamic"):  # dynamic RoPE: tables per length
             self.capture_step_graphs(sched.max_num_seqs, capture=True,
                                      max_draft=lookahead.lookahead_max_tokens if lookahead.lookahead else 0)
-        self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self._tracked: dict[str, _Tracked] = {}
+        self.processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self._ids = itertools.count()
 
     def capture_step_graphs(self, max_batch: int, capture: bool = True, max_draft: int = 0) -> StepGraphs:
         """Reserve a scratch page for padded rows and (on CUDA) capture the graphs of decode
         steps and of verify steps of up to ``max_draft`` draft tokens per sequence.
         ``capture=False`` runs the same padded path eagerly (how the CPU tests check it)."""
-        scratch = self.pool.allocate(1)[0]  # never released: padded rows write here
-        self.scheduler.num_reserved_blocks += 1
+        scratch = self.scheduler.reserve_blocks(1)[0]  # never released: padded rows write here
         graphs = StepGraphs(self.runner, max_batch, self.max_model_len, scratch, capture, max_draft)
         graphs.capture()
         self.runner.graphs = graphs
@@ -339,9 +254,11 @@ class LLMEngine:
         return self.prefix_cache.persist()
 
     def run_pending_kv_orders(self) -> None:
-        """Carry out, now, copies the prefix store planned outside a step (a direct
-        ``prefix_cache.make_room``), and wait for the disk thread's queue."""
-        self.runner.apply_kv_orders(self.prefix_cache.take_orders())
+        """Carry out, now, the KV orders not yet run (draft compactions of the last step,
+        copies the prefix store planned outside a step by a direct ``make_room``), and wait
+        for the disk thread's queue."""
+        output = self.scheduler.pending_orders()
+        self.scheduler.update(output, self.runner.execute(output))
         self.kv_mover.flush()
 
     def clear_prefix_cache(self) -> None:
@@ -364,199 +281,35 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.prompt_logprobs is not None and self.sequence_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with sequence_parallel_size > 1")
-        request = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
-        self.scheduler.add(request)
-        if params.prompt_logprobs is not None:
-            self.runner.want_prompt_logprobs(request_id, params.prompt_logprobs)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        self._tracked[request_id] = _Tracked(request, prompt, RequestMetrics(time.perf_counter()),
-                                             stop_ids=stop_ids,
-                                             logprobs=[] if params.logprobs is not None else None,
-                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        if self.lookahead is not None:
-            self.lookahead.add(request_id, request.prompt_token_ids, shared=params.greedy)
+        arrival = time.perf_counter()
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
+                                   stop_token_ids=stop_ids))
+        self.processor.add(request_id, prompt, prompt_token_ids, params, arrival)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is not None and tracked.request.status != RequestStatus.FINISHED:
-            self.scheduler.finish(tracked.request, "abort")
-        self.runner.forget(request_id)
-        if self.lookahead is not None:
-            self.lookahead.finish(request_id)
+        self.processor.abort(request_id)
+        self.scheduler.finish_request(request_id, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def output(self, request_id: str) -> RequestOutput:
-        t = self._tracked[request_id]
-        req = t.request
-        return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids,
-                             [CompletionOutput(0, t.text, list(req.output_token_ids), req.finish_reason,
-                                               None if t.logprobs is None else list(t.logprobs))],
-                             req.status == RequestStatus.FINISHED, t.metrics,
-                             None if t.prompt_logprobs is None else list(t.prompt_logprobs))
+        return self.processor.output(request_id)
 
     def release(self, request_id: str) -> RequestOutput:
         """The final output of a finished request; the engine forgets it."""
-        out = self.output(request_id)
-        del self._tracked[request_id]
-        return out
+        return self.processor.release(request_id)
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[StepUpdate]:
-        self._finish_disk_loads()
-        if self.lookahead is not None:
-            self._propose_drafts()
-        batch = self.scheduler.schedule()
-        for load in batch.disk_loads:  # read on the disk thread; the requests wait meanwhile
-            self.kv_mover.submit_read(load)
-        if not batch.seqs:
-            self.runner.apply_kv_orders(batch.kv_orders)
-            if self.scheduler.loading:  # only requests waiting for disk pages: wait for one
-                self._finish_disk_loads(wait=DISK_WAIT_S)
-            elif self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not schedule any request (KV pool too small?)")
-            return []
-        now = time.perf_counter()
-        for seq in batch.seqs:
-            m = self._tracked[seq.request_id].metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
-        sampling = [s for s in batch.seqs if s.sample]
-        results = self.runner.run(batch, [self._sampling(s) for s in sampling])
-        for rid, (first, entries) in self.runner.take_prompt_logprobs().items():
-            kept = self._tracked[rid].prompt_logprobs
-            if len(kept) >= first:  # (a preempted request recomputes what it has: kept once)
-                kept.extend(entries[len(kept) - first:])
-        self.scheduler.advance(batch)
-        now = time.perf_counter()
-        updates = {s.request_id: self._progress(self._tracked[s.request_id]) for s in batch.seqs}
-        for seq, result in zip(sampling, results):
-            if seq.num_draft:
-                updates[seq.request_id] = self._verify(seq, result, now)
-            else:
-                updates[seq.request_id] = self._commit(seq, result.tokens, now, rows=[0], result=result)
-        for rid, update in updates.items():
-            if update.finished:
-                self.runner.forget(rid)
-        return list(updates.values())
-
-    def _sampling(self, seq: ScheduledSeq) -> SeqSampling:
-        """What the runner's sampler needs of ``seq``'s request (plain data, no ``Request``)."""
-        req = self._tracked[seq.request_id].request
-        return SeqSampling(seq.request_id, req.params, len(req.output_token_ids),
-                           tuple(seq.token_ids[1:]) if seq.num_draft else (), seq.draft_parents,
-                           req.prompt_token_ids, req.output_token_ids)
-
-    # ------------------------------------------------------------------ lookahead
-
-    def _finish_disk_loads(self, wait: float = 0.0) -> None:
-        """Requests whose disk pages the disk thread has read: write the good pages into
-        their blocks and hand the requests back to the scheduler."""
-        if self.kv_mover is None or not self.scheduler.loading:
-            return
-        for load in self.kv_mover.completed_reads(wait):
-            req = self.scheduler.loading.get(load.request_id)
-            if req is None or req.disk_load is not load:
-                continue  # aborted meanwhile (its id maybe reused): its blocks are gone, nothing is written
-            if load.num_read:
-                self.kv_mover.write_pages(list(load.device_ids[:load.num_read]), load.buffer[:load.num_read])
-            self.scheduler.finish_disk_load(load)
-
-    def _propose_drafts(self) -> None:
-        for req in self.scheduler.running:
-            req.draft_token_ids, req.draft_parents = [], []
-            if req.num_pending != 1:  # still prefilling
-                continue
-            room = min(req.params.max_tokens - len(req.output_token_ids),
-                       self.max_model_len - req.num_tokens) - 1
-            tree = self.lookahead.propose(req.request_id, room)
-            req.draft_token_ids, req.draft_parents = tree.token_ids, tree.parents
-
-    def _verify(self, seq: ScheduledSeq, sampled: SeqResult, now: float) -> StepUpdate:
-        """Judge the draft of ``seq`` by the tokens sampled for its rows, commit the accepted
-        tokens and the bonus token, and move the accepted branch's KV next to the last token."""
-        t = self._tracked[seq.request_id]
-        tree = DraftTree(seq.token_ids[1:], list(seq.draft_parents))
-        result = accept_tokens(tree, sampled.tokens)
-        m = t.metrics
-        m.num_verify_steps += 1
-        m.num_draft_tokens += len(tree)
-        m.num_accepted_tokens += result.num_accepted
-        update = self._commit(seq, result.tokens, now, num_drafted=len(tree),
-                              num_accepted=result.num_accepted, rows=result.kept_queries,
-                              result=sampled)
-        if not update.finished:
-            self.runner.move_draft_kv(seq.block_ids, seq.start_pos, result.accepted_nodes, seq.tail_slot)
-            self.scheduler.accept_draft(seq.request_id, result.num_accepted)
-        return update
-
-    def _commit(self, seq: ScheduledSeq, tokens: list[int], now: float, num_drafted: int = 0,
-                num_accepted: int = 0, rows: list[int] = (), result: SeqResult | None = None) -> StepUpdate:
-        """Append ``tokens`` in order until one finishes the request; one update for all.
-        ``rows``: the sampler's row of each token (for its log-probabilities)."""
-        t = self._tracked[seq.request_id]
-        tokens = tokens[:len(rows)] if rows else tokens
-        parts = [self._append(t, token, now) for token in tokens[:1]]
-        while not parts[-1].finished and len(parts) < len(tokens):
-            parts.append(self._append(t, tokens[len(parts)], now))
-        new_logprobs = None
-        if t.logprobs is not None and result is not None and result.logprobs is not None:
-            new_logprobs = []
-            for row, token in zip(rows, tokens[:len(parts)]):
-                entry = dict(zip(result.top_ids[row], result.top_logprobs[row]))
-                entry[token] = result.logprobs[row]
-                new_logprobs.append(entry)
-            t.logprobs.extend(new_logprobs)
-        if self.lookahead is not None:
-            committed = [u.new_token_ids[0] for u in parts]
-            self.lookahead.commit(seq.request_id, committed, num_drafted, min(num_accepted, len(committed)))
-            if parts[-1].finished:
-                self.lookahead.finish(seq.request_id)
-        last = parts[-1]
-        return StepUpdate(last.request_id, [u.new_token_ids[0] for u in parts],
-                          "".join(u.new_text for u in parts), last.num_computed_tokens,
-                          last.num_prompt_tokens, last.finished, last.finish_reason, new_logprobs)
-
-    def _progress(self, t: _Tracked) -> StepUpdate:
-        req = t.request
-        return StepUpdate(req.request_id, [], "", req.num_computed_tokens, len(req.prompt_token_ids),
-                          False, None)
-
-    def _append(self, t: _Tracked, token: int, now: float) -> StepUpdate:
-        req, params = t.request, t.request.params
-        req.output_token_ids.append(token)
-        m = t.metrics
-        m.first_token_time = m.first_token_time or now
-        m.token_times.append(now)
-        old_text = t.text
-        if t.detok is None or len(t.detok.token_ids) != len(req.output_token_ids) - 1:
-            t.detok = make_detokenizer(self.tokenizer, req.output_token_ids[:-1])
-        # == tokenizer.decode(req.output_token_ids, skip_special_tokens=True), at a cost per
-        # token that does not grow with the output
-        text = t.detok.add(token)
-        reason = None
-        if token in t.stop_ids:
-            reason = "stop"
-        for stop in params.stop:
-            at = text.find(stop, max(0, len(old_text) - len(stop)))
-            if at >= 0:
-                text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
-                reason = "stop"
-                break
-        if reason is None and (len(req.output_token_ids) >= params.max_tokens
-                               or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is None and text.endswith("\ufffd"):
-            text = old_text  # an incomplete UTF-8 sequence: wait for the next token
-        t.text = text
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            m.finished_time = now
-            end = len(text)
-        else:
-            end = max(t.num_sent, len(text) - partial_stop_len(text, params.stop))
-        new_text, t.num_sent = text[t.num_sent:end], end
-        return StepUpdate(req.request_id, [token], new_text, req.num_computed_tokens,
-                          len(req.prompt_token_ids), reason is not None, reason)
+        """One transaction: schedule -> execute -> update, then the caller's view of it."""
+        output = self.scheduler.schedule()
+        if not output.seqs and not output.wait_for_disk and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not schedule any request (KV pool too small?)")
+        began = time.perf_counter()
+        result = self.runner.execute(output)
+        updates = self.scheduler.update(output, result)
+        return self.processor.process(output, result, updates, began, time.perf_counter())

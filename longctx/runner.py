@@ -1,4 +1,4 @@
-"""The model runner: a ``ScheduledBatch`` of ints in, next-token logits out.
+"""The model runner: a ``SchedulerOutput`` of ints in, next-token logits out.
 
 Owns: turning the scheduler's plain data into tensors (ids, positions, slot mapping, block
 table, lengths, the tree mask of lookahead drafts), calling the model, and picking the hidden
@@ -12,8 +12,9 @@ per token: row 0 predicts what follows the last token, row ``i + 1`` what follow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -21,10 +22,14 @@ from longctx.attention import AttentionMetadata, int8_rotation
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
 from longctx.kv.mover import KVMover
-from longctx.lookahead.tree import tree_ancestor_words, tree_depths  # noqa: F401 - also for callers
+from longctx.lookahead.acceptance import accept_tokens
+from longctx.lookahead.tree import DraftTree, tree_ancestor_words, tree_depths
 from longctx.model.llama import LlamaForCausalLM
+from longctx.outputs import DraftMove, RunnerOutput, SampledSeq, ScheduledSeq, SchedulerOutput
 from longctx.sampling import PenaltyState, Sampler, SeqSampling, sampling_rows
-from longctx.scheduler import ScheduledBatch
+from longctx.sampling_params import SamplingParams
+
+DISK_WAIT_S = 0.05  # a step with nothing to compute waits this long for a disk read to finish
 
 
 @dataclass
@@ -40,7 +45,7 @@ class StepInputs:
     sample_rows: list[int]  # tokens whose hidden state gets logits, in order
 
 
-def flatten_batch(batch: ScheduledBatch, block_size: int) -> StepInputs:
+def flatten_batch(batch: SchedulerOutput, block_size: int) -> StepInputs:
     """The step's tokens in order, with their positions (a draft node's: the last token's plus
     its depth), KV slots, tree-mask words and the rows that need logits."""
     ids: list[int] = []
@@ -132,26 +137,111 @@ class InputPacker:
         return out
 
 
+@dataclass
+class _RequestState:
+    """What the runner keeps of a request between steps: its sampling parameters, prompt and
+    the tokens it sampled for it (penalties and seeded draws read them)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+
+
 class SamplingRunner:
-    """``run(batch, seqs) -> tokens``: the forward (``execute``) and the batched device sampler,
-    with one device-to-host copy of the sampled tokens. Shared by the single-device runner and
-    the sequence-parallel one (whose rank 0 holds the logits)."""
+    """``execute(SchedulerOutput) -> RunnerOutput``: the step's KV orders, the forward
+    (``forward``, the subclass's), the batched device sampler with one device-to-host copy of
+    the sampled tokens, and the acceptance of lookahead drafts. Shared by the single-device
+    runner and the sequence-parallel one (whose rank 0 holds the logits)."""
 
     sampler: Sampler
     penalties: PenaltyState
     packer: InputPacker
-    kv_mover: KVMover | None = None  # executes the prefix store's tier copies
+    kv_mover: KVMover | None = None  # executes the prefix store's tier copies and disk reads
+
+    def _init_sampling(self, vocab_size: int, device: torch.device) -> None:
+        self.packer = InputPacker(device)
+        self.sampler = Sampler(upload=self.packer.upload)
+        self.penalties = PenaltyState(vocab_size, device)
+        self.requests: dict[str, _RequestState] = {}
+        self.disk_loads: dict[str, Any] = {}  # started reads, by request
+        self.prompt_logprobs: dict = {}  # the last forward's (``RunnerOutput.prompt_logprobs``)
 
     def apply_kv_orders(self, orders: list) -> None:
         """Carry out a step's KV tier copies (before its forward, in order)."""
         if orders:
             self.kv_mover.execute(orders)
 
-    def run(self, batch: ScheduledBatch, seqs: list[SeqSampling]) -> list[SeqResult]:
-        """Run ``batch``'s KV tier copies, compute it, and sample ``seqs`` (its sampling
-        sequences, in batch order)."""
-        self.apply_kv_orders(batch.kv_orders)
-        logits = self.execute(batch)
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """Run ``output``'s orders in the order ``SchedulerOutput`` states, compute its seqs,
+        sample the ones that sample and judge their drafts."""
+        for request_id in output.finished_ids:
+            self.requests.pop(request_id, None)
+            self.penalties.forget(request_id)
+        for new in output.new_requests:
+            self.requests[new.request_id] = _RequestState(new.params, new.prompt_token_ids)
+        for move in output.draft_moves:
+            self.move_draft_kv(move)
+        self.apply_kv_orders(output.kv_orders)
+        result = RunnerOutput(finished_loads=self._run_disk_loads(output))
+        if output.seqs:
+            self.prompt_logprobs = {}
+            logits = self.forward(output)
+            result.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, {}
+            result.sampled = self._sample(output, logits)
+        return result
+
+    def _run_disk_loads(self, output: SchedulerOutput) -> list:
+        """Start ``output``'s disk reads; write the pages of reads that completed (waiting a
+        moment when the step has nothing else to do) unless their request ended meanwhile."""
+        for request_id in output.finished_ids:
+            self.disk_loads.pop(request_id, None)
+        for load in output.disk_loads:  # read on the disk thread; the requests wait meanwhile
+            self.disk_loads[load.request_id] = load
+            self.kv_mover.submit_read(load)
+        if not self.disk_loads:
+            return []
+        done = []
+        for load in self.kv_mover.completed_reads(DISK_WAIT_S if output.wait_for_disk else 0.0):
+            if self.disk_loads.get(load.request_id) is not load:
+                continue  # aborted (its id maybe reused): its blocks are gone, nothing is written
+            del self.disk_loads[load.request_id]
+            if load.num_read:
+                self.kv_mover.write_pages(list(load.device_ids[:load.num_read]), load.buffer[:load.num_read])
+            done.append(load)
+        return done
+
+    def _sample(self, output: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledSeq]:
+        """Sample every row of the sampling seqs, walk their drafts and keep the tokens."""
+        seqs = [s for s in output.seqs if s.sample]
+        rows = self._sample_rows(logits, [self._seq_sampling(s) for s in seqs])
+        sampled = {}
+        for seq, res in zip(seqs, rows):
+            if seq.num_draft:
+                accepted = accept_tokens(DraftTree(seq.token_ids[1:], list(seq.draft_parents)), res.tokens)
+                out = SampledSeq(accepted.tokens, seq.num_draft, accepted.accepted_nodes)
+                kept = accepted.kept_queries
+            else:
+                out, kept = SampledSeq(res.tokens[:1]), [0]
+            if res.logprobs is not None:
+                out.logprobs = []
+                for row, token in zip(kept, out.token_ids):
+                    entry = dict(zip(res.top_ids[row], res.top_logprobs[row]))
+                    entry[token] = res.logprobs[row]
+                    out.logprobs.append(entry)
+            self.requests[seq.request_id].output_ids.extend(out.token_ids)
+            sampled[seq.request_id] = out
+        return sampled
+
+    def _seq_sampling(self, seq: ScheduledSeq) -> SeqSampling:
+        state = self.requests[seq.request_id]
+        return SeqSampling(seq.request_id, state.params, len(state.output_ids),
+                           tuple(seq.token_ids[1:]) if seq.num_draft else (), seq.draft_parents,
+                           state.prompt_ids, state.output_ids)
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[SeqSampling]) -> list[SeqResult]:
+        """One token per row of ``seqs`` (``1 + num_draft`` rows each, in order), with the
+        log-probabilities of those that asked for them."""
         if not seqs:
             return []
         result = self.sampler.sample(logits, sampling_rows(seqs, self.penalties))
@@ -178,30 +268,15 @@ class SamplingRunner:
             start = end
         return out
 
-    def forget(self, request_id: str) -> None:
-        """The request ended: drop what the sampler kept for it."""
-        self.penalties.forget(request_id)
-        getattr(self, "_num_prompt_logprobs", {}).pop(request_id, None)
-
-    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[dict[int, float]]]]:
-        """The last step's prompt log-probabilities, per request: (the position of the first
-        prompt token they are for, one ``{token id: logprob}`` entry per token)."""
-        found, self.prompt_logprobs = getattr(self, "prompt_logprobs", {}), {}
-        return found
-
 
 class ModelRunner(SamplingRunner):
     def __init__(self, model: LlamaForCausalLM, kv: DeviceKVPool, backend, device: torch.device) -> None:
         self.model, self.kv, self.backend, self.device = model, kv, backend, torch.device(device)
         self.block_size = kv.block_size
-        self.packer = InputPacker(self.device)
-        self.sampler = Sampler(upload=self.packer.upload)
-        self.penalties = PenaltyState(model.config.vocab_size, self.device)
+        self._init_sampling(model.config.vocab_size, self.device)
         self.graphs = None  # a ``cuda_graphs.StepGraphs`` replays decode and verify steps when set
-        self.prompt_logprobs: dict = {}
-        self._num_prompt_logprobs: dict[str, int] = {}
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         step = flatten_batch(batch, self.block_size)
         width = max(len(s.block_ids) for s in batch.seqs)
         table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
@@ -221,7 +296,7 @@ class ModelRunner(SamplingRunner):
         return t["ids"], t["positions"], meta, (step.sample_rows, t["rows"])
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits (fp32) for the seqs of ``batch`` that sample, in order: one row each, or
         ``1 + num_draft`` rows for a seq with a draft tree."""
         if self.kv.tail is not None:  # int8 pages: prefix hits' first pages, exact
@@ -239,11 +314,7 @@ class ModelRunner(SamplingRunner):
             return self.model.compute_logits(hidden[rows[0]:rows[0] + len(rows)])
         return self.model.compute_logits(hidden.index_select(0, rows_t))
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, seqs: list[SeqSampling]) -> list[SeqResult]:
-        return super().run(batch, seqs)
-
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
+    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor,
                          rows_per_block: int = 512) -> dict[str, tuple[int, list[dict[int, float]]]]:
         """For seqs with ``logprob_targets``: the log-probability of each next prompt token and
         the top ``prompt_logprobs`` ones, from the raw distribution, ``rows_per_block`` logits
@@ -253,7 +324,7 @@ class ModelRunner(SamplingRunner):
         for seq in batch.seqs:
             targets = seq.logprob_targets
             if targets:
-                k = self._num_prompt_logprobs[seq.request_id]
+                k = self.requests[seq.request_id].params.prompt_logprobs
                 entries: list[dict[int, float]] = []
                 for a in range(0, len(targets), rows_per_block):
                     block = targets[a:a + rows_per_block]
@@ -272,15 +343,10 @@ class ModelRunner(SamplingRunner):
             start += len(seq.token_ids)
         return found
 
-    def want_prompt_logprobs(self, request_id: str, k: int) -> None:
-        """``request_id`` asked for ``k`` top prompt log-probabilities per token."""
-        self._num_prompt_logprobs[request_id] = k
-
-    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int],
-                      tail_slot: int = -1) -> None:
-        self.kv.move_slots(*draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size))
+    def move_draft_kv(self, move: DraftMove) -> None:
+        self.kv.move_slots(*draft_slot_moves(move.block_ids, move.start_pos, move.accepted, self.block_size))
         if self.kv.tail is not None:  # int8 pages: the exact rows of the newest pages move alike
-            self.kv.tail.move(tail_slot, *draft_position_moves(start_pos, accepted))
+            self.kv.tail.move(move.tail_slot, *draft_position_moves(move.start_pos, move.accepted))
 
 
 def draft_position_moves(start_pos: int, accepted: list[int]) -> tuple[list[int], list[int]]:

@@ -30,14 +30,14 @@ arriving meanwhile waits at most one such step. A step that gives a newcomer its
 runs no other prefill chunk, and only decodes go before newcomers. Decodes are never capped.
 The price is the long prefill's own speed: more, smaller steps.
 
-Lookahead drafts. A decoding request may carry a draft tree (``draft_token_ids`` with
-``draft_parents``, set by the engine before ``schedule``). Its step then computes the request's
-last token plus the draft nodes (their KV goes to the next slots in node order), and they
-count against the token budget; a draft that does not fit is cut to a prefix of its nodes
-(still a tree). A step that also runs a prefill chunk longer than ``MAX_VERIFY_TOKENS`` drops
-its drafts, since tree masks cover at most that many new tokens per sequence. ``advance``
-counts only the last token as computed; the engine calls ``accept_draft`` with the number of
-draft tokens verified.
+Lookahead drafts. With a ``drafter`` (``longctx.lookahead.LookaheadController``) each
+``schedule`` first asks it for a draft tree for every decoding request. Its step then computes
+the request's last token plus the draft nodes (their KV goes to the next slots in node order),
+and they count against the token budget; a draft that does not fit is cut to a prefix of its
+nodes (still a tree). A step that also runs a prefill chunk longer than ``MAX_VERIFY_TOKENS``
+drops its drafts, since tree masks cover at most that many new tokens per sequence. The
+runner judges the draft; ``update`` counts the accepted nodes computed and orders their KV
+compacted next to the last token (a ``DraftMove`` in the next ``SchedulerOutput``).
 
 When pages run out, cached prefix pages nobody uses are evicted first (see
 ``longctx.kv.prefix_cache``); then the most recently admitted running request that has not been
@@ -65,6 +65,8 @@ from typing import Any
 
 from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
+from longctx.outputs import (DraftMove, NewRequest, RequestUpdate, RunnerOutput, SampledSeq, ScheduledSeq,
+                             SchedulerOutput)
 from longctx.sampling_params import SamplingParams
 
 MAX_VERIFY_TOKENS = 63  # new tokens per sequence a tree-masked step may have (kernels' limit)
@@ -105,6 +107,8 @@ class Request:
     disk_load: Any = None  # while LOADING: the prefix store's ``DiskLoad`` of its pages
     disk_tried: bool = False  # its disk pages were read once: the disk is not probed again
     tail_slot: int = -1  # while it has pages: its exact-tail slot (``longctx.kv.exact_tail``)
+    stop_token_ids: frozenset[int] = frozenset()  # sampling one of these ends the request
+    announced: bool = False  # the runner has its ``NewRequest``
 
     @property
     def num_tokens(self) -> int:
@@ -119,40 +123,6 @@ class Request:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step, as plain data for the runner."""
-
-    request_id: str
-    token_ids: list[int]  # tokens to compute now
-    start_pos: int  # their first position (= tokens already cached)
-    block_ids: list[int]  # the request's pages, covering start_pos + len(token_ids)
-    sample: bool  # this step reaches the end of the known tokens: sample the next one
-    draft_parents: tuple[int, ...] = ()  # token_ids[1:] are draft nodes with these parents
-    # prompt_logprobs: the prompt tokens that tokens start_pos, start_pos + 1, ... predict
-    logprob_targets: tuple[int, ...] = ()
-    tail_slot: int = -1  # where its newest exact K/V rows are kept (int8 pages), -1: nowhere
-    # its first step on that slot past its first page (a prefix hit): the first page's tokens,
-    # whose exact K/V the runner recomputes (``exact_tail.fill_first_pages``)
-    sink_token_ids: tuple[int, ...] = ()
-
-    @property
-    def num_draft(self) -> int:
-        return len(self.draft_parents)
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    seqs: list[ScheduledSeq]
-    preempted: list[str]
-    kv_orders: list = field(default_factory=list)  # tier copies to run before the forward, in order
-    disk_loads: list = field(default_factory=list)  # disk reads to start (requests now LOADING)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
 
 
 def chunk_cost(num_new: int, start: int, context_cost: float) -> float:
@@ -212,12 +182,15 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
-                 max_model_len: int, prefix_cache: Any = None, context_cost: float = 0.0) -> None:
+                 max_model_len: int, prefix_cache: Any = None, context_cost: float = 0.0,
+                 drafter: Any = None) -> None:
         """``prefix_cache``: a ``longctx.kv.prefix_cache.PrefixCache`` over the same ``pool``,
         or None for no prefix caching. ``context_cost``: the context length at which a token's
         attention costs as much as its linear layers (``context_cost_tokens`` of the model
-        config; used by ``prefill_step_cost``)."""
+        config; used by ``prefill_step_cost``). ``drafter``: a lookahead controller (``add``,
+        ``propose``, ``commit``, ``finish``), or None for no drafts."""
         self.config = config
+        self.drafter = drafter
         self.context_cost = context_cost
         self.pool = pool
         self.cache = prefix_cache
@@ -230,6 +203,8 @@ class Scheduler:
         # exact-tail slots (one per running request: ``max_num_seqs``), lowest first
         self._free_tail_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._new_loads: list = []
+        self._finished_ids: list[str] = []  # for the next output: the runner forgets them
+        self._draft_moves: list[DraftMove] = []  # accepted drafts to compact, for the next output
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
@@ -246,6 +221,13 @@ class Scheduler:
         self.num_prompt_tokens += len(request.prompt_token_ids)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.drafter is not None:
+            self.drafter.add(request.request_id, request.prompt_token_ids, shared=request.params.greedy)
+
+    def reserve_blocks(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` pages out of the pool for good (the CUDA graphs' scratch page)."""
+        self.num_reserved_blocks += num_blocks
+        return self.pool.allocate(num_blocks)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Raise ``RequestTooLongError`` for a request that could never run."""
@@ -275,6 +257,15 @@ class Scheduler:
         self._free_blocks(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)  # (also a load's: the runner drops it)
+        if self.drafter is not None:
+            self.drafter.finish(request.request_id)
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """End the request ``request_id`` if it is still unfinished (an abort, a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -284,7 +275,9 @@ class Scheduler:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
+        if self.drafter is not None:
+            self._propose_drafts()
         latency = self.config.prefill_step_cost > 0
         step = _Step(self.config.max_num_batched_tokens, self.config.busy_prefill_chunk,
                      cost_left=float(self.config.prefill_step_cost) if latency else None,
@@ -303,13 +296,42 @@ class Scheduler:
         self._admit(step, whole_only=False)
         return self._batch(step)
 
-    def _batch(self, step: "_Step") -> ScheduledBatch:
+    def _batch(self, step: "_Step") -> SchedulerOutput:
         seqs = list(step.scheduled.values())
         if any(len(s.token_ids) > MAX_VERIFY_TOKENS for s in seqs if not s.num_draft):
             seqs = [self._without_draft(s) for s in seqs]
+        new = []
+        for seq in seqs:
+            req = self.requests[seq.request_id]
+            if not req.announced:
+                req.announced = True
+                new.append(NewRequest(req.request_id, req.prompt_token_ids, req.params))
+        return self.pending_orders(seqs, step.preempted, new)
+
+    def pending_orders(self, seqs: list[ScheduledSeq] = (), preempted: list[str] = (),
+                       new_requests: list[NewRequest] = ()) -> SchedulerOutput:
+        """An output with ``seqs`` and every order not yet handed out: finished ids, draft
+        compactions (first: tier copies may read their pages), the prefix store's tier copies
+        and disk reads. Without seqs: the orders alone, to run outside a step (before the
+        prefix store is persisted or cleared)."""
         orders = self.cache.take_orders() if self.cache is not None else []
         loads, self._new_loads = self._new_loads, []
-        return ScheduledBatch(seqs=seqs, preempted=step.preempted, kv_orders=orders, disk_loads=loads)
+        finished, self._finished_ids = self._finished_ids, []
+        moves, self._draft_moves = self._draft_moves, []
+        return SchedulerOutput(seqs=list(seqs), preempted=list(preempted), new_requests=list(new_requests),
+                               finished_ids=finished, draft_moves=moves, kv_orders=orders, disk_loads=loads,
+                               wait_for_disk=not seqs and bool(self.loading))
+
+    def _propose_drafts(self) -> None:
+        """A draft tree for each decoding request, sized to what it may still emit."""
+        for req in self.running:
+            req.draft_token_ids, req.draft_parents = [], []
+            if req.num_pending != 1:  # still prefilling
+                continue
+            room = min(req.params.max_tokens - len(req.output_token_ids),
+                       self.max_model_len - req.num_tokens) - 1
+            tree = self.drafter.propose(req.request_id, room)
+            req.draft_token_ids, req.draft_parents = tree.token_ids, tree.parents
 
     def _schedule_running(self, req: Request, step: "_Step") -> None:
         if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
@@ -434,7 +456,55 @@ class Scheduler:
                                            req.cache_salt, req.block_ids, req.cache_node)
         req.num_indexed_pages = num_full
 
-    def advance(self, batch: ScheduledBatch) -> None:
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
+        """The runner executed ``output``: take its completed disk reads, count the step's
+        tokens computed, commit each sampled sequence's tokens (ending requests at a stop
+        token, ``max_tokens`` or the window) and order accepted drafts compacted. One update
+        per scheduled request, in step order."""
+        for load in result.finished_loads:
+            req = self.loading.get(load.request_id)
+            if req is not None and req.disk_load is load:  # (not aborted meanwhile)
+                self.finish_disk_load(load)
+        self.advance(output)
+        updates = []
+        for seq in output.seqs:
+            req = self.requests[seq.request_id]
+            sampled = result.sampled.get(seq.request_id)
+            if sampled is None:  # a prefill chunk that samples nothing
+                updates.append(RequestUpdate(req.request_id, [], req.num_computed_tokens,
+                                             len(req.prompt_token_ids)))
+            else:
+                updates.append(self._commit(req, seq, sampled))
+        return updates
+
+    def _commit(self, req: Request, seq: ScheduledSeq, sampled: SampledSeq) -> RequestUpdate:
+        """Append ``sampled``'s tokens to ``req`` until one ends it; accepted drafts of a
+        request that goes on count as computed and are compacted in the next step."""
+        reason, tokens = None, []
+        for token in sampled.token_ids:
+            req.output_token_ids.append(token)
+            tokens.append(token)
+            if token in req.stop_token_ids:
+                reason = "stop"
+            elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
+        num_accepted = min(sampled.num_accepted, len(tokens))
+        if self.drafter is not None:
+            self.drafter.commit(req.request_id, tokens, sampled.num_drafted, num_accepted)
+        if reason is not None:
+            self.finish(req, reason)
+        elif sampled.num_accepted:
+            self.accept_draft(req.request_id, sampled.num_accepted)
+            if sampled.accepted_nodes != list(range(sampled.num_accepted)):  # some node moves
+                self._draft_moves.append(DraftMove(list(seq.block_ids), seq.start_pos,
+                                                   list(sampled.accepted_nodes), seq.tail_slot))
+        logprobs = None if sampled.logprobs is None else sampled.logprobs[:len(tokens)]
+        return RequestUpdate(req.request_id, tokens, req.num_computed_tokens, len(req.prompt_token_ids),
+                             reason, sampled.num_drafted, num_accepted, logprobs)
+
+    def advance(self, batch: SchedulerOutput) -> None:
         """The runner computed ``batch``: its tokens are cached now (draft nodes are not yet:
         see ``accept_draft``)."""
         for seq in batch.seqs:

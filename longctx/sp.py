@@ -11,7 +11,7 @@ Never: scheduling, sampling or the attention math (``longctx.parallel.paged_sp``
 
 One engine, one scheduler (rank 0)::
 
-    rank 0: scheduler -> ScheduledBatch --control broadcast--> every rank
+    rank 0: scheduler -> SchedulerOutput --control broadcast--> every rank
     every rank: its tokens of the step through the model; each layer's attention exchanges
                 q/k/v and partial results with the other ranks (paged_sp)
     rank 0: hidden states of the tokens that sample -> logits -> sampling (engine)
@@ -58,9 +58,8 @@ from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedSte
                                         local_slot, slot_owner)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
 from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
-from longctx.runner import InputPacker, SamplingRunner, draft_position_moves, draft_slot_moves, flatten_batch
-from longctx.sampling import PenaltyState, Sampler
-from longctx.scheduler import ScheduledBatch
+from longctx.outputs import DraftMove, SchedulerOutput
+from longctx.runner import SamplingRunner, draft_position_moves, draft_slot_moves, flatten_batch
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class RankExecutor:
     # ------------------------------------------------------------------ a step
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def execute(self, batch: SchedulerOutput) -> torch.Tensor | None:
         """Run this rank's tokens of ``batch``; on rank 0 return the logits (fp32) of the
         tokens that sample, like ``ModelRunner.execute``."""
         bs = self.kv.block_size
@@ -131,7 +130,7 @@ class RankExecutor:
             hidden = torch.empty((0, c.hidden_size), dtype=act, device=self.device)
         return self._logits(hidden, mine, owned, flat.sample_rows)
 
-    def _tail(self, batch: ScheduledBatch, flat: Any, own: list[int] | None) -> TailStep | None:
+    def _tail(self, batch: SchedulerOutput, flat: Any, own: list[int] | None) -> TailStep | None:
         """int8 pages: the step's exact tail (``longctx.kv.exact_tail``), the same plan on every
         rank; each keeps every row (its store is a full copy) and exchanges its own queries'.
         Prefix hits' first pages are recomputed on every rank first."""
@@ -149,7 +148,7 @@ class RankExecutor:
         return TailStep(plan, torch.tensor(plan.ints, dtype=torch.long, device=dev), store,
                         torch.tensor(flat.positions, dtype=torch.long, device=dev), tree, table, own)
 
-    def _seqs(self, batch: ScheduledBatch, flat: Any) -> list[StepSeq]:
+    def _seqs(self, batch: SchedulerOutput, flat: Any) -> list[StepSeq]:
         seqs, start = [], 0
         for seq, n in zip(batch.seqs, flat.query_lens):
             words = tuple(flat.tree_words[start:start + n]) if seq.num_draft else ()
@@ -157,7 +156,7 @@ class RankExecutor:
             start += n
         return seqs
 
-    def _execute_columns(self, batch: ScheduledBatch, flat: Any) -> torch.Tensor | None:
+    def _execute_columns(self, batch: SchedulerOutput, flat: Any) -> torch.Tensor | None:
         """A small step (decode, verification) with every product split by output features
         over the ranks (``ColumnSplit``): every rank holds every token, reads 1/N of the
         weights and 1/N of the KV, on its own cores."""
@@ -411,16 +410,13 @@ class ShardedKVPool:
 
 
 class SequenceParallelRunner(SamplingRunner):
-    """Rank 0's runner: ``run(batch, seqs) -> tokens``, ``execute(batch) -> logits`` and
-    ``move_draft_kv``, like ``ModelRunner``, with every step shared by the ranks (rank 0 holds
-    the logits and samples them)."""
+    """Rank 0's runner: ``execute(output) -> RunnerOutput`` like ``ModelRunner``, with every
+    forward shared by the ranks (each executes the same ``SchedulerOutput``; rank 0 holds the
+    logits and samples them) and accepted drafts compacted on the ranks that own their slots."""
 
     def __init__(self, executor: RankExecutor, kv: ShardedKVPool, ranks: _Ranks) -> None:
         self.executor, self.kv, self.ranks = executor, kv, ranks
-        device = kv.device
-        self.packer = InputPacker(device)
-        self.sampler = Sampler(upload=self.packer.upload)
-        self.penalties = PenaltyState(executor.model.config.vocab_size, device)
+        self._init_sampling(executor.model.config.vocab_size, kv.device)
         self.block_size = kv.block_size
         self.world_size = kv.world
         self.backend = executor.attention
@@ -432,14 +428,13 @@ class SequenceParallelRunner(SamplingRunner):
     def failed(self) -> bool:
         return self.ranks.error is not None
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: SchedulerOutput) -> torch.Tensor:
         return self.ranks.run("execute", (batch,), lambda: self.executor.execute(batch))
 
-    def move_draft_kv(self, seq_block_ids: list[int], start_pos: int, accepted: list[int],
-                      tail_slot: int = -1) -> None:
-        src, dst = draft_slot_moves(seq_block_ids, start_pos, accepted, self.block_size)
+    def move_draft_kv(self, move: DraftMove) -> None:
+        src, dst = draft_slot_moves(move.block_ids, move.start_pos, move.accepted, self.block_size)
         if src:
-            self.kv.move_slots(src, dst, (tail_slot, *draft_position_moves(start_pos, accepted)))
+            self.kv.move_slots(src, dst, (move.tail_slot, *draft_position_moves(move.start_pos, move.accepted)))
 
     def comm_reports(self, reset: bool = False) -> list[dict]:
         """Every rank's traffic (``RankExecutor.report``), in rank order."""

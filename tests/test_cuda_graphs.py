@@ -51,10 +51,10 @@ def test_padded_decode_logits_equal_the_plain_runner(folder, num_seqs):
     batch = engine.scheduler.schedule()
     assert graphs.shape_for(batch)[1] == 1 and graphs.shape_for(batch)[0] >= num_seqs
     engine.runner.graphs = None
-    plain = engine.runner.execute(batch)
+    plain = engine.runner.forward(batch)
     poison(engine, graphs.scratch_block)  # no real row may read it
     engine.runner.graphs = graphs
-    padded = engine.runner.execute(batch)
+    padded = engine.runner.forward(batch)
     assert padded.shape == plain.shape == (num_seqs, engine.model_config.vocab_size)
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
 
@@ -73,7 +73,7 @@ def test_padded_verify_logits_equal_the_plain_runner(folder):
     assert sorted(s.num_draft for s in batch.seqs) == [0, 1, 3]
     assert graphs.shape_for(batch) == (4, 4)
     engine.runner.graphs = None
-    plain = engine.runner.execute(batch)
+    plain = engine.runner.forward(batch)
     poison(engine, graphs.scratch_block)
     for seq in batch.seqs:  # and every slot past the step's own tokens in the seqs' pages
         for k, v in engine.runner.kv.layers:
@@ -81,7 +81,7 @@ def test_padded_verify_logits_equal_the_plain_runner(folder):
             used = (seq.start_pos + len(seq.token_ids) - 1) % 16 + 1
             k[last, used:], v[last, used:] = float("nan"), float("nan")
     engine.runner.graphs = graphs
-    padded = engine.runner.execute(batch)
+    padded = engine.runner.forward(batch)
     assert padded.shape == plain.shape == ((1 + 3) + (1 + 1) + 1, engine.model_config.vocab_size)
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from longctx import LLM, SamplingParams
 from longctx.detokenizer import Detokenizer, IncrementalDetokenizer, _Plan, make_detokenizer, plan_for
-from longctx.engine import LLMEngine, RequestMetrics, _Tracked
-from longctx.scheduler import Request, RequestStatus
+from longctx.output_processor import OutputProcessor, StepUpdate
+from longctx.outputs import RequestUpdate, RunnerOutput, SchedulerOutput
 from tiny_models import write_char_tokenizer
 
 TEXTS = [
@@ -282,31 +281,33 @@ def test_tokens_decoded_per_token_do_not_grow_with_the_output(tokenizer):
 # ---------------------------------------------------------------------- stop strings (engine)
 
 
-class _StubEngine:
-    """What ``LLMEngine._append`` uses of the engine: the tokenizer, the scheduler's finish."""
+def _processor(tokenizer) -> tuple[OutputProcessor, list[str]]:
+    """An output processor for request "r" (prompt [1]) and the reasons it stopped it with."""
+    stopped: list[str] = []
+    return OutputProcessor(tokenizer, stop=lambda request_id, reason: stopped.append(reason)), stopped
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.max_model_len = 1 << 20
-        self.scheduler = SimpleNamespace(finish=self._finish)
 
-    @staticmethod
-    def _finish(request, reason):
-        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+def _feed(processor: OutputProcessor, token: int, reason: str | None = None) -> StepUpdate:
+    """One step that committed ``token`` to "r" (``reason``: the scheduler ended it there)."""
+    update = RequestUpdate("r", [token], 0, 1, finish_reason=reason)
+    return processor.process(SchedulerOutput([]), RunnerOutput(), [update], 0.0, 0.0)[0]
 
 
 def _run_append(tokenizer, ids, params):
-    """Feed ``ids`` through the engine's per-token path; the final text, the streamed pieces,
-    the tokens taken and the finish reason."""
-    engine = _StubEngine(tokenizer)
-    t = _Tracked(request=Request("r", [1], params), prompt=None, metrics=RequestMetrics(0.0))
+    """Feed ``ids`` one step each through the output processor, the scheduler's part played
+    here (it ends the request at ``max_tokens``); the final text, the streamed pieces, the
+    tokens taken and the finish reason."""
+    processor, stopped = _processor(tokenizer)
+    processor.add("r", None, [1], params, 0.0)
     pieces, update = [], None
-    for token in ids:
-        update = LLMEngine._append(engine, t, token, 0.0)
+    for n, token in enumerate(ids, 1):
+        update = _feed(processor, token, "length" if n >= params.max_tokens else None)
         pieces.append(update.new_text)
         if update.finished:
             break
-    return t.text, pieces, list(t.request.output_token_ids), update.finish_reason
+    out = processor.output("r")
+    assert stopped == ([update.finish_reason] if update.finish_reason == "stop" else [])
+    return out.outputs[0].text, pieces, out.outputs[0].token_ids, update.finish_reason
 
 
 def _boundaries(tokenizer, ids):
@@ -361,14 +362,14 @@ def test_no_stop_streams_the_full_decode(smollm2, tiny):
 
 def test_engine_keeps_one_incremental_detokenizer_per_request(smollm2):
     ids = _encode(smollm2, TEXTS[2])
-    engine = _StubEngine(smollm2)
-    t = _Tracked(request=Request("r", [1], SamplingParams(max_tokens=100)), prompt=None,
-                 metrics=RequestMetrics(0.0))
-    LLMEngine._append(engine, t, ids[0], 0.0)
+    processor, _ = _processor(smollm2)
+    processor.add("r", None, [1], SamplingParams(max_tokens=100), 0.0)
+    _feed(processor, ids[0])
+    t = processor.tracked["r"]
     detok = t.detok
     assert isinstance(detok, IncrementalDetokenizer)
     for token in ids[1:]:
-        LLMEngine._append(engine, t, token, 0.0)
+        _feed(processor, token)
     assert t.detok is detok and detok.token_ids == ids and t.text == _decode(smollm2, ids)
 
 

@@ -27,7 +27,7 @@ from longctx.kv import exact_tail
 from longctx.kv.exact_tail import TailStore
 from longctx.lookahead.tree import tree_ancestor_words, tree_depths
 from longctx.runner import ModelRunner
-from longctx.scheduler import ScheduledBatch, ScheduledSeq
+from longctx.outputs import DraftMove, ScheduledSeq, SchedulerOutput
 
 BS, D, TOL = 8, 16, 2e-5
 
@@ -54,7 +54,7 @@ def run_step(pool, backend, runner, work, gen, hq, hkv):
     assert all(not parents or n == 1 + len(parents) for _, n, parents in work)
     seqs = [ScheduledSeq(s.rid, [0] * n, s.pos, s.blocks, True, tuple(parents), tail_slot=s.slot)
             for s, n, parents in work]
-    _, _, meta, _ = runner.prepare(ScheduledBatch(seqs, []))
+    _, _, meta, _ = runner.prepare(SchedulerOutput(seqs))
     t = sum(n for _, n, _ in work)
     q = torch.randn(t, hq, D, generator=gen)
     k = torch.randn(t, hkv, D, generator=gen) * 2 + 0.5
@@ -118,7 +118,7 @@ def test_each_query_sees_its_own_page_exact(hq, hkv, c_kernel, monkeypatch):
     run_step(pool, backend, runner, [(a, 7, parents), (b, 1, ())], gen, hq, hkv)
     b.pos += 1
     accepted = [0, 1, 3]  # the branch 0 -> 1 -> 3 (node 3 sits at memory position pos + 4)
-    runner.move_draft_kv(a.blocks, a.pos, accepted, a.slot)
+    runner.move_draft_kv(DraftMove(a.blocks, a.pos, accepted, a.slot))
     for j, node in enumerate(accepted):
         a.exact_k[a.pos + 1 + j] = a.exact_k[a.pos + 1 + node]
         a.exact_v[a.pos + 1 + j] = a.exact_v[a.pos + 1 + node]
@@ -221,7 +221,7 @@ def test_the_c_tail_call_refuses_what_it_does_not_take():
     a = Seq("a", 0, [5, 2, 9, 30])
     run_step(pool, backend, runner, [(a, 11, ())], gen, 6, 2)
     seqs = [ScheduledSeq("a", [0], 11, a.blocks, True, (), tail_slot=0)]
-    _, _, meta, _ = runner.prepare(ScheduledBatch(seqs, []))
+    _, _, meta, _ = runner.prepare(SchedulerOutput(seqs))
     tail = meta.tail
     tail.ready()
     q, k, v = torch.randn(1, 6, D), torch.randn(1, 2, D), torch.randn(1, 2, D)

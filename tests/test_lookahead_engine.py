@@ -56,7 +56,7 @@ def _forced_tree(engine, reference, wrong_first):
     """A propose() that drafts, for each step, a wrong branch first and then the true
     continuation (from ``reference``) as the second branch of the root."""
     def propose(request_id, max_tokens):
-        done = len(engine._tracked[request_id].request.output_token_ids)
+        done = len(engine.output(request_id).outputs[0].token_ids)
         truth = reference[done:done + 3]
         if max_tokens < 5 or len(truth) < 3:
             return DraftTree.empty()
@@ -114,7 +114,7 @@ def test_sampled_tokens_follow_the_models_distribution(folder):
                 exact[(t2, t3)] += a * b * c
 
     def propose(request_id, max_tokens):  # two branches at depth 1, a child under the first
-        t1 = llm.engine._tracked[request_id].request.output_token_ids[0]
+        t1 = llm.engine.output(request_id).outputs[0].token_ids[0]
         second = sorted(p2[t1], key=p2[t1].get, reverse=True)
         child = max(p3[(t1, second[0])], key=p3[(t1, second[0])].get)
         return DraftTree([second[0], second[1], child], [-1, -1, 0])

@@ -287,8 +287,8 @@ def _forced_drafts(llm: LLM, references: dict[tuple, list[int]]):
     engine = llm.engine
 
     def propose(request_id, max_tokens):
-        req = engine._tracked[request_id].request
-        truth = references[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:3]
+        out = engine.output(request_id)
+        truth = references[tuple(out.prompt_token_ids)][len(out.outputs[0].token_ids):][:3]
         if max_tokens < 5 or len(truth) < 3:
             return DraftTree.empty()
         decoy = (truth[0] + 1) % 160

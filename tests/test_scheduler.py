@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
 from longctx.sampling_params import SamplingParams
-from longctx.scheduler import (Request, RequestStatus, RequestTooLongError, ScheduledBatch,
-                               ScheduledSeq, Scheduler, chunk_cost, tokens_for_cost)
+from longctx.outputs import RunnerOutput, SampledSeq, ScheduledSeq, SchedulerOutput
+from longctx.scheduler import Request, RequestStatus, RequestTooLongError, Scheduler, chunk_cost, tokens_for_cost
 
 
 def make_scheduler(budget: int, num_blocks: int, block_size: int, max_model_len: int = 64,
@@ -38,27 +38,20 @@ def fake_token(req: Request) -> int:
     return 10_000 + len(req.output_token_ids)
 
 
-def finish_step(sched: Scheduler, batch: ScheduledBatch) -> list[str]:
-    """The engine's half of a step; returns the ids finished by it."""
-    sched.advance(batch)
-    done = []
-    for seq in batch.seqs:
-        if not seq.sample:
-            continue
-        req = sched.requests[seq.request_id]
-        req.output_token_ids.append(fake_token(req))
-        if len(req.output_token_ids) >= req.params.max_tokens:
-            sched.finish(req, "length")
-            done.append(req.request_id)
-    return done
+def finish_step(sched: Scheduler, batch: SchedulerOutput) -> list[str]:
+    """The rest of a step: a runner that samples ``fake_token``s, then ``update``; returns the
+    ids finished by it."""
+    sampled = {s.request_id: SampledSeq([fake_token(sched.requests[s.request_id])])
+               for s in batch.seqs if s.sample}
+    return [u.request_id for u in sched.update(batch, RunnerOutput(sampled)) if u.finish_reason]
 
 
-def step(sched: Scheduler) -> tuple[ScheduledBatch, list[str]]:
+def step(sched: Scheduler) -> tuple[SchedulerOutput, list[str]]:
     batch = sched.schedule()
     return batch, finish_step(sched, batch)
 
 
-def summary(batch: ScheduledBatch) -> list[tuple[str, int, int, list[int], bool]]:
+def summary(batch: SchedulerOutput) -> list[tuple[str, int, int, list[int], bool]]:
     """(id, start_pos, number of tokens, block ids, sample) per seq, in batch order."""
     return [(s.request_id, s.start_pos, len(s.token_ids), s.block_ids, s.sample)
             for s in batch.seqs]
@@ -100,10 +93,10 @@ def test_request_counts_and_token_slice():
 
 
 def test_batch_num_tokens_sums_seqs():
-    batch = ScheduledBatch(seqs=[ScheduledSeq("a", [1, 2, 3], 0, [0], False),
+    batch = SchedulerOutput(seqs=[ScheduledSeq("a", [1, 2, 3], 0, [0], False),
                                  ScheduledSeq("b", [4], 7, [1, 2], True)], preempted=[])
     assert batch.num_tokens == 4
-    assert ScheduledBatch(seqs=[], preempted=["x"]).num_tokens == 0
+    assert SchedulerOutput(seqs=[], preempted=["x"]).num_tokens == 0
 
 
 def test_blocks_for_rounds_up():
@@ -654,7 +647,7 @@ def workloads(draw):
     return block_size, budget, max_num_seqs, max_model_len, num_blocks, shapes, arrivals
 
 
-def check_step(sched: Scheduler, batch: ScheduledBatch, budget: int, block_size: int) -> None:
+def check_step(sched: Scheduler, batch: SchedulerOutput, budget: int, block_size: int) -> None:
     assert 0 < batch.num_tokens <= budget
     ids = [s.request_id for s in batch.seqs]
     assert len(ids) == len(set(ids))

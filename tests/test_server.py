@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from longctx import LLM, SamplingParams
-from longctx.engine import partial_stop_len
+from longctx.output_processor import partial_stop_len
 from longctx.server.engine_loop import EngineLoop
 from tiny_models import make_engine_checkpoint
 

@@ -168,7 +168,7 @@ def random_tokens(n: int, seed: int, low: int = 3, high: int = 150) -> list[int]
 def first_logits_and_tokens(llm, ids: list[int], params) -> tuple[torch.Tensor, list[int]]:
     """Generate from ``ids`` through ``llm`` and return the first sampling step's logits row
     (the prompt's last position) and the generated token ids."""
-    runner, seen, original = llm.engine.runner, [], llm.engine.runner.execute
+    runner, seen, original = llm.engine.runner, [], llm.engine.runner.forward
 
     def capture(batch):
         logits = original(batch)
@@ -176,11 +176,11 @@ def first_logits_and_tokens(llm, ids: list[int], params) -> tuple[torch.Tensor, 
             seen.append(logits[0].clone())
         return logits
 
-    runner.execute = capture
+    runner.forward = capture
     try:
         tokens = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
     finally:
-        runner.execute = original
+        runner.forward = original
     return seen[0], tokens
 
 

@@ -24,7 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from longctx.engine import LLMEngine, StepUpdate
+from longctx.engine import LLMEngine
+from longctx.output_processor import StepUpdate
 from longctx.sampling_params import SamplingParams
 from longctx.server.metrics import ServerMetrics
 
