@@ -89,9 +89,8 @@ def bench_context(args, context: int, eager: bool, kv_cache_dtype: str = "auto")
     decode_ms = (statistics.median(full) - prefill_s) / args.decode_tokens * 1e3
     params = sum(p.numel() for p in llm.engine.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    from longctx.kv.device_pool import bytes_per_block
 
-    kv_per_token = bytes_per_block(cfg, llm.engine.kv.block_size, llm.engine.kv_dtype) / llm.engine.kv.block_size
+    kv_per_token = llm.engine.kv_format.page_bytes(llm.engine.kv.block_size) / llm.engine.kv.block_size
     attn_flops = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context ** 2 / 2
     llm.close()
     return {"context": context, "graphs": not eager, "kv_cache_dtype": kv_cache_dtype, "prefill_s": prefill_s, "decode_ms_per_token": decode_ms,

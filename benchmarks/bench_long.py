@@ -27,7 +27,7 @@ passed); float32 is given a budget just big enough for the longest context + dec
 computed from the model config, and the JSON records how many tokens float32 pages fit in
 the default budget (32K does not fit 1 GiB in float32; it does in int8).
 
-Also per dtype: KV bytes per token (``bytes_per_block / block_size``, int8 including its
+Also per dtype: KV bytes per token (the format's ``page_bytes / block_size``, int8 including its
 scales), peak RSS (``ru_maxrss`` of the process, after the staircase and at its end), RSS
 after the model loaded, and the TTFT of a device-tier prefix hit at the longest context
 (prompt + a new ~20-token question, one output token).
@@ -370,7 +370,7 @@ def kv_facts(args, block_size: int) -> dict:
     import torch
 
     from longctx.config import DEFAULT_KV_CACHE_GB
-    from longctx.kv.device_pool import bytes_per_block
+    from longctx.kv.formats import FloatPages, Int8Pages
     from longctx.model.config import ModelConfig
     from longctx.model.loader import read_gguf, resolve_model
 
@@ -382,8 +382,8 @@ def kv_facts(args, block_size: int) -> dict:
                                   "max_position_embeddings": cfg.max_position_embeddings},
                  "block_size": block_size, "default_kv_cache_gb": DEFAULT_KV_CACHE_GB,
                  "tokens_needed_at_max_context": need}
-    for name, dtype in (("auto", torch.float32), ("int8", torch.int8)):  # auto = float32 on the CPU
-        bpb = bytes_per_block(cfg, block_size, dtype)
+    for fmt in (FloatPages(cfg, torch.float32), Int8Pages(cfg, torch.float32)):  # auto = float32 on the CPU
+        name, dtype, bpb = fmt.name, fmt.storage_dtype, fmt.page_bytes(block_size)
         blocks = int(DEFAULT_KV_CACHE_GB * (1 << 30)) // bpb
         out[name] = {"storage_dtype": str(dtype).removeprefix("torch."), "bytes_per_block": bpb,
                      "bytes_per_token": bpb / block_size, "default_budget_blocks": blocks,

@@ -25,9 +25,9 @@ MARKER = "longctx-hf-folder.json"
 
 
 def default_dest() -> Path:
-    from longctx.model.loader import cache_root  # the engine's cache folder
+    from longctx.settings import cache_dir  # the engine's cache folder
 
-    return cache_root() / "hf-smollm2-135m"
+    return cache_dir() / "hf-smollm2-135m"
 
 
 def gguf_path() -> Path:

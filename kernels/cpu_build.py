@@ -162,9 +162,15 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cache_root() -> Path:
+    """longctx's cache folder: ``LONGCTX_CACHE_DIR``, else ``$XDG_CACHE_HOME/longctx``, else
+    ``~/.cache/longctx`` (``longctx.settings`` lists every variable)."""
+    env = os.environ.get("LONGCTX_CACHE_DIR")
+    return Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longctx"
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("LONGCTX_CACHE_DIR") or os.path.join(Path.home(), ".cache", "longctx")
-    return Path(root) / "cpu_kernels"
+    return cache_root() / "cpu_kernels"
 
 
 def build(source: Path) -> ctypes.CDLL:

@@ -93,8 +93,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     tree_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    v_scale: torch.Tensor | None = None, step_cache: dict | None = None,
+                    extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
+    ``step_cache`` and ``extents``: what a kernels module may reuse within a step (a memo,
+    the host's max query and context lengths); every module takes them, this one needs neither.
 
     q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table [B, max_blocks];
     context_lens [B] (cached + new tokens); cu_seqlens_q [B + 1]; tree_mask int64 [T] or None.
@@ -123,9 +126,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+             step_cache: dict | None = None) -> None:
     """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip).
-    int8 pages (scales given): quantised by ``kv_quant.write_int8`` (``starts``: its argument,
+    ``step_cache``: as for ``paged_attention`` (unused here). int8 pages (scales given):
+    quantised by ``kv_quant.write_int8`` (``starts``: its argument,
     used when no slot is skipped)."""
     block_size = k_cache.shape[1]
     if k_scale is not None:

@@ -97,7 +97,6 @@ def dequantized_kv(cache: torch.Tensor, scale: torch.Tensor, block_row: list[int
 # bench_cpu_isa.py, cpu-isa-vm.json, 30 layers' decode at 8K with float32 pages: the portable
 # build 90.5-95.3 ms vs 65.9-70.0 ms for these forms).
 USE_CPU_KERNEL = True
-TAKES_STEP_CACHE = True  # paged_attention / write_kv accept step_cache (attention.py)
 CPU_KERNEL_MAX_ROWS = 20
 SMALL_Q = 3  # up to this many new tokens per sequence: matmuls over the whole context
 MAX_RUNS = 16  # a block table in more runs of consecutive ids than this is gathered instead
@@ -268,7 +267,7 @@ def _attend_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 class _StepPlan:
     """What ``paged_attention`` derives from a step's metadata that is the same in every layer:
     the host lists, the kernels' tables, and which sequences go to which compiled kernel. Kept
-    in the step's ``step_cache`` (``AttentionMetadata.step_cache``), so the model's layers
+    in the step's ``step_cache`` (``AttentionPlan.kernel_cache``), so the model's layers
     derive it once per step instead of once each."""
 
     def __init__(self, block_table: torch.Tensor, context_lens: torch.Tensor,
@@ -329,10 +328,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     step_cache: dict | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    v_scale: torch.Tensor | None = None,
+                    extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.paged_attention`` (``out`` may be given to fill).
     ``step_cache``: a dict that lives for one step (the same metadata in every call), where
-    the per-step plan is kept between layers. int8 caches need ``k_scale``/``v_scale``
+    the per-step plan is kept between layers; ``extents`` unused (the host lists in the
+    step cache give the same). int8 caches need ``k_scale``/``v_scale``
     (contiguous fp32 [NB, Hkv]; ValueError otherwise).
 
     The sequences the compiled kernels take go to them in one call per kernel (the operators

@@ -821,7 +821,6 @@ def _launch_merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: to
 # ---------------------------------------------------------------------------------------------
 
 
-TAKES_EXTENTS = True  # paged_attention accepts extents=(max q len, max context len)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -830,7 +829,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tree_mask: torch.Tensor | None = None,
                     extents: tuple[int, int] | None = None,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    v_scale: torch.Tensor | None = None,
+                    step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
 
     q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
@@ -850,8 +850,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+             step_cache: dict | None = None) -> None:
     """Store new rows: k/v [T, Hkv, D] go to slots ``block * BS + offset`` (slot < 0: skip).
+    ``step_cache``: the step's memo every kernels module takes (unused: nothing here is
+    derived on the host).
 
     int8 pages (k_cache/v_cache int8, ``k_scale``/``v_scale`` fp32 [NB, Hkv]): the rows are
     quantised as ``kv_quant.write_int8`` does, bit for bit, by five Triton launches for K and V

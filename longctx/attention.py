@@ -5,11 +5,15 @@ flash-attn on CUDA when available) and calling it with the step's metadata.
 Never: scheduling, KV allocation, or any state that outlives one ``forward`` call except the
 KV tensors it is handed.
 
-The model calls ``backend.forward(layer_idx, q, k, v, meta)`` with the step's new tokens,
-flattened over the batch (q [T, H, D], k/v [T, Hkv, D]). With ``meta.kv_caches`` set, the new
-K/V rows are first written to their slots and attention runs over each sequence's pages (the
-prefix plus the new tokens); without it (a plain full-sequence forward, as in the HF parity
-tests) each sequence attends causally to its own new tokens only.
+A backend is used in two calls (FlashInfer's plan/run shape): ``plan(meta)`` once per step
+builds a typed ``AttentionPlan`` (what every layer shares: the KV format's step plan, the
+kernels' per-step memo, the host extents), and the model calls ``run(layer_idx, q, k, v,
+plan)`` per layer with the step's new tokens, flattened over the batch (q [T, H, D], k/v
+[T, Hkv, D]). With ``meta.kv_caches`` set, the new K/V rows are first written to their slots
+and attention runs over each sequence's pages (the prefix plus the new tokens); without it (a
+plain full-sequence forward, as in the HF parity tests) each sequence attends causally to its
+own new tokens only. The KV format (``longctx.kv.formats``) prepares q/k/v and the kernels'
+page arguments and finishes their output; the backend never asks which format it is.
 """
 
 from __future__ import annotations
@@ -22,19 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import os
-
-from longctx.kernels import kv_quant, torch_paged
-
-# int8 pages hold K and V rotated by kv_quant.rotation (queries rotated alike, outputs back):
-# half the quantisation error for the same bytes. LONGCTX_INT8_ROTATE=0 stores them unrotated
-# (pages of one setting never serve the other: the prefix cache key names it).
-ROTATE_INT8 = os.environ.get("LONGCTX_INT8_ROTATE", "1") != "0"
-
-
-def int8_rotation(head_dim: int, device: torch.device | str) -> torch.Tensor | None:
-    """What int8 pages' K/V are turned by (``ROTATE_INT8``), or None."""
-    return kv_quant.rotation(head_dim, device) if ROTATE_INT8 else None
+from longctx.kernels import torch_paged
+from longctx.kv.formats import FloatPages, KVStepPlan
 
 
 @dataclass
@@ -49,16 +42,15 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32
     slot_mapping: torch.Tensor | None = None  # [T] int64
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits, or None (causal)
-    kv_caches: list[tuple[torch.Tensor, ...]] | None = None  # per layer (K, V) or int8 (K, V, K scale, V scale)
+    kv_caches: list[tuple[torch.Tensor, ...]] | None = None  # per layer, as kv_format lays them out
+    kv_format: FloatPages | None = None  # with kv_caches: the pages' format (``longctx.kv.formats``)
     # host numbers the runner already has, so no layer reads them back from the device
     max_query_len: int | None = None
     max_context_len: int | None = None
     max_position: int | None = None  # 1 + the largest position in the step (RoPE tables)
     cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: context offsets (flash-attn varlen)
     host_block_table: list[list[int]] | None = None
-    tail: Any = None  # int8 pages: ``exact_tail.TailStep`` (each query's own page exact), or None
-    # what a kernels module derives from this metadata once and reuses in every layer
-    step_cache: dict = field(default_factory=dict)
+    tail: Any = None  # a format with an exact tail: ``exact_tail.TailStep``, or None
 
     @classmethod
     def dense(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
@@ -68,48 +60,57 @@ class AttentionMetadata:
                    context_lens_t=torch.tensor(query_lens, dtype=torch.int32, device=device))
 
 
+@dataclass
+class AttentionPlan:
+    """What every layer of one step shares (``backend.plan(meta)``): the metadata, the KV
+    format's step plan, and the kernels module's per-step memo (``kernel_cache``: what it
+    derives from the metadata at its first call and reuses in every later layer; a new dict
+    per plan, so nothing outlives the step)."""
+
+    meta: AttentionMetadata
+    kv: KVStepPlan | None = None
+    kernel_cache: dict = field(default_factory=dict)
+    split_linear: Any = None  # the model's products as they are (sequence parallelism brings its own)
+
+    @property
+    def extents(self) -> tuple[int, int] | None:
+        """(max query length, max context length) from the host, when the runner knows them."""
+        m = self.meta
+        return None if m.max_query_len is None else (m.max_query_len, m.max_context_len)
+
+
 class PagedAttentionBackend:
     """Write the step's K/V into the pages, then paged attention, with one kernel module:
     ``longctx.kernels.torch_paged`` (CPU) or ``longctx.kernels.triton_attention`` (CUDA).
-    Both have the signatures of ``kernels/reference.py``."""
+    Both have the signatures of ``kernels/reference.py``, which every kernels module shares:
+    each takes the step's ``step_cache`` and ``extents`` and uses what it needs of them."""
 
     def __init__(self, head_dim: int, kernels: Any, name: str) -> None:
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernels, self.name = kernels, name
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def plan(self, meta: AttentionMetadata) -> AttentionPlan:
+        if meta.kv_caches is None:
+            return AttentionPlan(meta)
+        plan = AttentionPlan(meta, meta.kv_format.plan(meta, meta.cu_seqlens_q.device))
+        if meta.host_block_table is not None:
+            plan.kernel_cache["host"] = (meta.host_block_table, meta.context_lens, meta.query_lens)
+        return plan
+
+    def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            plan: AttentionPlan) -> torch.Tensor:
+        meta = plan.meta
         if meta.kv_caches is None:
             return dense_causal(q, k, v, meta.query_lens, self.scale)
-        k_cache, v_cache, *scales = meta.kv_caches[layer_idx]
-        extra = {"step_cache": meta.step_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
-        if not meta.step_cache and meta.host_block_table is not None:
-            meta.step_cache["host"] = (meta.host_block_table, meta.context_lens, meta.query_lens)
-        quant, rot = {}, None
-        if scales:  # int8 pages: each sequence's first new row starts the only page that may hold values
-            quant = {"k_scale": scales[0], "v_scale": scales[1]}
-            if ROTATE_INT8:  # the same matrix in every layer of the step
-                rot = meta.step_cache.get("int8.rotation")
-                if rot is None:
-                    rot = meta.step_cache["int8.rotation"] = kv_quant.rotation(q.shape[-1], q.device)
-                q, k, v = kv_quant.turn_qkv(q, k, v, rot)
-            starts = meta.step_cache.get("int8.starts")
-            if starts is None:
-                starts = meta.step_cache["int8.starts"] = (
-                    meta.cu_seqlens_q[:-1].long().clamp(max=max(q.shape[0] - 1, 0)))
-            self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, starts=starts, **quant, **extra)
-        else:
-            self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, **extra)
-        if getattr(self.kernels, "TAKES_EXTENTS", False) and meta.max_query_len is not None:
-            extra["extents"] = (meta.max_query_len, meta.max_context_len)
+        layer = meta.kv_caches[layer_idx]
+        q, k, v, pages, writing = meta.kv_format.enter(q, k, v, layer, plan.kv)
+        self.kernels.write_kv(layer[0], layer[1], k, v, meta.slot_mapping, step_cache=plan.kernel_cache,
+                              **pages, **writing)
         out, lse = self.kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
-            scale=self.scale, tree_mask=meta.tree_mask, **quant, **extra)
-        if scales and meta.tail is not None:  # each query's first and own page exact
-            out = meta.tail.apply(layer_idx, out, lse, q, k, v, meta.kv_caches[layer_idx], self.scale)
-        if rot is not None:
-            out = kv_quant.turn(out, rot, back=True)
-        return out
+            q, layer[0], layer[1], meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
+            scale=self.scale, tree_mask=meta.tree_mask, step_cache=plan.kernel_cache, extents=plan.extents,
+            **pages)
+        return meta.kv_format.leave(layer_idx, out, lse, q, k, v, layer, self.scale, meta.tail, plan.kv)
 
 
 class FlashAttnBackend(PagedAttentionBackend):
@@ -118,19 +119,20 @@ class FlashAttnBackend(PagedAttentionBackend):
     their slots, decode steps (one new token per sequence) use ``flash_attn_with_kvcache`` and
     prefill chunks ``flash_attn_varlen_func`` with the block table (causal, aligned to the
     bottom right: a chunk sees the cached prefix). Steps with a tree mask (lookahead verify),
-    float32, int8 pages and pages of other sizes go to the Triton kernels."""
+    float32, quantized pages and pages of other sizes go to the Triton kernels."""
 
     def __init__(self, head_dim: int, triton_kernels: Any, flash_attn: Any) -> None:
         super().__init__(head_dim, triton_kernels, "flash-attn+triton")
         self.flash_attn = flash_attn
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            plan: AttentionPlan) -> torch.Tensor:
+        meta = plan.meta
         usable = (meta.kv_caches is not None and meta.tree_mask is None and q.dtype != torch.float32
-                  and len(meta.kv_caches[layer_idx]) == 2  # int8 pages: the Triton kernels
+                  and meta.kv_format.storage_dtype == q.dtype  # other page formats: the Triton kernels
                   and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
         if not usable:
-            return super().forward(layer_idx, q, k, v, meta)
+            return super().run(layer_idx, q, k, v, plan)
         k_cache, v_cache = meta.kv_caches[layer_idx]
         self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if meta.max_query_len == 1:

@@ -146,6 +146,14 @@ class CacheConfig:
         default="auto", metadata={"help": "what KV pages store: auto (the model's dtype) or int8 (symmetric "
                                           "int8 with an fp32 scale per page, layer, KV head and K/V: about "
                                           "0.26x the bytes of float32 pages, on every tier)"})
+    kv_quant_rotation: bool = field(
+        default=True, metadata={"help": "quantized KV pages hold rows turned by an orthogonal rotation "
+                                        "(queries alike, outputs back): about half the rounding error "
+                                        "for the same bytes; pages of one setting never serve the other"})
+    kv_quant_exact_tail: bool = field(
+        default=True, metadata={"help": "with quantized KV pages, each query reads its sequence's first "
+                                        "page and its own page at the model's precision (three pages "
+                                        "per running request outside the budget); off: every key as stored"})
 
     def host_tier_gb(self, device_type: str) -> float:
         """The host tier's budget: as given, else 2 GiB beside a GPU and none when the KV pool
@@ -170,6 +178,8 @@ class CacheConfig:
         _check(self.disk_cache_gb > 0, f"disk_cache_gb must be positive, got {self.disk_cache_gb}")
         _check(self.kv_cache_dtype in ("auto", "int8"),
                f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        _check(isinstance(self.kv_quant_rotation, bool) and isinstance(self.kv_quant_exact_tail, bool),
+               "kv_quant_rotation and kv_quant_exact_tail must be True or False")
         _check(isinstance(self.enable_prefix_caching, bool),
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check(not self.disk_cache_dir or self.enable_prefix_caching,

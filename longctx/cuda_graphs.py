@@ -142,7 +142,7 @@ class StepGraphs:
             query_lens=[width] * size, context_lens=context_lens or [self.max_model_len] * size,
             cu_seqlens_q=self.cu_q[:size + 1], context_lens_t=self.context_lens[:size],
             block_table=self.block_table[:size], slot_mapping=self.slots[:tokens],
-            tree_mask=self.tree[:tokens] if width > 1 else None, kv_caches=self.kv.caches,
+            tree_mask=self.tree[:tokens] if width > 1 else None, kv_caches=self.kv.caches, kv_format=self.kv.format,
             max_query_len=width, max_context_len=max(context_lens) if context_lens else self.max_model_len,
             max_position=self.max_model_len, host_block_table=tables, cu_seqlens_k=self.cu_k[:size + 1],
             tail=self._tail(size, width))
@@ -232,7 +232,7 @@ class StepGraphs:
                     self._forward(size, width, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            meta = self._meta(size, width)  # new: nothing the warm-up cached (step_cache) outlives it
+            meta = self._meta(size, width)  # new: nothing the warm-up planned outlives it
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[:size * width].copy_(self._forward(size, width, meta))
             if self.pool is None:

@@ -21,16 +21,16 @@ import time
 
 import torch
 
-from longctx.attention import ROTATE_INT8, flash_attn_available, select_backend
+from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
 from longctx.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
-from longctx.kv.device_pool import (DeviceKVPool, bytes_per_block, kv_storage_dtype, num_blocks_for,
+from longctx.kv.device_pool import (DeviceKVPool, num_blocks_for,
                                     profile_kv_cache_gb)
 from longctx.kv.disk_store import DiskKVStore
-from longctx.kv.exact_tail import tail_store_bytes
+from longctx.kv.formats import kv_format
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
@@ -40,7 +40,7 @@ from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
 from longctx.model.loader import TORCH_DTYPES, load_model, load_row_kernel_model, model_fingerprint, resolve_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.output_processor import OutputProcessor, RequestOutput, StepUpdate
-from longctx.runner import ModelRunner
+from longctx.runner import ModelRunner, Runner
 from longctx.sampling_params import SamplingParams
 from longctx.scheduler import Request, Scheduler
 
@@ -116,25 +116,25 @@ class LLMEngine:
         _warn_past_window(max_len, self.model_config, load.rope_scaling)
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
+        self.kv_format = kv_format(cache, self.model_config, self.dtype)
+        self.kv_dtype = self.kv_format.storage_dtype
         if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
             budget = profile_kv_cache_gb(self.model, backend, self.device, sched.max_num_batched_tokens,
                                          cache.gpu_memory_utilization)
-            if cache.kv_cache_dtype == "int8":  # less the exact tail's rows (outside the pages)
-                budget -= tail_store_bytes(self.model_config, sched.max_num_seqs, cache.block_size,
-                                           self.dtype) / (1 << 30)
+            # less the exact tail's rows (outside the pages), if the format keeps any
+            budget -= self.kv_format.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
             cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=budget)
-        self.kv_dtype = kv_storage_dtype(cache.kv_cache_dtype, self.dtype)
-        num_blocks = num_blocks_for(self.model_config, cache, self.kv_dtype)  # per rank
+        num_blocks = num_blocks_for(cache, self.kv_format)  # per rank
         self.sequence_parallel_size = parallel.sequence_parallel_size
+        self.runner: Runner
         if parallel.sequence_parallel_size > 1:
             from longctx import sp
 
             self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device,
                                    sched.max_num_batched_tokens)
         else:
-            self.runner = ModelRunner(self.model, DeviceKVPool(self.model_config, num_blocks, cache.block_size,
-                                                               self.dtype, self.device, self.kv_dtype,
-                                                               tail_slots=sched.max_num_seqs),
+            self.runner = ModelRunner(self.model, DeviceKVPool(self.kv_format, num_blocks, cache.block_size,
+                                                               self.device, tail_slots=sched.max_num_seqs),
                                       backend, self.device)
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         try:
@@ -169,7 +169,7 @@ class LLMEngine:
         return graphs
 
     def _build_prefix_cache(self, cache: CacheConfig, path) -> PrefixCache:
-        page_bytes = bytes_per_block(self.model_config, cache.block_size, self.kv_dtype)
+        page_bytes = self.kv_format.page_bytes(cache.block_size)
         host_pages = host_tier_pages(cache.host_tier_gb(torch.device(self.kv.device).type), page_bytes)
         host = HostKVPool(self.kv, host_pages) if host_pages else None
         disk = None
@@ -179,8 +179,7 @@ class LLMEngine:
         tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
         # the fingerprint holds the whole ModelConfig, RoPE included: pages cached under another
         # rope_scaling (another rotation of the keys) never match, on any tier
-        kv_format = str(self.kv_dtype) + ("+rotated" if self.kv_dtype == torch.int8 and ROTATE_INT8 else "")
-        key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype), kv_format)
+        key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype), self.kv_format.cache_key)
         self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)
         return PrefixCache(tree, self.pool, self.kv, host, disk, key)
 
@@ -217,7 +216,7 @@ class LLMEngine:
         """Persist the prefix cache, then stop the sequence-parallel ranks (if any). After a
         rank failed nothing can be read from the ranks' pages: the cache is not persisted."""
         try:
-            if getattr(self.runner, "failed", False):
+            if self.runner.failed:
                 log.warning("a sequence-parallel rank failed: the prefix cache is not persisted")
             else:
                 self.persist_prefix_cache()
@@ -236,15 +235,13 @@ class LLMEngine:
         import gc
 
         self.runner.graphs = None
-        self.kv.layers, self.kv.scales = [], None
+        self.kv.release()
         self.model.to("meta")
         gc.collect()
         torch.cuda.empty_cache()
 
     def _stop_runner(self) -> None:
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()
 
     def persist_prefix_cache(self) -> int:
         """Write every cached page to the disk tier (if there is one); returns pages written."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from longctx.attention import AttentionMetadata, int8_rotation
-from longctx.kv.device_pool import DeviceKVPool
+from longctx.attention import AttentionMetadata
+from longctx.kv.device_pool import DeviceKVPool, KVPages
 from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
 from longctx.kv.mover import KVMover
 from longctx.lookahead.acceptance import accept_tokens
@@ -135,6 +135,19 @@ class InputPacker:
         out["block_table"] = out["block_table"].view(num_seqs, width)
         out.setdefault("tree_mask", None)
         return out
+
+
+class Runner(Protocol):
+    """What the engine uses of a runner: ``ModelRunner`` (one process) and
+    ``longctx.sp.SequenceParallelRunner`` (rank 0 of N) both are one."""
+
+    kv: KVPages
+    kv_mover: KVMover | None
+    failed: bool  # a rank failed: nothing can be read from the pages any more
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -275,20 +288,24 @@ class ModelRunner(SamplingRunner):
         self.block_size = kv.block_size
         self._init_sampling(model.config.vocab_size, self.device)
         self.graphs = None  # a ``cuda_graphs.StepGraphs`` replays decode and verify steps when set
+        self.failed = False
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process."""
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         step = flatten_batch(batch, self.block_size)
         width = max(len(s.block_ids) for s in batch.seqs)
         table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
         plan = None
-        if self.kv.tail is not None:  # int8 pages: each query's own page exact
+        if self.kv.tail is not None:  # an exact tail: each query's own page exact
             plan = TailPlan(tail_seqs(batch.seqs, step.query_lens), self.kv.tail, len(step.token_ids))
         t = self.packer.pack(step, table, plan.ints if plan else None)
         meta = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, cu_seqlens_q=t["cu_seqlens_q"],
             context_lens_t=t["context_lens"], block_table=t["block_table"], slot_mapping=t["slots"],
             tree_mask=t["tree_mask"], cu_seqlens_k=t["cu_seqlens_k"],
-            kv_caches=self.kv.caches, max_query_len=max(step.query_lens),
+            kv_caches=self.kv.caches, kv_format=self.kv.format, max_query_len=max(step.query_lens),
             max_context_len=max(step.context_lens), max_position=max(step.positions) + 1,
             host_block_table=table)
         if plan is not None:
@@ -299,9 +316,9 @@ class ModelRunner(SamplingRunner):
     def forward(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits (fp32) for the seqs of ``batch`` that sample, in order: one row each, or
         ``1 + num_draft`` rows for a seq with a draft tree."""
-        if self.kv.tail is not None:  # int8 pages: prefix hits' first pages, exact
+        if self.kv.tail is not None:  # an exact tail: prefix hits' first pages, exact
             fill_first_pages(self.model, self.kv.tail, first_pages_to_fill(batch.seqs),
-                             int8_rotation(self.model.config.head_dim, self.device))
+                             self.kv.format.rotation(self.device))
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         input_ids, positions, meta, (rows, rows_t) = self.prepare(batch)
@@ -345,7 +362,7 @@ class ModelRunner(SamplingRunner):
 
     def move_draft_kv(self, move: DraftMove) -> None:
         self.kv.move_slots(*draft_slot_moves(move.block_ids, move.start_pos, move.accepted, self.block_size))
-        if self.kv.tail is not None:  # int8 pages: the exact rows of the newest pages move alike
+        if self.kv.tail is not None:  # the exact rows of the newest pages move alike
             self.kv.tail.move(move.tail_slot, *draft_position_moves(move.start_pos, move.accepted))
 
 

@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longctx.attention import ROTATE_INT8, int8_rotation
 from longctx.config import CacheConfig, ConfigError, ModelLoadConfig, ParallelConfig
-from longctx.kv.device_pool import DeviceKVPool, kv_storage_dtype
+from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
+from longctx.kv.formats import kv_format
 from longctx.model.llama import LlamaForCausalLM
 from longctx.model.loader import TORCH_DTYPES
 from longctx.parallel.comm import RingComm, init_distributed, init_from_env
-from longctx.kernels import cpu_linear, kv_quant
+from longctx.kernels import cpu_linear
 from longctx.kernels.cpu_build import set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
                                         local_slot, slot_owner)
@@ -92,7 +92,8 @@ class RankExecutor:
         self.threads = threads
         self.alone_threads = min(usable_cores(), threads * world) if device.type == "cpu" else threads
         self.config = model.config
-        self.attention = PagedSPAttention(kv.caches, self.comm, kernels, model.config.head_dim, ROTATE_INT8)
+        self.attention = PagedSPAttention(kv.caches, self.comm, kernels, model.config.head_dim,
+                                          kv.format.rotation(device) is not None)
         # small steps split every product by output features where the model multiplies with
         # the row kernel (its [out, in] matrices slice without a copy); else they run on rank 0
         self.column_split = (ColumnSplit(self.comm, cpu_linear.linear)
@@ -131,14 +132,13 @@ class RankExecutor:
         return self._logits(hidden, mine, owned, flat.sample_rows)
 
     def _tail(self, batch: SchedulerOutput, flat: Any, own: list[int] | None) -> TailStep | None:
-        """int8 pages: the step's exact tail (``longctx.kv.exact_tail``), the same plan on every
+        """A format with an exact tail: the step's exact tail (``longctx.kv.exact_tail``), the same plan on every
         rank; each keeps every row (its store is a full copy) and exchanges its own queries'.
         Prefix hits' first pages are recomputed on every rank first."""
         store = self.kv.tail
         if store is None:
             return None
-        fill_first_pages(self.model, store, first_pages_to_fill(batch.seqs),
-                         int8_rotation(self.config.head_dim, self.device))
+        fill_first_pages(self.model, store, first_pages_to_fill(batch.seqs), self.kv.format.rotation(self.device))
         plan = TailPlan(tail_seqs(batch.seqs, flat.query_lens), store, len(flat.token_ids))
         dev = self.device
         width = max(len(s.block_ids) for s in batch.seqs)
@@ -262,40 +262,30 @@ class RankExecutor:
         every rank keeps a copy of (moved alike). Copy token slots ``src`` to ``dst`` (global
         slots) in every layer, across ranks:
         the owners of the sources contribute their rows to one all-reduce (every other row is
-        zero, so the sum is exact), and the owners of the destinations write them. int8 pages:
-        the rows travel dequantised (fp32) and are written again under the destination pages'
-        scales, as ``DeviceKVPool.move_slots`` does in one process."""
+        zero, so the sum is exact), and the owners of the destinations write them, through the
+        KV format's row read and write (a quantized format's rows travel dequantised and are
+        written again under the destination pages' scales, as in one process)."""
         if tail is not None and self.kv.tail is not None:
             self.kv.tail.move(*tail)
-        bs, world = self.kv.block_size, self.world
+        bs, world, fmt = self.kv.block_size, self.world, self.kv.format
         c = self.config
-        quantized = self.kv.quantized
         rows = torch.zeros((len(src), c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim),
-                           dtype=torch.float32 if quantized else self.kv.dtype, device=self.device)
+                           dtype=fmt.row_dtype, device=self.device)
         have = [i for i, s in enumerate(src) if slot_owner(s, bs, world) == self.rank]
         if have:
             idx = torch.tensor([local_slot(src[i], bs, world) for i in have], device=self.device)
             at = torch.tensor(have, device=self.device)
             for layer, caches in enumerate(self.kv.caches):
                 for j in range(2):
-                    cache = caches[j]
-                    rows[at, layer, j] = (kv_quant.dequantize_rows(cache, caches[2 + j], idx) if quantized
-                                          else cache.view(-1, *cache.shape[2:])[idx])
+                    rows[at, layer, j] = fmt.read_rows(caches, j, idx)
         dist.all_reduce(rows)
         put = [i for i, s in enumerate(dst) if slot_owner(s, bs, world) == self.rank]
-        if put and quantized:
-            local = torch.tensor([local_slot(dst[i], bs, world) for i in put], dtype=torch.long)
-            starts = kv_quant.run_starts(local, bs).to(self.device)
-            idx, at = local.to(self.device), torch.tensor(put, device=self.device)
+        if put:
+            local = [local_slot(dst[i], bs, world) for i in put]
+            idx, at = torch.tensor(local, device=self.device), torch.tensor(put, device=self.device)
             for layer, caches in enumerate(self.kv.caches):
                 for j in range(2):
-                    kv_quant.write_int8(caches[j], caches[2 + j], rows[at, layer, j], idx, starts)
-        elif put:
-            idx = torch.tensor([local_slot(dst[i], bs, world) for i in put], device=self.device)
-            at = torch.tensor(put, device=self.device)
-            for layer, (k, v) in enumerate(self.kv.layers):
-                k.view(-1, *k.shape[2:])[idx] = rows[at, layer, 0]
-                v.view(-1, *v.shape[2:])[idx] = rows[at, layer, 1]
+                    fmt.write_rows(caches, j, rows[at, layer, j], idx, local)
 
 
 # ---------------------------------------------------------------------- rank 0's side
@@ -388,11 +378,13 @@ class ShardedKVPool:
     """Rank 0's view of the KV pages of every rank: ``DeviceKVPool``'s page interface over
     global block ids (``read_pages``, ``write_pages``, ``move_slots``)."""
 
+    spans_ranks = True
+
     def __init__(self, local: DeviceKVPool, world: int, executor: RankExecutor, ranks: _Ranks) -> None:
         self.local, self.world, self.executor, self.ranks = local, world, executor, ranks
         self.num_blocks = local.num_blocks * world
         self.block_size, self.dtype, self.device = local.block_size, local.dtype, local.device
-        self.page_dtype, self.quantized = local.page_dtype, local.quantized
+        self.page_dtype, self.format = local.page_dtype, local.format
         self.page_shape = local.page_shape
 
     def _run(self, command: str, *args: Any) -> Any:
@@ -407,6 +399,9 @@ class ShardedKVPool:
 
     def move_slots(self, src: list[int], dst: list[int], tail: tuple | None = None) -> None:
         self._run("move_slots", list(src), list(dst), tail)
+
+    def release(self) -> None:
+        self.local.release()
 
 
 class SequenceParallelRunner(SamplingRunner):
@@ -476,10 +471,9 @@ def _receive_command(shm: ShmControl | None, group: Any) -> tuple:
 
 def rank_pool(model: LlamaForCausalLM, num_blocks: int, cache: CacheConfig, load: ModelLoadConfig,
               device: torch.device) -> DeviceKVPool:
-    """One rank's pages: the model's dtype, or int8 with ``kv_cache_dtype='int8'``."""
-    dtype = TORCH_DTYPES[load.dtype]
-    return DeviceKVPool(model.config, num_blocks, cache.block_size, dtype, device,
-                        kv_storage_dtype(cache.kv_cache_dtype, dtype))
+    """One rank's pages, in the format ``cache`` asks for."""
+    return DeviceKVPool(kv_format(cache, model.config, TORCH_DTYPES[load.dtype]), num_blocks, cache.block_size,
+                        device)
 
 
 def _worker_main(rank: int, world: int, init_method: str, backend: str, model: Any, load: ModelLoadConfig,
@@ -641,7 +635,6 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
                     model: LlamaForCausalLM, device: torch.device, rank: int, world: int) -> None:
     """A rank other than 0 under ``torchrun``: join the group, serve rank 0's commands."""
     from longctx.attention import select_backend
-    from longctx.kv.device_pool import num_blocks_for
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     init_from_env(backend, parallel.sp_timeout_s)
@@ -649,8 +642,7 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
-    dtype = TORCH_DTYPES[load.dtype]
-    kv = rank_pool(model, num_blocks_for(model.config, cache, kv_storage_dtype(cache.kv_cache_dtype, dtype)),
+    kv = rank_pool(model, num_blocks_for(cache, kv_format(cache, model.config, TORCH_DTYPES[load.dtype])),
                    cache, load, device)
     executor = RankExecutor(model, kv, kernels, rank, world, device, threads, RingComm(), control)
     dist.barrier(group=control)

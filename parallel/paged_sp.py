@@ -143,6 +143,8 @@ class ShardedStep:
         self.threads = threads if threads is not None and threads[0] != threads[1] else None
         self.replicated = owned is None
         self.split_linear = split_linear
+        self.max_position: int | None = None  # (RoPE tables: the model reads it from any step)
+        self.tail: Any = None  # int8 pages: the step's exact tail (``longctx.kv.exact_tail.TailStep``)
         all_tokens = list(range(sum(s.num_new for s in seqs)))
         self.num_tokens = len(all_tokens)
         self.kernel_cache: dict = {}  # the kernels' per-step plans (same metadata every layer)
@@ -301,7 +303,7 @@ class PagedSPAttention:
     pages (K, V, K scale, V scale) with the scales fp32 ``[NB_r, Hkv]`` (``kv_quant.py``);
     ``kernels``: ``longctx.kernels.torch_paged`` (CPU) or ``triton_attention`` (CUDA).
     ``rotate_int8``: int8 pages hold K/V turned by ``kv_quant.rotation`` (as the one-process
-    backend writes them, ``attention.ROTATE_INT8``): q, k and v are turned on the way in and
+    backend writes them, ``CacheConfig.kv_quant_rotation``): q, k and v are turned on the way in and
     the output turned back, so every rank reads and writes pages as one process would."""
 
     def __init__(self, kv_layers: list[tuple[torch.Tensor, ...]], comm: RingComm,
@@ -314,7 +316,15 @@ class PagedSPAttention:
                          if quantized and rotate_int8 else None)
 
     def _extra(self, step: ShardedStep) -> dict:
-        return {"step_cache": step.kernel_cache} if getattr(self.kernels, "TAKES_STEP_CACHE", False) else {}
+        return {"step_cache": step.kernel_cache}
+
+    def plan(self, step: ShardedStep) -> ShardedStep:
+        """A ``ShardedStep`` is this backend's plan already (built once per step by its rank)."""
+        return step
+
+    def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            step: ShardedStep) -> torch.Tensor:
+        return self.forward(layer_idx, q, k, v, step)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 step: ShardedStep) -> torch.Tensor:
@@ -362,7 +372,7 @@ class PagedSPAttention:
             out, lse, first = parts_out[0].clone(), parts_lse[0].clone(), 1
         for r in range(first, self.comm.world_size):
             merge_into(out, lse, parts_out[r], parts_lse[r])
-        tail = getattr(step, "tail", None)
+        tail = step.tail
         if quant and tail is not None:  # each query's first and own page exact, as in one process
             old = self._tail_stored_rows(k_cache, v_cache, quant, step, tail)
             out = tail.apply(layer_idx, out.contiguous(), lse.contiguous(), q_all.contiguous(), exact_k.contiguous(),

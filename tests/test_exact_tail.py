@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from longctx import attention
 from longctx.attention import PagedAttentionBackend
 from longctx.kernels import kv_quant, reference, torch_paged
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.kv import exact_tail
 from longctx.kv.exact_tail import TailStore
+from longctx.kv.formats import FloatPages, Int8Pages
 from longctx.lookahead.tree import tree_ancestor_words, tree_depths
 from longctx.runner import ModelRunner
 from longctx.outputs import DraftMove, ScheduledSeq, SchedulerOutput
@@ -43,7 +43,7 @@ class Seq:
 
 def make(hq: int, hkv: int, kernels=torch_paged):
     cfg = SimpleNamespace(num_key_value_heads=hkv, head_dim=D, num_hidden_layers=1, vocab_size=11)
-    pool = DeviceKVPool(cfg, 40, BS, torch.float32, "cpu", torch.int8, tail_slots=2)
+    pool = DeviceKVPool(Int8Pages(cfg, torch.float32), 40, BS, "cpu", tail_slots=2)
     backend = PagedAttentionBackend(D, kernels, "test")
     runner = ModelRunner(SimpleNamespace(config=cfg), pool, backend, torch.device("cpu"))
     return pool, backend, runner
@@ -59,8 +59,8 @@ def run_step(pool, backend, runner, work, gen, hq, hkv):
     q = torch.randn(t, hq, D, generator=gen)
     k = torch.randn(t, hkv, D, generator=gen) * 2 + 0.5
     v = torch.randn(t, hkv, D, generator=gen)
-    out = backend.forward(0, q, k, v, meta)
-    rot = kv_quant.rotation(D) if attention.ROTATE_INT8 else torch.eye(D)
+    out = backend.run(0, q, k, v, backend.plan(meta))
+    rot = kv_quant.rotation(D) if pool.format.rotate else torch.eye(D)
     k_cache, v_cache, ks, vs = pool.caches[0]
     row = 0
     for s, n, parents in work:
@@ -146,18 +146,18 @@ def test_the_int8_error_without_the_tail_would_fail_the_check():
     a = Seq("a", 0, [5, 2, 9])
     run_step(pool, backend, runner, [(a, 11, ())], gen, 6, 2)
     a.pos = 11
-    original = PagedAttentionBackend.forward
+    original = PagedAttentionBackend.run
 
-    def without_tail(self, layer, q, k, v, meta):
-        meta.tail = None
-        return original(self, layer, q, k, v, meta)
+    def without_tail(self, layer, q, k, v, plan):
+        plan.meta.tail = None
+        return original(self, layer, q, k, v, plan)
 
-    PagedAttentionBackend.forward = without_tail
+    PagedAttentionBackend.run = without_tail
     try:
         with pytest.raises(AssertionError, match="off by"):
             run_step(pool, backend, runner, [(a, 1, ())], gen, 6, 2)
     finally:
-        PagedAttentionBackend.forward = original
+        PagedAttentionBackend.run = original
 
 
 def test_the_budget_the_engine_takes_off_on_cuda_is_the_stores_size():
@@ -165,16 +165,17 @@ def test_the_budget_the_engine_takes_off_on_cuda_is_the_stores_size():
     cfg = SimpleNamespace(num_key_value_heads=3, head_dim=D, num_hidden_layers=4)
     for dtype in (torch.float32, torch.bfloat16):
         store = TailStore(4, 6, BS, 3, D, dtype, "cpu")
-        assert exact_tail.tail_store_bytes(cfg, 6, BS, dtype) == store.nbytes
+        assert Int8Pages(cfg, dtype).tail_bytes(6, BS) == store.nbytes
+    assert Int8Pages(cfg, torch.float32, exact_tail=False).tail_bytes(6, BS) == 0
 
 
 def test_a_bf16_model_on_the_cpu_keeps_float32_rows():
     """The CPU computes a bf16 model in float32 and the C exchange reads float32: the store is
     float32 there whatever the model's dtype (an int8 pool only)."""
     cfg = SimpleNamespace(num_key_value_heads=2, head_dim=D, num_hidden_layers=1)
-    pool = DeviceKVPool(cfg, 4, BS, torch.bfloat16, "cpu", torch.int8)
+    pool = DeviceKVPool(Int8Pages(cfg, torch.bfloat16), 4, BS, "cpu")
     assert pool.tail.layers[0][0].dtype == torch.float32
-    assert DeviceKVPool(cfg, 4, BS, torch.bfloat16, "cpu").tail is None
+    assert DeviceKVPool(FloatPages(cfg, torch.bfloat16), 4, BS, "cpu").tail is None
 
 
 def test_the_store_grows_and_keeps_its_rows():

@@ -18,7 +18,8 @@ import torch
 from longctx import LLM, SamplingParams
 from longctx.config import CacheConfig
 from longctx.kernels import kv_quant, reference
-from longctx.kv.device_pool import DeviceKVPool, bytes_per_block
+from longctx.kv.device_pool import DeviceKVPool
+from longctx.kv.formats import FloatPages, Int8Pages
 from longctx.model.config import ModelConfig
 from tiny_models import random_tokens
 
@@ -97,7 +98,7 @@ def test_int8_attention_reads_what_was_written():
 def test_int8_pages_take_about_a_quarter_of_the_bytes():
     model = ModelConfig("llama", vocab_size=100, hidden_size=576, intermediate_size=64, num_hidden_layers=30,
                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
-    fp32, int8 = bytes_per_block(model, 64, torch.float32), bytes_per_block(model, 64, torch.int8)
+    fp32, int8 = FloatPages(model, torch.float32).page_bytes(64), Int8Pages(model, torch.float32).page_bytes(64)
     assert int8 / fp32 == pytest.approx((64 * 64 + 4) / (64 * 64 * 4))  # values + one scale per head
     assert int8 / fp32 <= 0.3
 
@@ -105,18 +106,18 @@ def test_int8_pages_take_about_a_quarter_of_the_bytes():
 def test_a_page_round_trips_through_its_bytes():
     model = ModelConfig("llama", vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    pool = DeviceKVPool(model, 5, 8, torch.float32, "cpu", torch.int8)
+    pool = DeviceKVPool(Int8Pages(model, torch.float32), 5, 8, "cpu")
     gen = torch.Generator().manual_seed(2)
-    for caches, scales in zip(pool.layers, pool.scales):
-        for c, s in zip(caches, scales):
+    for k, v, ks, vs in pool.caches:
+        for c, s in ((k, ks), (v, vs)):
             c.copy_(torch.randint(-127, 128, c.shape, generator=gen, dtype=torch.int8))
             s.copy_(torch.rand(s.shape, generator=gen))
     pages = pool.read_pages([3, 1])
     assert pages.dtype == torch.uint8 and tuple(pages.shape) == (2, *pool.page_shape)
-    other = DeviceKVPool(model, 5, 8, torch.float32, "cpu", torch.int8)
+    other = DeviceKVPool(Int8Pages(model, torch.float32), 5, 8, "cpu")
     other.write_pages([0, 4], pages)
-    for (c1, c2), (s1, s2) in zip(zip(pool.caches, other.caches), zip(pool.scales, other.scales)):
-        for a, b in zip(c1, c2):
+    for c1, c2 in zip(pool.caches, other.caches):
+        for a, b in zip(c1, c2):  # values and scales
             assert torch.equal(a[[3, 1]], b[[0, 4]])
 
 
@@ -144,7 +145,7 @@ def test_int8_pages_stay_close_to_float_pages(tiny_engine_folder, float_run):
     tokens, want = float_run
     llm = LLM(tiny_engine_folder, block_size=16, max_num_batched_tokens=32, lookahead=False, kv_cache_dtype="int8",
               enable_prefix_caching=False)
-    assert llm.engine.kv.quantized and llm.engine.kv.layers[0][0].dtype == torch.int8
+    assert llm.engine.kv.format.name == "int8" and llm.engine.kv.layers[0][0].dtype == torch.int8
     got = prompt_logprobs(llm, PROMPT + tokens)
     diff = max(abs(a - b) for a, b in zip(got, want))
     assert diff < 0.05, diff
@@ -266,7 +267,7 @@ def test_int8_with_sequence_parallelism_equals_one_process(tiny_engine_folder):
     sp = LLM(tiny_engine_folder, **opts, kv_cache_dtype="int8", sequence_parallel_size=2, num_blocks=20,
              host_cache_gb=0.01)  # 20 pages per rank: two 300-token prompts push PROMPT's out
     try:
-        assert sp.engine.kv.quantized and sp.engine.kv.local.layers[0][0].dtype == torch.int8
+        assert sp.engine.kv.format.name == "int8" and sp.engine.kv.local.layers[0][0].dtype == torch.int8
         outs = sp.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == want
         gap = max(abs(a - b) for got, w in zip(chosen(outs), want_lp) for a, b in zip(got, w))

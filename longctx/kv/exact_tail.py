@@ -32,7 +32,7 @@ or one decoding sequence with its drafts) over at most 2 * BS - 1 + its new toke
 call on the CPU (``torch.ops.longctx.tail_exchange``); memory three pages per slot (float32 on
 the CPU, else the model's dtype; ``TailStore.nbytes``), outside the KV budget (CUDA's profiled
 budget is reduced by it). On the CPU the store is allocated empty and only the slots in use
-become resident. ``LONGCTX_INT8_EXACT_TAIL=0`` turns it off (every key read as stored).
+become resident. ``CacheConfig.kv_quant_exact_tail=False`` turns it off (every key read as stored).
 """
 
 from __future__ import annotations
@@ -353,18 +353,21 @@ class _FirstPageCapture:
     the pages store them) in the store, and attends causally within each sequence."""
 
     def __init__(self, store: TailStore, rows: torch.Tensor, rotation: torch.Tensor | None, head_dim: int) -> None:
-        from longctx.attention import dense_causal  # (attention imports this package's neighbours)
+        from longctx.attention import AttentionPlan, dense_causal  # (attention imports this module)
 
         self.store, self.rows, self.rotation = store, rows, rotation
         self.scale = head_dim ** -0.5
-        self.dense_causal = dense_causal
+        self.dense_causal, self.attention_plan = dense_causal, AttentionPlan
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+    def plan(self, meta):
+        return self.attention_plan(meta)
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
         sk, sv = self.store.layers[layer]
         kr, vr = (k, v) if self.rotation is None else ((x.float() @ self.rotation) for x in (k, v))
         sk.index_copy_(0, self.rows, kr.to(sk.dtype))
         sv.index_copy_(0, self.rows, vr.to(sv.dtype))
-        return self.dense_causal(q, k, v, meta.query_lens, self.scale)
+        return self.dense_causal(q, k, v, plan.meta.query_lens, self.scale)
 
 
 def fill_first_pages(model, store: TailStore, seqs: list[tuple[int, tuple[int, ...]]],

@@ -1,7 +1,7 @@
 """The host KV tier: a CPU pool of pages that device pages are written back to on eviction.
 
-Owns: one K and one V tensor per layer, ``[num_pages, BS, Hkv, D]`` like the device pool (int8
-pages: ``[num_pages, page bytes]``, the values and their scales, as ``read_pages`` gives them), in
+Owns: one K and one V tensor per layer, ``[num_pages, *page]`` of the device pool's page layout
+(float pages ``[num_pages, BS, Hkv, D]``; a quantized format's records of bytes), in
 pinned memory when the device is CUDA (so copies can run asynchronously), and the copies
 between the two pools, through the device pool's ``read_pages``/``write_pages`` (so the same
 code serves a pool whose pages are spread over sequence-parallel ranks). Never: deciding
@@ -24,7 +24,7 @@ class HostKVPool:
             raise ValueError(f"a host pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         num_layers, _, *page = device_pool.page_shape
-        shape = (num_pages, *page)  # (NH, BS, Hkv, D); int8 pages: (NH, page bytes with scales)
+        shape = (num_pages, *page)  # (NH, BS, Hkv, D), or (NH, record bytes)
         pin = device_pool.device.type == "cuda"
         self.layers = [(torch.empty(shape, dtype=device_pool.page_dtype, pin_memory=pin),
                         torch.empty(shape, dtype=device_pool.page_dtype, pin_memory=pin))
@@ -34,8 +34,8 @@ class HostKVPool:
     def _direct(self) -> bool:
         """The device pool is one set of CPU tensors: copy layer by layer between the pools,
         without gathering whole pages (``[P, L, 2, ...]``) on the way."""
-        return (getattr(self.device_pool, "layers", None) is not None and self.device_pool.device.type == "cpu"
-                and not self.device_pool.quantized)
+        pool = self.device_pool
+        return not pool.spans_ranks and pool.device.type == "cpu" and pool.format.copies_by_layer
 
     def write_back(self, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pages into host pages (same order)."""

@@ -85,7 +85,7 @@ class KVMover:
         ``HostKVPool`` or None; ``disk``: a ``DiskKVStore`` or None."""
         self.device_kv, self.host_kv, self.disk = device_kv, host_kv, disk
         self.device = torch.device(device_kv.device)
-        self.cuda = self.device.type == "cuda" and hasattr(device_kv, "layers")
+        self.cuda = self.device.type == "cuda" and not device_kv.spans_ranks
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._event = None  # the side stream's last copy, for the forward to wait on
         self._jobs: queue.Queue = queue.Queue()

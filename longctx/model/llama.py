@@ -158,12 +158,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: Any, attn_meta: Any) -> torch.Tensor:
-        out = self.attend(self.qkv_proj(x), cos, sin, backend, attn_meta)
+                backend: Any, plan: Any) -> torch.Tensor:
+        out = self.attend(self.qkv_proj(x), cos, sin, backend, plan)
         return self.o_proj(out)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-               attn_meta: Any) -> torch.Tensor:
+               plan: Any) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]. With the row
         kernel (fp32 on the CPU) q and k are rotated in place in ``qkv``, which is the fresh
         output of ``qkv_proj``."""
@@ -177,7 +177,7 @@ class Attention(nn.Module):
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(self.layer_idx, q, k, v, attn_meta)  # (T, H, D)
+        out = backend.run(self.layer_idx, q, k, v, plan)  # (T, H, D)
         return out.reshape(num_tokens, self.q_size)
 
 
@@ -203,25 +203,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-                attn_meta: Any) -> torch.Tensor:
+                plan: Any) -> torch.Tensor:
         if self.mlp.down_proj.takes_row_kernel(x):
-            return self._forward_row_kernel(x, cos, sin, backend, attn_meta)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, attn_meta)
+            return self._forward_row_kernel(x, cos, sin, backend, plan)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _forward_row_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            backend: Any, attn_meta: Any) -> torch.Tensor:
+                            backend: Any, plan: Any) -> torch.Tensor:
         """The same layer for a step the row kernel takes (every step where it has its panel
         path): each norm runs inside the product that follows it, SwiGLU inside the down
         projection and each residual add inside the product before it, so the layer is four
-        kernel calls around attention. The metadata may bring its own ``split_linear`` (same
+        kernel calls around attention. The plan may bring its own ``split_linear`` (same
         signature as ``cpu_linear.linear``): sequence parallelism then has each rank compute
         a slice of every product's output features and gather the rest."""
-        linear = getattr(attn_meta, "split_linear", None) or cpu_linear.linear
+        linear = plan.split_linear or cpu_linear.linear
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
-        out = attn.attend(qkv, cos, sin, backend, attn_meta)  # (T, H D)
+        out = attn.attend(qkv, cos, sin, backend, plan)  # (T, H D)
         x = linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
         gate_up = linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                          norm_weight=norm2.weight, eps=norm2.eps)  # (T, 2F)
@@ -348,14 +348,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any,
                 attn_meta: Any) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, E] (after the last norm)."""
-        cos, sin = self.rotary_for(input_ids.device).cos_sin(
-            positions, getattr(attn_meta, "max_position", None))  # (T, D/2) each
+        """input_ids, positions [T] -> final hidden states [T, E] (after the last norm).
+        ``backend.plan(attn_meta)`` once, then every layer runs attention with that plan."""
+        cos, sin = self.rotary_for(input_ids.device).cos_sin(positions, attn_meta.max_position)  # (T, D/2) each
+        plan = backend.plan(attn_meta)
         x = self.embed_tokens(input_ids)  # (T, E)
         if self.act_dtype is not None and x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)  # bf16 weights on the row kernel: fp32 activations
         for layer in self.layers:
-            x = layer(x, cos, sin, backend, attn_meta)
+            x = layer(x, cos, sin, backend, plan)
         return self.norm(x)
 
     @torch.inference_mode()

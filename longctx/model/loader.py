@@ -29,6 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from longctx import settings
+
 from .config import ModelConfig, RopeScaling
 from .llama import LlamaForCausalLM
 
@@ -44,11 +46,6 @@ class ModelNotFoundError(FileNotFoundError):
     """The model name is neither an alias, an HF folder, nor a GGUF file."""
 
 
-def cache_root() -> Path:
-    """Folder for converted weights and tokenizers (override: ``LONGCTX_CACHE_DIR``)."""
-    env = os.environ.get("LONGCTX_CACHE_DIR")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "longctx"
-    return base
 
 
 def resolve_model(name: str) -> Path:
@@ -232,7 +229,7 @@ def _config_from_json(data: dict) -> ModelConfig:
 
 
 def cache_dir_for(path: Path) -> Path:
-    return cache_root() / f"{path.stem}-{_source_key(path)}"
+    return settings.cache_dir() / f"{path.stem}-{_source_key(path)}"
 
 
 def _read_cache(weights: Path, sidecar: Path, expect: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:

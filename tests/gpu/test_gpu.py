@@ -89,7 +89,7 @@ def test_flash_attn_backend_against_triton():
     meta = AttentionMetadata([1, 1], [300, 1500], cu, ctx, table, slots, None, [(k, v)],
                              max_query_len=1, max_context_len=1500,
                              cu_seqlens_k=torch.tensor([0, 300, 1800], dtype=torch.int32, device=DEV))
-    out = backend.forward(0, q, new_k, new_v, meta)
+    out = backend.run(0, q, new_k, new_v, backend.plan(meta))
     expected, _ = triton_attention.paged_attention(q, k, v, table, ctx, cu)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 

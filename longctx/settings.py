@@ -1,0 +1,45 @@
+"""Every environment variable longctx reads, with its meaning.
+
+Owns: the list (``ENV_VARS``) and the one resolution of the cache folder. The variables are
+read where they act (the C kernels' build in ``longctx.kernels.cpu_build``, which imports
+nothing of ``longctx``; torchrun's in ``longctx.torchrun`` / ``longctx.parallel.comm``);
+``tests/test_settings.py`` fails when code reads one that is not listed here. Settings of the
+engine itself are config fields (``longctx.config``), never environment variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longctx.kernels import cpu_build
+
+ENV_VARS: dict[str, str] = {
+    # longctx's own
+    "LONGCTX_CACHE_DIR": "folder for converted weights, tokenizers and compiled C kernels "
+                         "(default: $XDG_CACHE_HOME/longctx, else ~/.cache/longctx)",
+    "XDG_CACHE_HOME": "the user's cache folder, when LONGCTX_CACHE_DIR is not set",
+    "LONGCTX_CPU_KERNEL": "0: never build or use the compiled C kernels (torch paths only)",
+    "LONGCTX_CPU_ISA": "build the C kernels for this instruction-set level (avx512bf16, avx512, "
+                       "avx2, portable, native) instead of the best the CPU supports",
+    "LONGCTX_API_KEY": "the API key `longctx serve` requires when --api-key is not given",
+    "LONGCTX_SP_TORCHRUN": "internal: set by `python -m longctx.torchrun` on rank 0 (the ranks' "
+                           "torchrun variables, handed to the engine)",
+    "CC": "the C compiler for the kernels (default: cc, then gcc)",
+    # set by torchrun (sequence parallelism across processes or machines) and batch sharding
+    "RANK": "this process's rank (torchrun); `longctx batch` shards its jobs by it",
+    "WORLD_SIZE": "the number of ranks (torchrun); `longctx batch` shards its jobs by it",
+    "LOCAL_RANK": "the rank on this machine (torchrun): picks the GPU",
+    "LOCAL_WORLD_SIZE": "the ranks on this machine (torchrun): splits the CPU's threads",
+    "MASTER_ADDR": "the rendezvous address (torchrun)",
+    "MASTER_PORT": "the rendezvous port (torchrun)",
+    # others' variables longctx reads or sets
+    "TRITON_INTERPRET": "1: Triton kernels run in its interpreter (tests on the CPU)",
+    "TOKENIZERS_PARALLELISM": "set to false unless given (the tokenizers library's threads "
+                              "would fight the engine's)",
+}
+
+
+def cache_dir() -> Path:
+    """The cache folder (``LONGCTX_CACHE_DIR``, else ``$XDG_CACHE_HOME/longctx``, else
+    ``~/.cache/longctx``): the same for the weights and the C kernels."""
+    return cpu_build.cache_root()
