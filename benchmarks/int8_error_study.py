@@ -102,13 +102,13 @@ class Variant:
 
 
 class Hook:
-    """Replaces ``PagedAttentionBackend.forward`` while a variant is set."""
+    """Replaces ``PagedAttentionBackend.run`` while a variant is set."""
 
     def __init__(self) -> None:
         self.variant: Variant | None = None
         self.exact: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.rotations: dict[int, torch.Tensor] = {}
-        self.original = attention.PagedAttentionBackend.forward
+        self.original = attention.PagedAttentionBackend.run
 
     def rotation(self, d: int, seed: int | None) -> torch.Tensor:
         if seed not in self.rotations:
@@ -122,10 +122,11 @@ class Hook:
                 self.rotations[seed] = r.float()
         return self.rotations[seed]
 
-    def forward(self, backend, layer, q, k, v, meta):
+    def forward(self, backend, layer, q, k, v, plan):
         var = self.variant
         if var is None:
-            return self.original(backend, layer, q, k, v, meta)
+            return self.original(backend, layer, q, k, v, plan)
+        meta = plan.meta
         k_cache, v_cache = meta.kv_caches[layer][:2]
         rot = self.rotation(q.shape[-1], var.seed)
         q, k, v = ((x.float() @ rot) for x in (q, k, v))
@@ -188,7 +189,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = [Variant(v) for v in args.variants.split(",")]
     hook = Hook()
-    attention.PagedAttentionBackend.forward = lambda backend, *a: hook.forward(backend, *a)
+    attention.PagedAttentionBackend.run = lambda backend, *a: hook.forward(backend, *a)
     llm = engine("auto")
     ids = prompts(llm.get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=5)
