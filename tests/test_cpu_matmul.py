@@ -185,3 +185,35 @@ def test_bfloat16_model_on_the_row_kernel(tmp_path):
              max_num_batched_tokens=32) as llm:
         assert llm.engine.model.act_dtype == torch.float32
         assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("method", ["blas", "kernel", "onednn"])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_a_call_with_its_neighbours_equals_the_model_s_torch_ops(method, rows):
+    """``Linear(x, norm=, swiglu=, residual=)``: BLAS and oneDNN run the neighbours as torch ops
+    in the model's order (bit for bit), the row kernel fuses them (within fp32 rounding) for
+    the rows it takes and runs them as torch ops above."""
+    if method == "kernel" and not cpu_linear.available():
+        pytest.skip(f"row kernel {cpu_linear.status()}")
+    if method == "onednn" and not onednn_linear_available():
+        pytest.skip("torch built without oneDNN")
+    from longctx.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data.copy_(torch.rand(64, generator=gen) + 0.5)
+    up, down = _linear(64, 96, True, seed=1), _linear(48, 64, True, seed=2)
+    x = torch.randn(rows, 64, generator=gen)
+    gate, upper = up(norm(x)).split(48, dim=-1)
+    want = x + down(torch.nn.functional.silu(gate) * upper)
+    for layer in (up, down):
+        if method == "kernel":
+            layer.use_row_kernel()
+        elif method == "onednn":
+            layer.pack_onednn(16)
+    assert up.method.name == method
+    got = down(up(x, norm=norm), swiglu=True, residual=x)
+    if method == "blas":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,8 @@ metadata says which tokens belong to which sequence.
 Shape legend: T tokens in this step, E hidden size, H query heads, Hkv kv heads, D head dim,
 F MLP intermediate size, V vocabulary.
 
-Weights: q/k/v and gate/up are fused into one matrix each. How a CPU model in fp32 or bf16
+Weights: q/k/v and gate/up are fused into one matrix each, each a ``Linear`` whose weight
+format is a ``LinearMethod`` (``longctx.model.linear``). How a CPU model in fp32 or bf16
 holds them is ``cpu_matmul`` (``choose_cpu_matmul``): by default ("kernel") in the checkpoint's
 ``[out, in]`` layout, multiplied by the C kernel of ``longctx.kernels.cpu_linear`` for every step it takes
 (``cpu_linear.max_rows()``: all of them where it has its panel path; decode, batched decode
@@ -33,100 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from longctx.config import ConfigError
-from longctx.kernels import cpu_build, cpu_linear
+from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
+from .linear import (BLAS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
+                     choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary
-
-
-PACK_ROWS_HINT = 16  # oneDNN packs for this many rows: measured as fast as 4, faster than 1 at 2-2048 rows
-
-
-def onednn_linear_available() -> bool:
-    """Whether this torch build has oneDNN's pre-packed linear ops."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-ROW_KERNEL_DTYPES = tuple(cpu_linear.WEIGHT_TYPES)  # the weight dtypes the row kernel reads
-
-
-def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
-    """'kernel', 'onednn' or 'blas' for a CPU model: 'auto' takes the row kernel for float32
-    and bfloat16 where it builds with its vector paths (AVX2 and up), else oneDNN for float32
-    when this torch has it, else BLAS (float16 always BLAS). A choice that cannot run here
-    raises ``ConfigError``."""
-    if requested == "blas":
-        return "blas"
-    if requested == "onednn":
-        if not onednn_linear_available():
-            raise ConfigError("cpu_matmul='onednn' but this torch build has no oneDNN linear ops")
-        return "onednn"
-    if requested == "kernel":
-        if dtype not in ROW_KERNEL_DTYPES:
-            raise ConfigError(f"cpu_matmul='kernel' is for float32 and bfloat16 models, not {dtype}")
-        if not cpu_linear.available():
-            raise ConfigError(f"cpu_matmul='kernel' but the CPU linear kernel is {cpu_linear.status()} "
-                              "(use cpu_matmul='auto' to fall back)")
-        return "kernel"
-    # only with the kernel's intrinsic paths: its plain C loops (portable builds) measured
-    # slower than BLAS (bench_cpu_isa.py, cpu-isa-vm.json: one row 55.8-57.7 vs 45.1 ms over
-    # the model's matrices, 4 rows 222-226 vs 66 ms)
-    if dtype in ROW_KERNEL_DTYPES and cpu_linear.available() and cpu_build.vectorized():
-        return "kernel"
-    if dtype != torch.float32:
-        return "blas"
-    return "onednn" if onednn_linear_available() else "blas"
-
-
-class Linear(nn.Module):
-    """y = x @ W^T (+ bias), with the weight held one of three ways (one copy each):
-    ``weight_t`` [in, out] contiguous (BLAS, ``x @ weight_t``); after ``use_row_kernel``,
-    ``weight`` [out, in] contiguous (the C row kernel up to ``cpu_linear.max_rows()`` rows, BLAS
-    above); after ``pack_onednn``, ``packed`` in oneDNN's blocked layout."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.weight: torch.Tensor | None = None
-        self.packed: torch.Tensor | None = None
-
-    def use_row_kernel(self) -> None:
-        """Hold the weight as [out, in] for the row kernel (``weight_t`` transposed once)."""
-        if self.weight_t is None:
-            raise ValueError("use_row_kernel needs the [in, out] weight (already converted or packed?)")
-        if self.weight_t.device.type != "cpu" or self.weight_t.dtype not in ROW_KERNEL_DTYPES:
-            raise ValueError("the row kernel is for float32 or bfloat16 weights on the CPU, got "
-                             f"{self.weight_t.dtype} on {self.weight_t.device}")
-        self.weight = self.weight_t.detach().t().contiguous()
-        self.weight_t = None
-
-    def pack_onednn(self, rows_hint: int) -> None:
-        if self.weight_t.device.type != "cpu" or self.weight_t.dtype != torch.float32:
-            raise ValueError("oneDNN packing is for float32 weights on the CPU, got "
-                             f"{self.weight_t.dtype} on {self.weight_t.device}")
-        weight = self.weight_t.detach().t().contiguous()  # (out, in)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
-        self.weight_t = None
-
-    def takes_row_kernel(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes to the row kernel: held for it, and 1..max_rows() rows."""
-        return self.weight is not None and 0 < x.shape[0] <= cpu_linear.max_rows()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_row_kernel(x):
-            return cpu_linear.linear(x, self.weight, self.bias)
-        if self.weight is not None:  # past max_rows(): BLAS, on float32 copies of bf16 weights
-            weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-            return nn.functional.linear(x, weight, self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight_t)
-        return x @ self.weight_t
 
 
 class RMSNorm(nn.Module):
@@ -157,11 +70,6 @@ class Attention(nn.Module):
                                bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: Any, plan: Any) -> torch.Tensor:
-        out = self.attend(self.qkv_proj(x), cos, sin, backend, plan)
-        return self.o_proj(out)
-
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                plan: Any) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]. With the row
@@ -171,7 +79,7 @@ class Attention(nn.Module):
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
-        if self.qkv_proj.weight is not None:  # qkv_proj's fresh fp32 output: rotated in place
+        if self.qkv_proj.method.name == ROW_KERNEL.name:  # qkv_proj's fresh fp32 output: rotated in place
             qk = cpu_linear.rope_(qk, cos, sin)
         else:
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
@@ -189,10 +97,6 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, F) each
-        return self.down_proj(nn.functional.silu(gate) * up)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -204,28 +108,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 plan: Any) -> torch.Tensor:
-        if self.mlp.down_proj.takes_row_kernel(x):
-            return self._forward_row_kernel(x, cos, sin, backend, plan)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def _forward_row_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            backend: Any, plan: Any) -> torch.Tensor:
-        """The same layer for a step the row kernel takes (every step where it has its panel
-        path): each norm runs inside the product that follows it, SwiGLU inside the down
-        projection and each residual add inside the product before it, so the layer is four
-        kernel calls around attention. The plan may bring its own ``split_linear`` (same
-        signature as ``cpu_linear.linear``): sequence parallelism then has each rank compute
-        a slice of every product's output features and gather the rest."""
-        linear = plan.split_linear or cpu_linear.linear
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight, eps=norm1.eps)
+        """Each norm goes with the product after it, SwiGLU with the down projection and each
+        residual add with the product before it: the weights' method fuses them where it can
+        (the row kernel: four kernel calls around attention) and runs them as torch ops where
+        not. The plan may bring its own ``split_linear`` (the row kernel's signature):
+        sequence parallelism has each rank compute a slice of every product's output features."""
+        attn, mlp, product = self.self_attn, self.mlp, plan.split_linear
+        qkv = attn.qkv_proj(x, norm=self.input_layernorm, product=product)  # (T, (H + 2 Hkv) D)
         out = attn.attend(qkv, cos, sin, backend, plan)  # (T, H D)
-        x = linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
-        gate_up = linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                         norm_weight=norm2.weight, eps=norm2.eps)  # (T, 2F)
-        return linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, swiglu=True, residual=x)
+        x = attn.o_proj(out, residual=x, product=product)
+        gate_up = mlp.gate_up_proj(x, norm=self.post_attention_layernorm, product=product)  # (T, 2F)
+        return mlp.down_proj(gate_up, swiglu=True, residual=x, product=product)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_linears_onednn(self, rows_hint: int = PACK_ROWS_HINT) -> None:
         """Hold every matrix pre-packed for oneDNN (see ``Linear``). CPU, fp32 only."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed is None:
+            if isinstance(module, Linear) and module.method.name == BLAS.name:
                 module.pack_onednn(rows_hint)
         self._own_remaining_parameters()
 
@@ -258,13 +151,13 @@ class LlamaForCausalLM(nn.Module):
         tied = (self.config.tie_word_embeddings and embed.dtype in ROW_KERNEL_DTYPES
                 and tuple(embed.shape) == (self.config.vocab_size, self.config.hidden_size))
         for module in self.modules():
-            if isinstance(module, Linear) and module.weight is None and not (tied and module is self.lm_head):
+            if isinstance(module, Linear) and module.method.name == BLAS.name and not (tied and module is self.lm_head):
                 module.use_row_kernel()
         if tied:
             self.lm_head.weight_t = None
         self._own_remaining_parameters(keep_dtype=(self.embed_tokens,))
         if tied:  # the embedding's own (just cloned) memory
-            self.lm_head.weight = self.embed_tokens.weight.detach()
+            self.lm_head.weight, self.lm_head.method = self.embed_tokens.weight.detach(), ROW_KERNEL
         self.act_dtype = torch.float32
 
     def row_kernel_state(self) -> tuple[dict[str, torch.Tensor], bool]:
@@ -306,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             at = f"{prefix}." if prefix else ""
             if isinstance(module, Linear):
                 in_features, out_features = module.weight_t.shape
-                module.weight_t = None
+                module.weight_t, module.method = None, ROW_KERNEL
                 if not (tied and module is model.lm_head):
                     module.weight = take(at + "weight", (out_features, in_features))
             for name, param in module._parameters.items():
@@ -335,10 +228,10 @@ class LlamaForCausalLM(nn.Module):
                     module._parameters[name] = nn.Parameter(data.clone(), requires_grad=False)
 
     def uses_row_kernel(self) -> bool:
-        return any(isinstance(m, Linear) and m.weight is not None for m in self.modules())
+        return any(isinstance(m, Linear) and m.method.name == ROW_KERNEL.name for m in self.modules())
 
     def has_packed_linears(self) -> bool:
-        return any(isinstance(m, Linear) and m.packed is not None for m in self.modules())
+        return any(isinstance(m, Linear) and m.method.name == OneDNNWeights.name for m in self.modules())
 
     def rotary_for(self, device: torch.device) -> RotaryEmbedding:
         if self.rotary is None or self.rotary.cos.device != device:
