@@ -133,7 +133,7 @@ class LLM:
         encoded = [self._to_ids(p) for p in prompts]  # validate all before adding any
         salts = [_salt(p) for p in prompts]
         for ids, p in zip(encoded, params):
-            self.engine.scheduler.check_fits(len(ids[0]), p.max_tokens)
+            self.engine.check_request(len(ids[0]), p.max_tokens)
         request_ids = []
         try:
             for salt, (ids, text), p in zip(salts, encoded, params):

@@ -388,7 +388,7 @@ def run_generates(llm: Any, records: list[Record]) -> Iterator[dict]:
     for r in records:
         try:
             ids = tasks.prompt_ids(llm, _generate_content(r), chat=r.fields.get("chat", True))
-            llm.engine.scheduler.check_fits(len(ids), r.params.max_tokens)
+            llm.engine.check_request(len(ids), r.params.max_tokens)
             ready.append((r, ids))
         except Exception as err:  # noqa: BLE001 - any failure of one record is its error line
             yield error_line(r, err)

@@ -24,7 +24,7 @@ on the scratch page alone. The real rows' logits are gathered with the step's pa
 What a capture fixes: the kernels' launch plans (Triton: the split count for the longest
 context the engine allows, ``max_model_len``; shorter contexts leave splits empty, which the
 merge ignores), the RoPE table, the buffers' addresses. The inputs are packed on the host and
-uploaded in one copy as any step's (``runner.InputPacker``), then copied device-to-device into
+uploaded in one copy as any step's (``step_inputs.InputPacker``), then copied device-to-device into
 the static buffers. Every graph writes its logits into one static buffer.
 
 On a machine without CUDA the same padded path runs eagerly (``capture=False``): how the tests
@@ -41,7 +41,7 @@ import torch
 
 from longctx.attention import AttentionMetadata
 from longctx.kv.exact_tail import FIELDS, TailPlan, TailSeq, TailStep
-from longctx.runner import flatten_batch
+from longctx.step_inputs import flatten_batch
 from longctx.outputs import SchedulerOutput
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import logging
 import time
 
@@ -35,9 +34,8 @@ from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
 from longctx.lookahead.controller import LookaheadController
-from longctx.model.config import ModelConfig
-from longctx.model.llama import LlamaForCausalLM, choose_cpu_matmul
-from longctx.model.loader import TORCH_DTYPES, load_model, load_row_kernel_model, model_fingerprint, resolve_model
+from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
+from longctx.model.prepare import model_window, prepare_model, warn_past_window
 from longctx.model.tokenizer import load_tokenizer
 from longctx.output_processor import OutputProcessor, RequestOutput, StepUpdate
 from longctx.runner import ModelRunner, Runner
@@ -45,58 +43,6 @@ from longctx.sampling_params import SamplingParams
 from longctx.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
-
-def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
-                  device: torch.device) -> tuple[LlamaForCausalLM, str | None]:
-    """Load the model onto ``device`` in the form its products take ("kernel", "onednn" or
-    "blas" on the CPU, None elsewhere): the same on every sequence-parallel rank."""
-    if load.num_threads:
-        torch.set_num_threads(load.num_threads)
-    if device.type == "cpu":
-        # SiLU of very negative pre-activations underflows to denormals, and x86 matmuls on
-        # denormal inputs run several times slower (measured: a 4K-token prefill 30 s -> 12 s).
-        # Flushing them to zero changes values below 1e-38 only.
-        torch.set_flush_denormal(True)
-    dtype = TORCH_DTYPES[load.dtype]
-    cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
-    if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
-        return load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling), cpu_matmul
-    model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling)
-    if device.type != "cpu":
-        return model, None
-    if cpu_matmul == "onednn" and load.cpu_matmul == "auto" and parallel.sequence_parallel_size > 1:
-        # the ranks share the weights through shared memory, which oneDNN's packed (opaque)
-        # tensors cannot join: keep them as plain BLAS matrices
-        cpu_matmul = "blas"
-    if cpu_matmul == "onednn":
-        model.pack_linears_onednn()
-    return model, cpu_matmul
-
-
-def model_window(config: ModelConfig, rope_scaling: dict | None) -> int:
-    """The context window when ``max_model_len`` is not given: the checkpoint's
-    ``max_position_embeddings``, or with a ``rope_scaling`` override the window it stretches
-    to (``original_max_position_embeddings``, else the checkpoint's, times ``factor``)."""
-    window = config.max_position_embeddings
-    if rope_scaling:
-        rs = config.rope_scaling
-        window = max(window, int((rs.original_max_position_embeddings or window) * rs.factor))
-    return window
-
-
-def _warn_past_window(max_len: int, config: ModelConfig, rope_scaling: dict | None) -> None:
-    window = model_window(config, rope_scaling)
-    if max_len <= window:
-        return
-    if rope_scaling:
-        log.warning("max_model_len %d exceeds the %d positions the rope_scaling override stretches "
-                    "the model to; outputs past it may degrade", max_len, window)
-    else:
-        log.warning("max_model_len %d exceeds the model's window (max_position_embeddings %d) and no "
-                    "rope_scaling is given: positions past %d were never trained and outputs there "
-                    "degrade; pass rope_scaling, e.g. {\"rope_type\": \"yarn\", \"factor\": %g}",
-                    max_len, window, window, 2 ** math.ceil(math.log2(max_len / window)))
-
 
 class LLMEngine:
     def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
@@ -113,7 +59,7 @@ class LLMEngine:
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or model_window(self.model_config, load.rope_scaling)
-        _warn_past_window(max_len, self.model_config, load.rope_scaling)
+        warn_past_window(max_len, self.model_config, load.rope_scaling)
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
@@ -197,6 +143,34 @@ class LLMEngine:
                 stats.disk_misses = pc.disk.miss_counts()
                 stats.pages_written_to_disk = pc.disk.num_written
         return stats
+
+    # ------------------------------------------------------------------ the facade
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``RequestTooLongError`` for a request that could never run here."""
+        self.scheduler.check_fits(num_prompt_tokens, max_tokens)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most requests that run at once."""
+        return self.scheduler.config.max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.block_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (all pages, per rank summed)."""
+        return self.pool.num_blocks * self.scheduler.block_size
+
+    @property
+    def has_prefix_cache(self) -> bool:
+        return self.prefix_cache is not None
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def kv_usage(self) -> dict[str, dict[str, int]]:
         """Pages per tier: ``in_use`` by requests, ``cached`` (held by the prefix store only, so

@@ -59,7 +59,8 @@ from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedSte
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
 from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
 from longctx.outputs import DraftMove, SchedulerOutput
-from longctx.runner import SamplingRunner, draft_position_moves, draft_slot_moves, flatten_batch
+from longctx.runner import SamplingRunner, draft_position_moves, draft_slot_moves
+from longctx.step_inputs import flatten_batch
 
 log = logging.getLogger(__name__)
 

@@ -282,8 +282,8 @@ def generate_sharing_prefixes(llm: Any, prompts: Sequence[list[int]],
         groups.setdefault(key, []).append(prompt)
     shared = {key: common_prefix_len(g) if len(g) > 1 else 0 for key, g in groups.items()}
     engine = llm.engine
-    if engine.prefix_cache is not None:
-        warm = [groups[k][0][:n] for k, n in shared.items() if n >= engine.scheduler.block_size]
+    if engine.has_prefix_cache:
+        warm = [groups[k][0][:n] for k, n in shared.items() if n >= engine.block_size]
         if warm:
             llm.generate([{"prompt_token_ids": p} for p in warm],
                          SamplingParams(temperature=0.0, max_tokens=1))

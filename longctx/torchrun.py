@@ -48,7 +48,7 @@ def _worker(argv: list[str], rank: int, world: int) -> int:
     from longctx import cli
     from longctx.attention import flash_attn_available
     from longctx.config import DEFAULT_KV_CACHE_GB, resolve_auto, split_engine_kwargs
-    from longctx.engine import prepare_model
+    from longctx.model.prepare import prepare_model
 
     args, _ = cli.build_parser().parse_known_args(argv)
     load, cache, _, _, parallel = split_engine_kwargs({**cli.config_kwargs(args), "sequence_parallel_size": world})

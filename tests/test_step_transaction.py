@@ -168,3 +168,17 @@ def test_stop_string_after_an_accepted_draft_leaves_cached_pages_right(folder):
     for got, want in zip(b.outputs[0].logprobs, c.logprobs, strict=True):
         assert set(got) == set(want)
         assert max(abs(got[t] - want[t]) for t in want) < 1e-4
+
+
+def test_no_function_of_the_engine_core_runs_over_60_lines():
+    """The core (engine, scheduler, runner, output processor) stays in small functions."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "longctx"
+    long = []
+    for name in ("engine.py", "scheduler.py", "runner.py", "output_processor.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

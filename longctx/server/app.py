@@ -68,8 +68,8 @@ class OpenAIRoutes:
         self.model_name = config.served_model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        self.scheduler = engine.scheduler  # check_fits only: it reads settings fixed at start
-        self.kv_capacity_tokens = engine.pool.num_blocks * engine.scheduler.block_size
+        self.check_request = engine.check_request  # reads only settings fixed at start (thread-safe)
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         # The engine thread decodes with its tokenizer; tokenizers are not safe to share across
         # threads, so requests are encoded with a copy, on one worker thread of their own.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -174,7 +174,7 @@ class OpenAIRoutes:
             room = min(window, self.kv_capacity_tokens) - num_prompt
             max_tokens = max(1, room if default is None else min(default, room))
         try:
-            self.scheduler.check_fits(num_prompt, max_tokens)
+            self.check_request(num_prompt, max_tokens)
         except RequestTooLongError as err:
             raise bad_request(str(err), param=prompt_param if requested is None else "max_tokens",
                               code="context_length_exceeded") from err

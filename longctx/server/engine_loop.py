@@ -83,7 +83,7 @@ class EngineLoop:
         self.metrics = metrics
         # A request runs when one of max_num_seqs slots is free and waits otherwise; waiting is
         # bounded by max_queued_requests, so this many may be in flight at once.
-        self.capacity = engine.scheduler.config.max_num_seqs + max_queued_requests
+        self.capacity = engine.max_num_seqs + max_queued_requests
         self.num_in_flight = 0  # event loop only
         self.error: BaseException | None = None
         self._cond = threading.Condition()
@@ -220,10 +220,8 @@ class EngineLoop:
         return update
 
     def _publish_state(self) -> None:
-        sched = self.engine.scheduler
         look = self.engine.lookahead
-        self.metrics.set_engine_state(len(sched.running), len(sched.waiting),
-                                      self.engine.kv_usage(), self.engine.cache_stats(),
+        self.metrics.set_engine_state(*self.engine.queue_lengths(), self.engine.kv_usage(), self.engine.cache_stats(),
                                       look.stats.overall if look is not None else None)
 
     def _deliver(self, items: list[tuple[RequestHandle, StepUpdate | Exception]]) -> None:

@@ -64,7 +64,7 @@ def test_triton_paged_attention_against_reference(dtype, head_dim, group, q_lens
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_verify_with_a_tree_mask(dtype):
     from longctx.kernels import triton_attention
-    from longctx.runner import tree_ancestor_words
+    from longctx.lookahead.tree import tree_ancestor_words
 
     parents = [-1, 0, 1, -1, 3]  # two branches
     words = tree_ancestor_words(parents)

@@ -10,7 +10,7 @@ from longctx.kernels import reference, torch_paged
 from longctx.parallel import RingComm
 from longctx.parallel.paged_sp import PagedSPAttention, ShardedStep, StepSeq, assign_tokens
 from longctx.parallel.shm_comm import ShmComm
-from longctx.runner import tree_ancestor_words
+from longctx.lookahead.tree import tree_ancestor_words
 
 BS, D = 4, 16
 
