@@ -72,8 +72,3 @@ class HostKVPool:
 def device_pages(pool, device_ids: list[int]) -> torch.Tensor:
     """The bytes of device pages on the CPU, ``[P, L, 2, BS, Hkv, D]`` (for the disk tier)."""
     return pool.read_pages(device_ids)
-
-
-def store_device_page(pool, device_id: int, page: torch.Tensor) -> None:
-    """Write one page ``[L, 2, BS, Hkv, D]`` into device block ``device_id``."""
-    pool.write_pages([device_id], page[None])
