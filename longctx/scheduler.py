@@ -490,14 +490,15 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 break
-        num_accepted = min(sampled.num_accepted, len(tokens))
+        accepted = sampled.num_accepted
+        num_accepted = min(accepted, len(tokens))
         if self.drafter is not None:
             self.drafter.commit(req.request_id, tokens, sampled.num_drafted, num_accepted)
         if reason is not None:
             self.finish(req, reason)
-        elif sampled.num_accepted:
-            self.accept_draft(req.request_id, sampled.num_accepted)
-            if sampled.accepted_nodes != list(range(sampled.num_accepted)):  # some node moves
+        elif accepted:
+            self.accept_draft(req.request_id, accepted)
+            if sampled.accepted_nodes != list(range(accepted)):  # some node moves
                 self._draft_moves.append(DraftMove(list(seq.block_ids), seq.start_pos,
                                                    list(sampled.accepted_nodes), seq.tail_slot))
         logprobs = None if sampled.logprobs is None else sampled.logprobs[:len(tokens)]

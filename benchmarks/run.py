@@ -1,0 +1,114 @@
+"""One harness for the benchmarks: a result is data with a machine, a revision and a schema.
+
+Usage:  python benchmarks/run.py NAME [--allow-dirty] [-- SCRIPT ARGS ...]
+        python benchmarks/run.py --list
+
+Runs ``benchmarks/<script of NAME>`` with its own arguments plus ``--out`` and writes
+``benchmarks/results/<NAME>/<machine>/<git rev>.json``:
+
+    {"schema_version": 1, "bench": NAME, "machine": {cpu, cores, threads, torch, python, ...},
+     "git": {"rev": ..., "dirty": bool}, "command": [...], "started": ISO time,
+     "result": <what the script wrote>}
+
+``<machine>`` is the CPU model and core count as a folder name (``lscpu``'s model name), so
+results of Intel and AMD machines sit side by side. A working tree with changes is refused
+(the result could not be reproduced from its revision) unless ``--allow-dirty``, which the
+record then says (``git.dirty``). The script's own output (its table) streams through.
+Benchmarks that write their files themselves (no ``--out``) are not in ``BENCHES`` yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from machine import cpu_model, machine_info
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SCHEMA_VERSION = 1
+BENCHES = {  # name -> script taking --out FILE
+    "e2e": "bench_e2e.py",
+    "long": "bench_long.py",
+    "batch": "bench_batch.py",
+    "serve": "bench_serve.py",
+    "kernels": "bench_kernels.py",
+    "cpu-isa": "bench_cpu_isa.py",
+    "detok": "bench_detok.py",
+    "parallel": "bench_parallel.py",
+    "gpu": "bench_gpu.py",
+}
+
+
+def git(*cmd: str, cwd: Path = HERE) -> str:
+    return subprocess.run(["git", *cmd], cwd=cwd, capture_output=True, text=True).stdout.strip()
+
+
+def tree_is_dirty(cwd: Path = HERE) -> bool:
+    return bool(git("status", "--porcelain", cwd=cwd))
+
+
+def machine_slug(cpu: str, cores: int | None) -> str:
+    """``Intel(R) Xeon(R) Processor``, 2 -> ``intel-xeon-processor-2c``."""
+    words = re.sub(r"\((r|tm)\)", " ", cpu.lower())
+    return "-".join(re.findall(r"[a-z0-9]+", words)) + f"-{cores or 0}c"
+
+
+def result_path(name: str, machine: str, rev: str, root: Path = RESULTS) -> Path:
+    return root / name / machine / f"{rev}.json"
+
+
+def run(name: str, script_args: list[str], allow_dirty: bool = False, script: Path | None = None,
+        root: Path = RESULTS) -> tuple[int, Path | None]:
+    """Run benchmark ``name``; returns (the script's exit code, the record written or None)."""
+    dirty = tree_is_dirty()
+    if dirty and not allow_dirty:
+        print(f"run.py: the working tree has changes: commit them, or pass --allow-dirty "
+              f"(the record will say so)", file=sys.stderr)
+        return 2, None
+    script = script or HERE / BENCHES[name]
+    rev = git("rev-parse", "--short", "HEAD") or "unknown"
+    info = machine_info()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, str(script), *script_args, "--out", str(out)]
+        rc = subprocess.run(command).returncode
+        if rc != 0 or not out.exists():
+            print(f"run.py: {script.name} exited with {rc}; nothing recorded", file=sys.stderr)
+            return rc or 1, None
+        result = json.loads(out.read_text())
+    record = {"schema_version": SCHEMA_VERSION, "bench": name, "machine": info,
+              "git": {"rev": rev, "dirty": dirty}, "command": [Path(command[1]).name, *script_args],
+              "started": started, "result": result}
+    path = result_path(name, machine_slug(cpu_model(), info.get("cores")), rev + ("-dirty" if dirty else ""), root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"run.py: wrote {path.relative_to(root.parent) if root.parent in path.parents else path}")
+    return 0, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", nargs="?", choices=sorted(BENCHES))
+    ap.add_argument("--allow-dirty", action="store_true", help="run from a tree with changes (recorded)")
+    ap.add_argument("--list", action="store_true", help="list the benchmarks and their scripts")
+    args = ap.parse_args(own)
+    if args.list or args.name is None:
+        for name, script in sorted(BENCHES.items()):
+            print(f"{name:10} benchmarks/{script}")
+        return 0 if args.list else 2
+    return run(args.name, script_args, args.allow_dirty)[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
