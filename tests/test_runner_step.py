@@ -67,7 +67,7 @@ def test_a_decode_step_is_one_upload_and_one_download(folder):
     updates, uploads, downloads, reads = probe_step(engine)
     assert [len(u.new_token_ids) for u in updates] == [1, 1, 1]
     assert (uploads, downloads) == (1, 1)
-    assert dict(reads) == {"tolist at runner.py:download": 1}
+    assert dict(reads) == {"tolist at step_inputs.py:download": 1}
 
 
 def test_a_mixed_prefill_and_decode_step_too(folder):
@@ -77,7 +77,7 @@ def test_a_mixed_prefill_and_decode_step_too(folder):
     engine.add_request(tokens(150, 2), GREEDY)  # a prefill chunk beside the decode
     _, uploads, downloads, reads = probe_step(engine)
     assert (uploads, downloads) == (1, 1)
-    assert dict(reads) == {"tolist at runner.py:download": 1}
+    assert dict(reads) == {"tolist at step_inputs.py:download": 1}
 
 
 def test_a_lookahead_verify_step_too(folder):
@@ -88,7 +88,7 @@ def test_a_lookahead_verify_step_too(folder):
     for _ in range(10):
         updates, uploads, downloads, reads = probe_step(engine)
         assert (uploads, downloads) == (1, 1)
-        assert dict(reads) == {"tolist at runner.py:download": 1}
+        assert dict(reads) == {"tolist at step_inputs.py:download": 1}
         if any(len(u.new_token_ids) > 1 for u in updates):
             seen_verify = True
         if not engine.has_unfinished():
@@ -103,7 +103,7 @@ def test_a_sampled_step_adds_one_upload_of_the_sampling_parameters(folder):
     engine.step()
     _, uploads, downloads, reads = probe_step(engine)
     assert (uploads, downloads) == (2, 1)
-    assert dict(reads) == {"tolist at runner.py:download": 1}
+    assert dict(reads) == {"tolist at step_inputs.py:download": 1}
 
 
 def test_the_probe_sees_a_read_back():
