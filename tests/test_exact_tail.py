@@ -243,6 +243,8 @@ def test_the_c_tail_call_refuses_what_it_does_not_take():
     step = cpu_decode.tail_step_args(*steps, tail.num_groups, tail.qw, tail.kw, 1)
     with pytest.raises(ValueError, match="must be a contiguous float32"):
         cpu_decode.tail_exchange_layer(step, q, out, lse, kc, vc, ks, vs, None, None, sk, sv, k.double(), v, 0.25, 1)
-    assert torch.equal(out, before[0]) and torch.equal(lse, before[1]) and torch.equal(sk, before[2])
+    # (the store's untouched rows are uninitialised memory, NaN at times: compared bit for bit)
+    assert torch.equal(out, before[0]) and torch.equal(lse, before[1])
+    assert torch.equal(sk.view(torch.int32), before[2].view(torch.int32))
     cpu_decode.tail_exchange(*args)  # the same call, well formed, runs and writes
     assert not torch.equal(out, before[0])
