@@ -71,12 +71,7 @@ class AttentionPlan:
     kv: KVStepPlan | None = None
     kernel_cache: dict = field(default_factory=dict)
     split_linear: Any = None  # the model's products as they are (sequence parallelism brings its own)
-
-    @property
-    def extents(self) -> tuple[int, int] | None:
-        """(max query length, max context length) from the host, when the runner knows them."""
-        m = self.meta
-        return None if m.max_query_len is None else (m.max_query_len, m.max_context_len)
+    extents: tuple[int, int] | None = None  # (max query length, max context length), when the host knows them
 
 
 class PagedAttentionBackend:
@@ -92,7 +87,8 @@ class PagedAttentionBackend:
     def plan(self, meta: AttentionMetadata) -> AttentionPlan:
         if meta.kv_caches is None:
             return AttentionPlan(meta)
-        plan = AttentionPlan(meta, meta.kv_format.plan(meta, meta.cu_seqlens_q.device))
+        extents = None if meta.max_query_len is None else (meta.max_query_len, meta.max_context_len)
+        plan = AttentionPlan(meta, meta.kv_format.plan(meta, meta.cu_seqlens_q.device), extents=extents)
         if meta.host_block_table is not None:
             plan.kernel_cache["host"] = (meta.host_block_table, meta.context_lens, meta.query_lens)
         return plan

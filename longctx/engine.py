@@ -63,7 +63,6 @@ class LLMEngine:
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
-        self.kv_dtype = self.kv_format.storage_dtype
         if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
             budget = profile_kv_cache_gb(self.model, backend, self.device, sched.max_num_batched_tokens,
                                          cache.gpu_memory_utilization)
@@ -103,6 +102,11 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self._ids = itertools.count()
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV pages store (the format's storage dtype)."""
+        return self.kv_format.storage_dtype
 
     def capture_step_graphs(self, max_batch: int, capture: bool = True, max_draft: int = 0) -> StepGraphs:
         """Reserve a scratch page for padded rows and (on CUDA) capture the graphs of decode

@@ -196,10 +196,21 @@ class Int8Pages(FloatPages):
         return kv_quant.dequantize_rows(layer[kv], layer[2 + kv], slots)
 
     def write_rows(self, layer: tuple[torch.Tensor, ...], kv: int, rows: torch.Tensor, slots: torch.Tensor,
-                   host_slots: list[int]) -> None:
-        """Written again under the destination pages' scales (raising them as needed)."""
-        starts = kv_quant.run_starts(torch.tensor(host_slots, dtype=torch.long), layer[0].shape[1])
+                   host_slots: list[int], starts: torch.Tensor | None = None) -> None:
+        """Written again under the destination pages' scales (raising them as needed).
+        ``starts``: ``kv_quant.run_starts`` of the slots, when the caller has it already."""
+        if starts is None:
+            starts = kv_quant.run_starts(torch.tensor(host_slots, dtype=torch.long), layer[0].shape[1])
         kv_quant.write_int8(layer[kv], layer[2 + kv], rows, slots, starts.to(slots.device))
+
+    def move_slots(self, caches: list[tuple[torch.Tensor, ...]], src: list[int], dst: list[int]) -> None:
+        """As float pages, the destination runs found once for every layer."""
+        device = caches[0][0].device
+        s, d = (torch.tensor(x, dtype=torch.long, device=device) for x in (src, dst))
+        starts = kv_quant.run_starts(torch.tensor(dst, dtype=torch.long), caches[0][0].shape[1]).to(device)
+        for layer in caches:
+            for kv in range(2):
+                self.write_rows(layer, kv, self.read_rows(layer, kv, s), d, dst, starts)
 
     def tail_store(self, num_slots: int, block_size: int, device: torch.device) -> TailStore | None:
         if not self.exact_tail:
