@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":  # imported lazily: it pulls in torch and transformers
-        from longctx.api import LLM
+        from longctx.entrypoints.api import LLM
 
         return LLM
     raise AttributeError(f"module 'longctx' has no attribute {name!r}")

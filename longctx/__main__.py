@@ -1,5 +1,5 @@
 import sys
 
-from longctx.cli import main
+from longctx.entrypoints.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 Owns: the list (``ENV_VARS``) and the one resolution of the cache folder. The variables are
 read where they act (the C kernels' build in ``longctx.kernels.cpu_build``, which imports
-nothing of ``longctx``; torchrun's in ``longctx.torchrun`` / ``longctx.parallel.comm``);
+nothing of ``longctx``; torchrun's in ``longctx.entrypoints.torchrun`` / ``longctx.parallel.comm``);
 ``tests/test_settings.py`` fails when code reads one that is not listed here. Settings of the
 engine itself are config fields (``longctx.config``), never environment variables.
 """
@@ -22,7 +22,7 @@ ENV_VARS: dict[str, str] = {
     "LONGCTX_CPU_ISA": "build the C kernels for this instruction-set level (avx512bf16, avx512, "
                        "avx2, portable, native) instead of the best the CPU supports",
     "LONGCTX_API_KEY": "the API key `longctx serve` requires when --api-key is not given",
-    "LONGCTX_SP_TORCHRUN": "internal: set by `python -m longctx.torchrun` on rank 0 (the ranks' "
+    "LONGCTX_SP_TORCHRUN": "internal: set by `python -m longctx.entrypoints.torchrun` on rank 0 (the ranks' "
                            "torchrun variables, handed to the engine)",
     "CC": "the C compiler for the kernels (default: cc, then gcc)",
     # set by torchrun (sequence parallelism across processes or machines) and batch sharding

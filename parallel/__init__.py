@@ -5,7 +5,7 @@ stays sharded (whole sequences or paged, for the engine), and the log-sum-exp me
     from longctx.parallel.paged_sp import PagedSPAttention          # the engine's SP backend
 
 These need only torch, torch.distributed and ``longctx.kernels``; the engine's ranks live in
-``longctx.sp``. ``spawn_ranks`` starts fresh ranks for the primitives' tests and benchmarks.
+``longctx.engine.sp``. ``spawn_ranks`` starts fresh ranks for the primitives' tests and benchmarks.
 See docs/parallel.md.
 """
 

@@ -3,7 +3,7 @@ and attention primitives start their process groups.
 
 Owns: ``spawn_ranks`` (N fresh processes, one process group over a rendezvous file, a
 function run on each, results or a clear error back).
-Never: the engine's ranks (``longctx.sp`` starts those once, for an engine's lifetime).
+Never: the engine's ranks (``longctx.engine.sp`` starts those once, for an engine's lifetime).
 
 Failure handling, so nothing hangs:
 

@@ -1,4 +1,4 @@
-"""``longctx batch`` (longctx.batch): records and their error lines, grouping and sharding,
+"""``longctx batch`` (longctx.entrypoints.batch): records and their error lines, grouping and sharding,
 result files (partial lines, parts, merging), and whole jobs on a tiny random Llama in real
 subprocesses: killed with SIGKILL mid-run and resumed, ``--num-workers 2`` and torchrun with
 two ranks, each compared with an uninterrupted single-worker run (greedy)."""
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from longctx import batch
-from longctx.batch import BatchConfig, ProgressBar, ResultLog, read_records
+from longctx.entrypoints import batch
+from longctx.entrypoints.batch import BatchConfig, ProgressBar, ResultLog, read_records
 from longctx.config import ConfigError
 from tiny_models import make_engine_checkpoint, results_by_key
 

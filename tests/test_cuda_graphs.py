@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longctx import LLM, SamplingParams
-from longctx.cuda_graphs import MAX_GRAPH_TOKENS, graph_batch_sizes, graph_shapes
+from longctx.engine.cuda_graphs import MAX_GRAPH_TOKENS, graph_batch_sizes, graph_shapes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization (longctx.detokenizer): after every token the text equals
+"""Incremental detokenization (longctx.engine.detokenizer): after every token the text equals
 ``tokenizer.decode(all ids, skip_special_tokens=...)``, for the real default model's
 tokenizer (GGUF SmolLM2, byte-level BPE), the tiny test tokenizer and sentencepiece-style
 decoders (Metaspace, ByteFallback + Strip); a full decode for tokenizers it cannot handle; a
@@ -13,9 +13,9 @@ import random
 import pytest
 
 from longctx import LLM, SamplingParams
-from longctx.detokenizer import Detokenizer, IncrementalDetokenizer, _Plan, make_detokenizer, plan_for
-from longctx.output_processor import OutputProcessor, StepUpdate
-from longctx.outputs import RequestUpdate, RunnerOutput, SchedulerOutput
+from longctx.engine.detokenizer import Detokenizer, IncrementalDetokenizer, _Plan, make_detokenizer, plan_for
+from longctx.engine.output_processor import OutputProcessor, StepUpdate
+from longctx.engine.outputs import RequestUpdate, RunnerOutput, SchedulerOutput
 from tiny_models import write_char_tokenizer
 
 TEXTS = [

@@ -8,7 +8,7 @@ import torch
 
 from longctx import LLM, SamplingParams
 from longctx.config import ConfigError
-from longctx.scheduler import RequestTooLongError
+from longctx.engine.scheduler import RequestTooLongError
 from tiny_models import hf_greedy, make_engine_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -44,7 +44,7 @@ def test_batch_equals_solo_runs(tiny):
     solo = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
     assert batch == solo
     llm.clear_prefix_cache()  # cached pages are the only ones still held
-    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert llm.engine.kv_usage()["device"]["free"] == llm.engine.kv_usage()["device"]["total"]
 
 
 def test_latency_mode_batch_equals_solo_runs_and_transformers(tiny):
@@ -68,10 +68,10 @@ def test_pool_running_dry_preempts_and_still_matches(tiny):
     # 12 pages of 16 tokens: each request alone fits (<= 10 pages), all four together do not
     tight = LLM(folder, block_size=16, max_num_batched_tokens=64, num_blocks=12)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats()["preemptions"] > 0
     assert got == expected
     tight.clear_prefix_cache()
-    assert tight.engine.pool.num_free == 12
+    assert tight.engine.kv_usage()["device"]["free"] == 12
 
 
 def test_prompt_that_can_never_fit_is_rejected_before_work(tiny):
@@ -168,10 +168,10 @@ def test_abandoned_stream_frees_its_pages(tiny):
     llm = LLM(folder, block_size=16)
     stream = llm.stream({"prompt_token_ids": _prompts([100])[0]}, GREEDY)
     next(stream)
-    assert llm.engine.pool.num_free < llm.engine.pool.num_blocks
+    assert llm.engine.kv_usage()["device"]["free"] < llm.engine.kv_usage()["device"]["total"]
     stream.close()
     llm.clear_prefix_cache()  # cached pages are the only ones still held
-    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert llm.engine.kv_usage()["device"]["free"] == llm.engine.kv_usage()["device"]["total"]
     assert not llm.engine.has_unfinished()
 
 

@@ -26,8 +26,8 @@ from longctx.kv import exact_tail
 from longctx.kv.exact_tail import TailStore
 from longctx.kv.formats import FloatPages, Int8Pages
 from longctx.lookahead.tree import tree_ancestor_words, tree_depths
-from longctx.runner import ModelRunner
-from longctx.outputs import DraftMove, ScheduledSeq, SchedulerOutput
+from longctx.engine.runner import ModelRunner
+from longctx.engine.outputs import DraftMove, ScheduledSeq, SchedulerOutput
 
 BS, D, TOL = 8, 16, 2e-5
 

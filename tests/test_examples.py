@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx.batch import read_results
+from longctx.entrypoints.batch import read_results
 from tiny_models import make_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

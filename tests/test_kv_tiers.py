@@ -14,7 +14,6 @@ from longctx import LLM, SamplingParams
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import DiskLoad, DiskSave, HostLoad, HostSave
-from longctx.scheduler import RequestStatus
 from tiny_models import random_tokens
 
 BLOCK = 16
@@ -67,10 +66,17 @@ def persisted(folder, tmp_path):
     return str(tmp_path)
 
 
+def pages_add_up(engine) -> bool:
+    """Every device page is free, reserved, in use by a request or cached by the prefix
+    store (none leaked)."""
+    dev = engine.kv_usage()["device"]
+    return dev["in_use"] + dev["cached"] + dev["free"] + dev["reserved"] == dev["total"]
+
+
 def test_host_tier_only_when_asked_for_on_the_cpu(folder):
-    assert _llm(folder).engine.prefix_cache.host_kv is None
-    llm = _llm(folder, host_cache_gb=0.01)
-    assert isinstance(llm.engine.prefix_cache.host_kv, HostKVPool)
+    assert "host" not in _llm(folder).engine.kv_usage()
+    usage = _llm(folder, host_cache_gb=0.01).engine.kv_usage()
+    assert usage["host"]["free"] > 0 and usage["host"]["cached"] == 0
 
 
 def test_schedule_plans_copies_and_never_runs_them(folder, monkeypatch, tmp_path):
@@ -142,8 +148,7 @@ def test_decode_goes_on_while_another_request_loads_from_disk(folder, cold, pers
     tokens_while_loading = 0
     for _ in range(8):
         updates = {u.request_id: u for u in engine.step()}
-        assert engine.scheduler.is_loading(doc)
-        assert engine.scheduler.requests[doc].status == RequestStatus.LOADING
+        assert engine.request_state(doc) == "loading"
         assert doc not in updates  # nothing of it runs while its pages are read
         tokens_while_loading += len(updates[stream].new_token_ids)
     assert tokens_while_loading >= 8  # one token (or more, with lookahead) every step
@@ -159,19 +164,21 @@ def test_an_aborted_load_writes_nothing_and_frees_its_pages(folder, cold, persis
     llm = _llm(folder, disk_cache_dir=persisted)
     engine = llm.engine
     disk = SlowDisk(monkeypatch)
-    free_before = engine.pool.num_free
+    free_before = engine.kv_usage()["device"]["free"]
     doc = engine.add_request(DOC + QUESTION, GREEDY)
     engine.step()
-    assert engine.scheduler.is_loading(doc)
-    assert engine.pool.num_free == free_before - 12  # its pages are reserved
+    assert engine.request_state(doc) == "loading"
+    assert engine.kv_usage()["device"]["in_use"] == 12  # the pages it reads into are its own
+    assert engine.kv_usage()["device"]["free"] == free_before - 12
     writes = []
     monkeypatch.setattr(engine.kv_mover, "write_pages", lambda ids, pages: writes.append(ids))
     engine.abort(doc)
-    assert engine.pool.num_free == free_before and not engine.has_unfinished()
+    assert engine.request_state(doc) is None and not engine.has_unfinished()
+    assert engine.kv_usage()["device"]["free"] == free_before
     disk.release()
     engine.kv_mover.flush()
     engine.step()  # picks the finished read up, and drops it
-    assert writes == [] and engine.pool.num_free == free_before
+    assert writes == [] and engine.kv_usage()["device"]["free"] == free_before
     monkeypatch.undo()
     assert _ids(llm, DOC + QUESTION) == cold["question"]
 
@@ -185,13 +192,10 @@ def test_a_bad_page_ends_the_disk_hit_and_frees_the_rest(folder, cold, persisted
     payload = bytearray(store.path(keys[5]).read_bytes())
     payload[-1] ^= 0xFF
     store.path(keys[5]).write_bytes(bytes(payload))
-    free_before = llm.engine.pool.num_free
     assert _ids(llm, DOC + QUESTION) == cold["question"]
     stats = llm.cache_stats()
     assert stats.hit_tokens["disk"] == 5 * BLOCK and stats.disk_misses == {"checksum": 1}
-    # every block is back with the pool or held by the prefix store (none leaked)
-    held = llm.engine.prefix_cache.tree.num_device_pages
-    assert llm.engine.pool.num_free + held == free_before
+    assert pages_add_up(llm.engine) and llm.engine.kv_usage()["device"]["in_use"] == 0
 
 
 def test_orders_are_plain_data():
@@ -206,21 +210,20 @@ def test_a_stale_read_of_a_reused_request_id_is_not_applied(folder, cold, persis
     llm = _llm(folder, disk_cache_dir=persisted)
     engine = llm.engine
     disk = SlowDisk(monkeypatch)
-    free_before = engine.pool.num_free
     engine.add_request(DOC + QUESTION, GREEDY, request_id="doc")
     engine.step()
-    first = engine.scheduler.requests["doc"].disk_load
+    assert engine.request_state("doc") == "loading"
     engine.abort("doc")
     engine.add_request(_tokens(40, seed=8), GREEDY, request_id="other")
     engine.step()  # "other" takes the lowest free blocks: the new read gets other ones
     engine.add_request(DOC + QUESTION, GREEDY, request_id="doc")  # the same id, a new read
     engine.step()
-    assert engine.scheduler.requests["doc"].disk_load is not first
+    assert engine.request_state("doc") == "loading"  # a new read (the first one was dropped)
     disk.release()
     outputs = run_to_end(engine)
     assert outputs["doc"].outputs[0].token_ids == cold["question"]
-    held = engine.prefix_cache.tree.num_device_pages
-    assert engine.pool.num_free + held == free_before  # the first read's blocks did not leak
+    assert pages_add_up(engine)  # the first read's blocks did not leak
+    assert engine.kv_usage()["device"]["in_use"] == 0
 
 
 def test_a_page_that_cannot_be_written_is_a_write_miss(tmp_path, monkeypatch):

@@ -60,7 +60,7 @@ def test_output_logprobs_are_the_raw_distribution(tiny_engine_folder, hf_logprob
 
 
 def test_prompt_logprobs_are_refused_under_sequence_parallelism(tiny_engine_folder):
-    from longctx.engine import LLMEngine  # noqa: F401 - the check is in add_request
+    from longctx.engine.llm_engine import LLMEngine  # noqa: F401 - the check is in add_request
 
     llm = LLM(tiny_engine_folder, block_size=16)
     llm.engine.sequence_parallel_size = 2  # what an SP engine reports (no ranks needed for the check)

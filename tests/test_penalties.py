@@ -342,7 +342,7 @@ def test_the_lookahead_check_fails_if_draft_rows_ignore_their_paths(tiny, plain_
 @pytest.mark.parametrize("command", [["generate", "hi"], ["batch", "in.jsonl", "-o", "out.jsonl"],
                                      ["summarize", "doc.txt"], ["ask", "doc.txt", "Who?"]])
 def test_cli_sampling_flags_reach_sampling_params(command):
-    from longctx import cli
+    from longctx.entrypoints import cli
 
     args = cli.build_parser().parse_args(command + [
         "--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
@@ -356,15 +356,15 @@ def test_cli_sampling_flags_reach_sampling_params(command):
 
 
 def test_cli_bad_penalty_is_one_line_exit_2(capsys):
-    from longctx import cli
+    from longctx.entrypoints import cli
 
     assert cli.main(["generate", "hi", "--presence-penalty", "3"]) == 2
     assert capsys.readouterr().err.strip() == "longctx: error: presence_penalty must be in [-2, 2], got 3.0"
 
 
 def test_summarize_and_ask_default_to_a_mild_frequency_penalty(tmp_path):
-    from longctx import cli, tasks
-    from longctx.batch import parse_record
+    from longctx.entrypoints import cli, tasks
+    from longctx.entrypoints.batch import parse_record
 
     assert tasks.task_params(None, 50).frequency_penalty == tasks.TASK_FREQUENCY_PENALTY == 0.3
     given = SamplingParams(temperature=0.0, frequency_penalty=0.0)

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from longctx import batch, cli
-from longctx.batch import ProgressBar, progress_bar, progress_enabled
+from longctx.entrypoints import batch, cli
+from longctx.entrypoints.batch import ProgressBar, progress_bar, progress_enabled
 from tiny_models import make_engine_checkpoint
 
 ENGINE = ["--block-size", "16", "--max-num-batched-tokens", "32"]

@@ -1,4 +1,4 @@
-"""Batch jobs on Ray (longctx.ray_batch): one local Ray cluster for the module (4 logical
+"""Batch jobs on Ray (longctx.entrypoints.ray_batch): one local Ray cluster for the module (4 logical
 CPUs), two actors with one torch thread each, a tiny random Llama, 8 records over 2 documents
 plus bad lines. Every record once, results equal to the local path's (greedy), each document's
 records on one actor, a SIGKILLed ``longctx batch --ray`` resumed without losses or duplicates,
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from longctx import batch, cli
-from longctx.batch import BatchJob
+from longctx.entrypoints import batch, cli
+from longctx.entrypoints.batch import BatchJob
 from longctx.config import ConfigError
 from tiny_models import results_by_key, strip_timings
 
@@ -104,7 +104,7 @@ def test_without_ray_the_error_says_what_to_install(tmp_path, monkeypatch, capsy
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": 1, "task": "generate", "prompt": "p"}) + "\n")
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    from longctx.ray_batch import require_ray
+    from longctx.entrypoints.ray_batch import require_ray
 
     with pytest.raises(ConfigError, match=r"install longctx\[ray\]"):
         require_ray()
@@ -126,7 +126,7 @@ def test_ray_flag_errors(tmp_path, capsys):
 
 def test_batch_rows_of_every_ray_data_format():
     np = pytest.importorskip("numpy")
-    from longctx.ray_batch import _batch_rows
+    from longctx.entrypoints.ray_batch import _batch_rows
 
     text = {"text": np.array(['{"id": 1}', "oops"], dtype=object)}
     assert list(_batch_rows(text)) == [(None, '{"id": 1}'), (None, "oops")]
@@ -143,7 +143,7 @@ def test_batch_rows_of_every_ray_data_format():
 
 @needs_ray
 def test_ray_job_equals_local_one_actor_per_document(cluster, tiny, job_input, expected, tmp_path):
-    from longctx.ray_batch import run_ray_batch
+    from longctx.entrypoints.ray_batch import run_ray_batch
 
     out = tmp_path / "out.jsonl"
     job = _job(job_input, out, tiny, "--num-threads", "1")
@@ -190,7 +190,7 @@ def test_killed_ray_cli_resumes_without_losses_or_duplicates(cluster, tiny, job_
 def test_map_batches_entry_on_ray_data(cluster, tiny, job_input, expected):
     import ray
 
-    from longctx.ray_batch import LongctxPredictor
+    from longctx.entrypoints.ray_batch import LongctxPredictor
 
     engine = {"model": tiny, "block_size": 16, "num_threads": 1}
     ds = ray.data.read_text(str(job_input)).map_batches(

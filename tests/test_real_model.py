@@ -81,7 +81,7 @@ def test_batch_of_four_equals_solo_runs(llm, document_ids):
     solo = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
     assert batch == solo
     llm.clear_prefix_cache()  # cached pages are the only ones still held
-    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert llm.engine.kv_usage()["device"]["free"] == llm.engine.kv_usage()["device"]["total"]
 
 
 # ---------------------------------------------------------------------- repetition penalty

@@ -82,7 +82,7 @@ def test_default_window_stretches_with_the_override(tiny, caplog):
     llm = LLM(str(tiny), rope_scaling=OVERRIDES["yarn"], lookahead=False)
     assert llm.engine.max_model_len == 4 * WINDOW  # original_max_position_embeddings * factor
     assert LLM(str(tiny), lookahead=False).engine.max_model_len == WINDOW
-    with caplog.at_level(logging.WARNING, logger="longctx.engine"):
+    with caplog.at_level(logging.WARNING, logger="longctx.engine.llm_engine"):
         LLM(str(tiny), max_model_len=2 * WINDOW, lookahead=False)  # allowed, as before, but said
     assert any("no rope_scaling is given" in r.getMessage() for r in caplog.records)
 
@@ -118,7 +118,7 @@ def test_rope_scaling_json_and_hf_spelling():
 
 
 def test_cli_flag_reaches_the_engine_config():
-    from longctx import cli
+    from longctx.entrypoints import cli
     from longctx.config import split_engine_kwargs
 
     override = json.dumps(OVERRIDES["yarn"])
@@ -129,7 +129,7 @@ def test_cli_flag_reaches_the_engine_config():
 
 
 def test_cli_bad_rope_scaling_exits_2(capsys):
-    from longctx import cli
+    from longctx.entrypoints import cli
 
     assert cli.main(["generate", "hi", "--rope-scaling", '{"rope_type": "yarn", "factor": -1}']) == 2
     assert "rope_scaling factor must be positive" in capsys.readouterr().err
@@ -167,7 +167,7 @@ def test_prefix_cache_never_shares_pages_across_rope_settings(tiny, tmp_path):
 # ---------------------------------------------------------------------- tasks take more whole
 
 def test_summarize_and_ask_take_a_longer_document_whole(tiny):
-    from longctx.tasks import ask, summarize
+    from longctx.entrypoints.tasks import ask, summarize
 
     document = ("The quick brown fox jumps over the lazy dog. " * 60).strip()  # ~2,700 characters
     short = LLM(str(tiny), lookahead=False)
@@ -202,7 +202,7 @@ def test_default_model_two_layers_at_32k_matches_hf(monkeypatch):
     """SmolLM2 (an 8K window) cut to its first two layers on both sides, yarn x4, a ~32K-token
     prompt through the engine (chunked prefill, paged KV): the last-position logits equal HF's
     within the real-model tolerance (1e-3 relative)."""
-    import longctx.engine as engine_module
+    import longctx.engine.llm_engine as engine_module
     from longctx.model.loader import load_model, load_row_kernel_model
 
     path = _gguf()

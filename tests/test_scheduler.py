@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
 from longctx.sampling_params import SamplingParams
-from longctx.outputs import RunnerOutput, SampledSeq, ScheduledSeq, SchedulerOutput
-from longctx.scheduler import Request, RequestStatus, RequestTooLongError, Scheduler, chunk_cost, tokens_for_cost
+from longctx.engine.outputs import RunnerOutput, SampledSeq, ScheduledSeq, SchedulerOutput
+from longctx.engine.scheduler import Request, RequestStatus, RequestTooLongError, Scheduler, chunk_cost, tokens_for_cost
 
 
 def make_scheduler(budget: int, num_blocks: int, block_size: int, max_model_len: int = 64,
@@ -70,7 +70,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> int:
 
 
 def test_scheduler_module_does_not_import_torch():
-    code = "import sys, longctx.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, longctx.engine.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr

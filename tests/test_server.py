@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from longctx import LLM, SamplingParams
-from longctx.output_processor import partial_stop_len
-from longctx.server.engine_loop import EngineLoop
+from longctx.engine.output_processor import partial_stop_len
+from longctx.entrypoints.server.engine_loop import EngineLoop
 from tiny_models import make_engine_checkpoint
 
 ENGINE_FLAGS = ["--block-size", "16", "--num-blocks", "256", "--max-num-batched-tokens", "256"]
@@ -539,10 +539,10 @@ def test_engine_failure_gives_503_and_unhealthy(folder):
     from fastapi.testclient import TestClient
 
     from longctx.config import split_engine_kwargs
-    from longctx.engine import LLMEngine
-    from longctx.server.app import create_app
-    from longctx.server.config import ServerConfig
-    from longctx.server.metrics import ServerMetrics
+    from longctx.engine.llm_engine import LLMEngine
+    from longctx.entrypoints.server.app import create_app
+    from longctx.entrypoints.server.config import ServerConfig
+    from longctx.entrypoints.server.metrics import ServerMetrics
 
     engine = LLMEngine(*split_engine_kwargs({"model": folder, "block_size": 16, "num_blocks": 64}))
 

@@ -1,4 +1,4 @@
-"""Document tasks (longctx.tasks): splitting at paragraph/sentence/token boundaries, BM25,
+"""Document tasks (longctx.entrypoints.tasks): splitting at paragraph/sentence/token boundaries, BM25,
 documents as text or path, map-reduce summaries and questions sharing the document's prefix.
 
 Fast tests use a character-level tokenizer (one token per character, so token counts are
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from longctx import LLM, SamplingParams, tasks
+from longctx import LLM, SamplingParams
+
+from longctx.entrypoints import tasks
 from tiny_models import make_engine_checkpoint, write_char_tokenizer
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")

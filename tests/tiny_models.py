@@ -198,7 +198,7 @@ def strip_timings(value):
 
 def results_by_key(out) -> dict[str, dict]:
     """A batch job's result lines by record key, timings stripped; no key may repeat."""
-    from longctx import batch
+    from longctx.entrypoints import batch
 
     results = batch.read_results(out)
     keys = [batch.result_key(r) for r in results]

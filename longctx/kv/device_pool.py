@@ -4,7 +4,7 @@ Owns: per layer the caches of its KV format (``longctx.kv.formats``: float pages
 tensor for K and one for V, each ``[NB, BS, Hkv, D]``, the layout flash-attn's paged API and
 vLLM use), sized from the cache budget; whole pages read out and written in
 (``read_pages``/``write_pages``, ``[P, *page_shape]``), the one interface the host and disk
-tiers use, so a pool whose pages are spread over ranks (``longctx.sp.ShardedKVPool``) serves
+tiers use, so a pool whose pages are spread over ranks (``longctx.engine.sp.ShardedKVPool``) serves
 them the same way.
 Never: deciding which block is whose (``longctx.cache``) or what runs when (the scheduler).
 
@@ -24,7 +24,7 @@ from longctx.kv.formats import FloatPages
 
 class KVPages(Protocol):
     """What the runner, the tiers and the prefix store use of a pool: ``DeviceKVPool`` (one
-    process) and ``longctx.sp.ShardedKVPool`` (pages spread over ranks) both are one."""
+    process) and ``longctx.engine.sp.ShardedKVPool`` (pages spread over ranks) both are one."""
 
     num_blocks: int
     block_size: int

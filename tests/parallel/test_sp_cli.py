@@ -10,7 +10,7 @@ import pytest
 from tiny_models import make_engine_checkpoint
 
 from longctx import LLM, SamplingParams
-from longctx.sp import SequenceParallelError
+from longctx.engine.sp import SequenceParallelError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
@@ -41,7 +41,7 @@ def test_llm_with_sequence_parallel_size_equals_single_process(folder):
 
 def test_cli_generate_sp2_prints_the_single_process_text(folder):
     def run(*extra):
-        cmd = [sys.executable, "-m", "longctx.cli", "generate", PROMPT, "--model", folder,
+        cmd = [sys.executable, "-m", "longctx.entrypoints.cli", "generate", PROMPT, "--model", folder,
                "--block-size", "16", "--max-num-batched-tokens", "64", "--max-tokens", "10",
                "--ignore-eos", *extra]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

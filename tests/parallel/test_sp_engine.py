@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tiny_models import make_engine_checkpoint
 
 from longctx import LLM, SamplingParams
-from longctx.sp import SequenceParallelError
+from longctx.engine.sp import SequenceParallelError
 
 BLOCK = 16
 VOCAB = 160  # tiny_models.BASE
@@ -132,7 +132,7 @@ def test_mixed_batch_equals_one_rank(folder, sp, chunk, lookahead):
     expected = _one_rank_outputs(folder, chunk, lookahead)
     with _llm(folder, sp, max_num_batched_tokens=chunk, lookahead=lookahead) as llm:
         engine = llm.engine
-        assert len(llm.engine.runner.worker_pids()) == sp - 1
+        assert len(llm.engine.worker_pids()) == sp - 1
         assert engine.kv.num_blocks == sp * engine.kv.local.num_blocks  # pages of every rank
         outs = llm.generate(_prompts(MIXED), _greedy(MIXED_TOKENS))
         assert _ids(outs) == _ids(expected)
@@ -145,7 +145,7 @@ def test_mixed_batch_equals_one_rank(folder, sp, chunk, lookahead):
             assert accepted == [0, 0, 0, 0]
         assert not engine.has_unfinished()
         llm.clear_prefix_cache()  # cached pages are the only ones still held
-        assert engine.pool.num_free == engine.pool.num_blocks
+        assert engine.kv_usage()["device"]["free"] == engine.kv_usage()["device"]["total"]
 
 
 # ---------------------------------------------------------------------- one engine, many uses
@@ -163,7 +163,7 @@ def sp_llm(request, folder):
     """One sequence-parallel engine per world size for all of ``TestOneEngine``."""
     assert not dist.is_initialized()
     with _llm(folder, request.param) as llm:
-        llm.started_pids = list(llm.engine.runner.worker_pids())
+        llm.started_pids = list(llm.engine.worker_pids())
         yield llm
 
 
@@ -233,12 +233,12 @@ class TestOneEngine:
         assert got.shared_prefix_tokens == ref.shared_prefix_tokens > len(doc)
 
     def test_ranks_start_once_and_stay(self, sp_llm):
-        pids = sp_llm.engine.runner.worker_pids()
+        pids = sp_llm.engine.worker_pids()
         assert pids == sp_llm.started_pids and len(pids) == sp_llm.sequence_parallel_size - 1
         for i in range(10):
             out = sp_llm.generate({"prompt_token_ids": _tokens(20 + 9 * i, seed=40 + i)}, _greedy(3))
             assert len(out[0].outputs[0].token_ids) == 3
-            assert sp_llm.engine.runner.worker_pids() == pids
+            assert sp_llm.engine.worker_pids() == pids
         me = os.getpid()
         children = {p.pid for p in psutil.Process(me).children()}
         for pid in pids:
@@ -277,7 +277,7 @@ def test_device_tier_hit_under_sp(folder, cold):
 def test_host_tier_hit_under_sp(folder, cold):
     # 10 pages per rank, 20 in all: the document (13 pages) and another (13) do not both fit
     with _llm(folder, 2, num_blocks=10, host_cache_gb=2.0) as llm:
-        assert llm.engine.pool.num_blocks == 20
+        assert llm.engine.kv_usage()["device"]["total"] == 20
         assert _one(llm, DOC) == cold["doc"]
         _one(llm, _tokens(200, seed=9))  # pushes the document's pages (from both ranks) to the host
         assert llm.engine.prefix_cache.tree.num_host_pages >= 12 - (20 - 13 - 1)
@@ -335,12 +335,12 @@ def test_preemption_under_sp_equals_one_rank(folder, sp):
         expected = _ids(roomy.generate(prompts, params))
     # 12 pages of 16 tokens over the ranks: each request alone fits (<= 10 pages), not all four
     with _llm(folder, sp, num_blocks=12 // sp) as tight:
-        assert tight.engine.pool.num_blocks == 12
+        assert tight.engine.kv_usage()["device"]["total"] == 12
         got = _ids(tight.generate(prompts, params))
-        assert tight.engine.scheduler.num_preemptions > 0
+        assert tight.engine.stats()["preemptions"] > 0
         assert got == expected
         tight.clear_prefix_cache()
-        assert tight.engine.pool.num_free == 12
+        assert tight.engine.kv_usage()["device"]["free"] == 12
 
 
 # ---------------------------------------------------------------------- no orphan ranks
@@ -348,7 +348,7 @@ def test_preemption_under_sp_equals_one_rank(folder, sp):
 
 def test_close_ends_and_reaps_the_ranks(folder):
     llm = LLM(folder, block_size=BLOCK, sequence_parallel_size=3)
-    pids = llm.engine.runner.worker_pids()
+    pids = llm.engine.worker_pids()
     assert len(pids) == 2 and all(not _gone(p, zombie_is_gone=False) for p in pids)
     llm.generate({"prompt_token_ids": _tokens(50, seed=60)}, _greedy(3))
     start = time.monotonic()
@@ -368,7 +368,7 @@ from longctx import LLM, SamplingParams
 def main():
     llm = LLM(sys.argv[1], block_size=16, sequence_parallel_size=2)
     llm.generate({"prompt_token_ids": [5] * 40}, SamplingParams(temperature=0.0, max_tokens=3))
-    print("PIDS", *llm.engine.runner.worker_pids(), flush=True)
+    print("PIDS", *llm.engine.worker_pids(), flush=True)
     if sys.argv[2] == "hang":  # wait to be killed
         time.sleep(600)
     # else: the interpreter exits with the LLM open
@@ -436,7 +436,7 @@ def _bounded(llm, call, timeout: float):
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        for pid in llm.engine.runner.worker_pids():
+        for pid in llm.engine.worker_pids():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -467,7 +467,7 @@ def _expect_failure(llm, call, what: str, within: float) -> tuple[SequenceParall
 
 
 def _close_promptly(llm) -> None:
-    pids = llm.engine.runner.worker_pids()
+    pids = llm.engine.worker_pids()
     error, elapsed = _bounded(llm, llm.close, 30)
     assert error is None and elapsed < 15, (error, elapsed)
     assert _wait(lambda: all(_gone(p, zombie_is_gone=False) for p in pids), 5)
@@ -487,7 +487,7 @@ def test_rank_killed_between_requests(folder):
     try:
         prompt = {"prompt_token_ids": _tokens(150, seed=70)}
         llm.generate(prompt, _greedy(4))
-        victim = llm.engine.runner.worker_pids()[0]
+        victim = llm.engine.worker_pids()[0]
         os.kill(victim, signal.SIGKILL)
         assert _wait(lambda: _gone(victim, zombie_is_gone=True), 5)
         _expect_failure(llm, lambda: llm.generate(prompt, _greedy(20)), "rank 1 exited with code -9", DEATH_NOTICED_S)
@@ -498,7 +498,7 @@ def test_rank_killed_between_requests(folder):
 def test_rank_killed_between_two_steps_of_a_request(folder):
     llm = _failing_llm(folder, 3)
     try:
-        victim = llm.engine.runner.worker_pids()[1]  # rank 2
+        victim = llm.engine.worker_pids()[1]  # rank 2
 
         def kill_after_first_chunk(done: int, total: int) -> None:
             if done == 64:
@@ -517,7 +517,7 @@ def test_rank_killed_inside_a_step(folder):
     exchanges of the second prefill chunk): that step raises."""
     llm = _failing_llm(folder, 2)
     try:
-        victim = llm.engine.runner.worker_pids()[0]
+        victim = llm.engine.worker_pids()[0]
         attention = llm.engine.runner.executor.attention
         forward, calls = attention.forward, []
 
@@ -540,7 +540,7 @@ def test_hung_rank_trips_the_timeout(folder):
     """A rank that stops answering (alive, SIGSTOP) between requests: the next step fails once
     ``sp_timeout_s`` (3 s) has passed, not never."""
     llm = _failing_llm(folder, 2, sp_timeout_s=3)
-    victim = llm.engine.runner.worker_pids()[0]
+    victim = llm.engine.worker_pids()[0]
     try:
         llm.generate({"prompt_token_ids": _tokens(100, seed=73)}, _greedy(3))
         os.kill(victim, signal.SIGSTOP)
@@ -564,7 +564,7 @@ def test_rank_killed_while_another_thread_generates(folder):
 
         def kill_soon() -> None:
             assert started.wait(60)
-            os.kill(llm.engine.runner.worker_pids()[0], signal.SIGKILL)
+            os.kill(llm.engine.worker_pids()[0], signal.SIGKILL)
 
         killer = threading.Thread(target=kill_soon, daemon=True)
         killer.start()

@@ -3,9 +3,9 @@
 Owns: flags (engine flags are derived from the config dataclasses' fields), reading prompt
 files, streaming text to stdout and progress to stderr, turning user errors into one-line
 messages with exit code 2. ``serve`` builds its ``ServerConfig`` from flags and hands over to
-``longctx.server.launch`` (imported only then: it pulls in FastAPI and uvicorn); ``batch``
-builds a ``BatchJob`` and hands over to ``longctx.batch``; ``summarize`` and ``ask`` call
-``longctx.tasks`` and print the results.
+``longctx.entrypoints.server.launch`` (imported only then: it pulls in FastAPI and uvicorn); ``batch``
+builds a ``BatchJob`` and hands over to ``longctx.entrypoints.batch``; ``summarize`` and ``ask`` call
+``longctx.entrypoints.tasks`` and print the results.
 Never: model or engine logic.
 """
 
@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from longctx.batch import (PROGRESS_MODES, TASK_MAX_TOKENS, BatchConfig, BatchError, BatchJob,
+from longctx.entrypoints.batch import (PROGRESS_MODES, TASK_MAX_TOKENS, BatchConfig, BatchError, BatchJob,
                            progress_bar, progress_enabled)
 from longctx.config import CONFIG_CLASSES, FLAG_TYPES, ConfigError, ModelLoadConfig
 from longctx.sampling_params import SamplingParams
-from longctx.server.config import ServerConfig
+from longctx.entrypoints.server.config import ServerConfig
 
 TASK_MAX_TOKENS_HELP = "the task's: " + ", ".join(f"{k} {v}" for k, v in TASK_MAX_TOKENS.items())
 
@@ -179,7 +179,7 @@ def _advance(bar, done: int) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     text = _read_prompt(args)
     params = SamplingParams(**{k: v for k, v in _sampling_defaults(args).items() if v is not None})
-    from longctx.api import LLM
+    from longctx.entrypoints.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     llm = LLM(**config_kwargs(args))
@@ -224,7 +224,7 @@ def _sampling_defaults(args: argparse.Namespace) -> dict:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from longctx.batch import run_batch, summary_line
+    from longctx.entrypoints.batch import run_batch, summary_line
 
     job = BatchJob(args.input, args.output, BatchConfig(**config_kwargs(args, (BatchConfig,))),
                    config_kwargs(args), _sampling_defaults(args))
@@ -232,7 +232,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.ray is not None:
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
             raise ConfigError("--ray runs the job on Ray actors: start it once, not under torchrun")
-        from longctx.ray_batch import run_ray_batch
+        from longctx.entrypoints.ray_batch import run_ray_batch
 
         run_ray_batch(job, args.ray, args.ray_actors)
     elif args.ray_actors:
@@ -245,14 +245,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def _task_llm(args: argparse.Namespace):
-    from longctx.api import LLM
+    from longctx.entrypoints.api import LLM
 
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     return LLM(**config_kwargs(args))
 
 
 def _task_params(args: argparse.Namespace) -> SamplingParams:
-    from longctx.tasks import TASK_FREQUENCY_PENALTY
+    from longctx.entrypoints.tasks import TASK_FREQUENCY_PENALTY
 
     defaults = {k: v for k, v in _sampling_defaults(args).items() if v is not None}
     defaults.setdefault("frequency_penalty", TASK_FREQUENCY_PENALTY)
@@ -287,7 +287,7 @@ class _StageBars:
 
 
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from longctx import tasks
+    from longctx.entrypoints import tasks
 
     text = tasks.read_document(args.document)
     llm = _task_llm(args)
@@ -311,7 +311,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from longctx import tasks
+    from longctx.entrypoints import tasks
 
     text = tasks.read_document(args.document)
     llm = _task_llm(args)
@@ -334,7 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     server_config = ServerConfig(**config_kwargs(args, (ServerConfig,)))
-    from longctx.server.launch import run_server
+    from longctx.entrypoints.server.launch import run_server
 
     return run_server(server_config, config_kwargs(args))
 

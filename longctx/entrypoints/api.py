@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from longctx import tasks
+from longctx.entrypoints import tasks
 from longctx.config import split_engine_kwargs
-from longctx.engine import LLMEngine
-from longctx.output_processor import RequestOutput
+from longctx.engine.llm_engine import LLMEngine
+from longctx.engine.output_processor import RequestOutput
 from longctx.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
@@ -183,14 +183,14 @@ class LLM:
                   max_tokens: int = tasks.SUMMARY_TOKENS, sampling_params: SamplingParams | None = None,
                   on_progress: Callable[[str, int, int], None] | None = None) -> tasks.SummaryResult:
         """Summarize a document (text or path): one pass if it fits the window, else map-reduce
-        over window-sized pieces. See ``longctx.tasks``."""
+        over window-sized pieces. See ``longctx.entrypoints.tasks``."""
         return tasks.summarize(self, document, instructions=instructions, max_tokens=max_tokens,
                                sampling_params=sampling_params, on_progress=on_progress)
 
     def ask(self, document: Any, questions: Sequence[str], *, max_tokens: int = tasks.ANSWER_TOKENS,
             sampling_params: SamplingParams | None = None) -> tasks.AskResult:
         """Answer questions about one document, batched over one shared prefill (BM25-retrieved
-        pieces when the document is longer than the window). See ``longctx.tasks``."""
+        pieces when the document is longer than the window). See ``longctx.entrypoints.tasks``."""
         return tasks.ask(self, document, questions, max_tokens=max_tokens, sampling_params=sampling_params)
 
     def _run(self, pending: set[str], on_progress: ProgressFn | None) -> None:

@@ -65,7 +65,7 @@ from typing import Any
 
 from longctx.cache.block_pool import BlockPool
 from longctx.config import SchedulerConfig
-from longctx.outputs import (DraftMove, NewRequest, RequestUpdate, RunnerOutput, SampledSeq, ScheduledSeq,
+from longctx.engine.outputs import (DraftMove, NewRequest, RequestUpdate, RunnerOutput, SampledSeq, ScheduledSeq,
                              SchedulerOutput)
 from longctx.sampling_params import SamplingParams
 

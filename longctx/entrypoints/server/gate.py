@@ -11,7 +11,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from longctx.server.errors import APIError
+from longctx.entrypoints.server.errors import APIError
 
 # A client that announces a body larger than this is answered without reading it; up to it,
 # the body is read and dropped first, so the client gets the 413 instead of a reset socket.

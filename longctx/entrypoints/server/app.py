@@ -28,13 +28,13 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from longctx.scheduler import RequestTooLongError
-from longctx.server.config import ServerConfig
-from longctx.server.engine_loop import (EngineLoop, EngineUnavailableError, QueueFullError,
+from longctx.engine.scheduler import RequestTooLongError
+from longctx.entrypoints.server.config import ServerConfig
+from longctx.entrypoints.server.engine_loop import (EngineLoop, EngineUnavailableError, QueueFullError,
                                         RequestCancelledError, RequestHandle)
-from longctx.server.errors import APIError, bad_request, install_error_handlers
-from longctx.server.gate import RequestGate
-from longctx.server.protocol import (ChatCompletionRequest, ChatShape, CompletionRequest,
+from longctx.entrypoints.server.errors import APIError, bad_request, install_error_handlers
+from longctx.entrypoints.server.gate import RequestGate
+from longctx.entrypoints.server.protocol import (ChatCompletionRequest, ChatShape, CompletionRequest,
                                      CompletionShape, GenerationRequest, TokenLogprob, usage)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

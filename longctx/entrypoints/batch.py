@@ -5,8 +5,8 @@ after another (the prefix cache then holds the document's pages); dealing groups
 (``RANK``/``WORLD_SIZE`` under torchrun, or ``--num-workers`` spawned processes); resuming
 (ids that already have a line in the output or in a worker's part are skipped); appending each
 result as it finishes (flushed and fsync'd); error lines; progress bars (tqdm on stderr);
-merging parts. ``longctx.ray_batch`` runs the same records on Ray actors with these pieces.
-Never: prompts or model calls of its own (``longctx.tasks`` and ``LLM.generate`` make those).
+merging parts. ``longctx.entrypoints.ray_batch`` runs the same records on Ray actors with these pieces.
+Never: prompts or model calls of its own (``longctx.entrypoints.tasks`` and ``LLM.generate`` make those).
 
 Input, one JSON object per line (``document_path`` is relative to the input file's folder):
 
@@ -40,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-from longctx import tasks
+from longctx.entrypoints import tasks
 from longctx.config import ConfigError
 from longctx.sampling_params import SamplingParams
 
@@ -523,7 +523,7 @@ def run_shard(job: BatchJob, rank: int, world: int, show_progress: bool) -> None
 
 
 def _run_todo(job: BatchJob, todo: list[Record], log: ResultLog, show_progress: bool) -> None:
-    from longctx.api import LLM
+    from longctx.entrypoints.api import LLM
 
     llm = LLM(**job.engine_kwargs)
     progress = ProgressBar(len(todo), show_progress)

@@ -18,12 +18,12 @@ from typing import Any
 import uvicorn
 
 from longctx.config import ConfigError, split_engine_kwargs
-from longctx.engine import LLMEngine
+from longctx.engine.llm_engine import LLMEngine
 from longctx.model.loader import resolve_model
-from longctx.server.app import create_app
-from longctx.server.config import ServerConfig
-from longctx.server.engine_loop import EngineLoop
-from longctx.server.metrics import ServerMetrics
+from longctx.entrypoints.server.app import create_app
+from longctx.entrypoints.server.config import ServerConfig
+from longctx.entrypoints.server.engine_loop import EngineLoop
+from longctx.entrypoints.server.metrics import ServerMetrics
 
 SHUTDOWN_BACKSTOP_SECONDS = 5.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -6,7 +6,7 @@ lookahead drafts), calling the model, picking the hidden states that need logits
 them and judging drafts; per request, what sampling needs (sent once). Never: ``Request``s,
 stop rules or deciding what runs.
 
-A step's tokens, slots and tree masks are laid out by ``longctx.step_inputs`` (one upload).
+A step's tokens, slots and tree masks are laid out by ``longctx.engine.step_inputs`` (one upload).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from longctx.kv.mover import KVMover
 from longctx.lookahead.acceptance import accept_tokens
 from longctx.lookahead.tree import DraftTree
 from longctx.model.llama import LlamaForCausalLM
-from longctx.outputs import DraftMove, RunnerOutput, SampledSeq, ScheduledSeq, SchedulerOutput
+from longctx.engine.outputs import DraftMove, RunnerOutput, SampledSeq, ScheduledSeq, SchedulerOutput
 from longctx.sampling import PenaltyState, Sampler, SeqSampling, sampling_rows
 from longctx.sampling_params import SamplingParams
-from longctx.step_inputs import InputPacker, flatten_batch
+from longctx.engine.step_inputs import InputPacker, flatten_batch
 
 DISK_WAIT_S = 0.05  # a step with nothing to compute waits this long for a disk read to finish
 
@@ -44,7 +44,7 @@ class SeqResult:
 
 class Runner(Protocol):
     """What the engine uses of a runner: ``ModelRunner`` (one process) and
-    ``longctx.sp.SequenceParallelRunner`` (rank 0 of N) both are one."""
+    ``longctx.engine.sp.SequenceParallelRunner`` (rank 0 of N) both are one."""
 
     kv: KVPages
     kv_mover: KVMover | None
@@ -53,6 +53,8 @@ class Runner(Protocol):
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+    def worker_pids(self) -> list[int]: ...  # the SP ranks' processes (none in one process)
 
 
 @dataclass
@@ -197,6 +199,9 @@ class ModelRunner(SamplingRunner):
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
+
+    def worker_pids(self) -> list[int]:
+        return []
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         step = flatten_batch(batch, self.block_size)

@@ -1,14 +1,14 @@
 """Sequence parallelism across machines: any ``longctx`` command under ``torchrun``.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m longctx.torchrun serve --model /models/llama --dtype bfloat16
-    torchrun --standalone --nproc-per-node 2 -m longctx.torchrun generate --prompt-file doc.txt
+        -m longctx.entrypoints.torchrun serve --model /models/llama --dtype bfloat16
+    torchrun --standalone --nproc-per-node 2 -m longctx.entrypoints.torchrun generate --prompt-file doc.txt
 
-Owns: what each rank of such a run does. Rank 0 runs the command (``longctx.cli``) with
+Owns: what each rank of such a run does. Rank 0 runs the command (``longctx.entrypoints.cli``) with
 ``sequence_parallel_size`` set to the world size; its engine joins torchrun's process group
-instead of starting workers (``longctx.sp``). Every other rank reads the same engine flags,
+instead of starting workers (``longctx.engine.sp``). Every other rank reads the same engine flags,
 builds its own model as the engine does (``prepare_model``; on CUDA onto its own GPU) and
-serves rank 0's commands (``longctx.sp.torchrun_worker``) until rank 0 stops it.
+serves rank 0's commands (``longctx.engine.sp.torchrun_worker``) until rank 0 stops it.
 Never: anything a command does (that is the CLI), or exchanges of its own.
 
 Rank 0 hides torchrun's RANK and WORLD_SIZE from the command (``longctx batch`` reads them as
@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 
-from longctx import sp
+from longctx.engine import sp
 
 HIDDEN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -30,12 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     missing = [k for k in HIDDEN[:2] + ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        print(f"longctx.torchrun: error: not started by torchrun ({', '.join(missing)} unset); "
-              "run: torchrun --nproc-per-node N -m longctx.torchrun COMMAND ...", file=sys.stderr)
+        print(f"longctx.entrypoints.torchrun: error: not started by torchrun ({', '.join(missing)} unset); "
+              "run: torchrun --nproc-per-node N -m longctx.entrypoints.torchrun COMMAND ...", file=sys.stderr)
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
-        from longctx import cli
+        from longctx.entrypoints import cli
 
         os.environ[sp.TORCHRUN_ENV] = ",".join(f"{k}={os.environ.pop(k)}" for k in HIDDEN if k in os.environ)
         return cli.main([*argv, "--sequence-parallel-size", str(world)])
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 def _worker(argv: list[str], rank: int, world: int) -> int:
     import torch
 
-    from longctx import cli
+    from longctx.entrypoints import cli
     from longctx.attention import flash_attn_available
     from longctx.config import DEFAULT_KV_CACHE_GB, resolve_auto, split_engine_kwargs
     from longctx.model.prepare import prepare_model

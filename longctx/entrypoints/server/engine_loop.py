@@ -24,10 +24,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from longctx.engine import LLMEngine
-from longctx.output_processor import StepUpdate
+from longctx.engine.llm_engine import LLMEngine
+from longctx.engine.output_processor import StepUpdate
 from longctx.sampling_params import SamplingParams
-from longctx.server.metrics import ServerMetrics
+from longctx.entrypoints.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

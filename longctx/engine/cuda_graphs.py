@@ -41,8 +41,8 @@ import torch
 
 from longctx.attention import AttentionMetadata
 from longctx.kv.exact_tail import FIELDS, TailPlan, TailSeq, TailStep
-from longctx.step_inputs import flatten_batch
-from longctx.outputs import SchedulerOutput
+from longctx.engine.step_inputs import flatten_batch
+from longctx.engine.outputs import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The engine: builds the parts from the configs and runs one step as one transaction.
 
-    output  = scheduler.schedule()                 plain data (``longctx.outputs``)
+    output  = scheduler.schedule()                 plain data (``longctx.engine.outputs``)
     result  = runner.execute(output)               forward, sampling, draft acceptance
     updates = scheduler.update(output, result)     tokens committed, requests ended
     processor.process(output, result, updates)     text, stop strings, metrics
 
 Owns: building the model, KV pool, scheduler, runner and output processor; ``step()``; the
 prefix store's persistence around them.
-Never: parsing user input (``longctx.api`` and the CLI do that), choosing what runs (the
+Never: parsing user input (``longctx.entrypoints.api`` and the CLI do that), choosing what runs (the
 scheduler), touching tensors of a step (the runner) or a ``Request``'s fields.
 """
 
@@ -23,7 +23,7 @@ import torch
 from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
-from longctx.cuda_graphs import StepGraphs
+from longctx.engine.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
 from longctx.kv.device_pool import (DeviceKVPool, num_blocks_for,
@@ -37,10 +37,10 @@ from longctx.lookahead.controller import LookaheadController
 from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
 from longctx.model.prepare import model_window, prepare_model, warn_past_window
 from longctx.model.tokenizer import load_tokenizer
-from longctx.output_processor import OutputProcessor, RequestOutput, StepUpdate
-from longctx.runner import ModelRunner, Runner
+from longctx.engine.output_processor import OutputProcessor, RequestOutput, StepUpdate
+from longctx.engine.runner import ModelRunner, Runner
 from longctx.sampling_params import SamplingParams
-from longctx.scheduler import Request, Scheduler
+from longctx.engine.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class LLMEngine:
         self.sequence_parallel_size = parallel.sequence_parallel_size
         self.runner: Runner
         if parallel.sequence_parallel_size > 1:
-            from longctx import sp
+            from longctx.engine import sp
 
             self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device,
                                    sched.max_num_batched_tokens)
@@ -177,18 +177,42 @@ class LLMEngine:
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def kv_usage(self) -> dict[str, dict[str, int]]:
-        """Pages per tier: ``in_use`` by requests, ``cached`` (held by the prefix store only, so
-        free to evict) and ``free``. Host and disk appear when those tiers exist."""
-        in_use = len({b for r in self.scheduler.running for b in r.block_ids})
-        held = self.pool.num_blocks - self.pool.num_free
-        usage = {"device": {"in_use": in_use, "cached": held - in_use, "free": self.pool.num_free}}
-        pc = self.prefix_cache
+        """Pages per tier: ``in_use`` by unfinished requests (running, waiting with pages, or
+        reading theirs from disk), ``cached`` (held by the prefix store only, free to evict),
+        ``free``, and on the device ``reserved`` (taken for good: the CUDA graphs' scratch page)
+        and ``total``; a page in none of them would be a leak. Host and disk appear when those
+        tiers exist."""
+        sched, pc = self.scheduler, self.prefix_cache
+        in_use = {b for r in sched.requests.values() for b in r.block_ids}
+        cached = 0
+        if pc is not None:
+            cached = len({b for n in pc.tree.nodes() for b in (n.device_ids or ())} - in_use)
+        usage = {"device": {"in_use": len(in_use), "cached": cached, "free": self.pool.num_free,
+                            "reserved": sched.num_reserved_blocks, "total": self.pool.num_blocks}}
         if pc is not None and pc.host_kv is not None:
             usage["host"] = {"in_use": 0, "cached": pc.tree.num_host_pages,
                              "free": pc.tree.num_free_host_pages}
         if pc is not None and pc.disk is not None:
             usage["disk"] = {"in_use": 0, "cached": pc.disk.num_pages, "free": 0}
         return usage
+
+    def request_state(self, request_id: str) -> str | None:
+        """``"waiting"``, ``"loading"`` (its prefix pages are being read from disk) or
+        ``"running"``; None once finished or never added."""
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.status.value
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: requests running / waiting / loading now, preemptions, prompt
+        tokens seen and computed, and the sequence-parallel worker processes (their pids)."""
+        sched = self.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "loading": len(sched.loading),
+                "preemptions": sched.num_preemptions, "prompt_tokens": sched.num_prompt_tokens,
+                "computed_prompt_tokens": sched.num_computed_prompt_tokens}
+
+    def worker_pids(self) -> list[int]:
+        """The sequence-parallel ranks' processes started by this engine (empty without SP)."""
+        return list(self.runner.worker_pids())
 
     def close(self) -> None:
         """Persist the prefix cache, then stop the sequence-parallel ranks (if any). After a

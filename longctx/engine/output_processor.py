@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from longctx.detokenizer import Detokenizer, make_detokenizer
-from longctx.outputs import RequestUpdate, RunnerOutput, SchedulerOutput
+from longctx.engine.detokenizer import Detokenizer, make_detokenizer
+from longctx.engine.outputs import RequestUpdate, RunnerOutput, SchedulerOutput
 from longctx.sampling_params import SamplingParams
 
 

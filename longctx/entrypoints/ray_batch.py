@@ -6,7 +6,7 @@ once in the actor), dealing whole document groups to the actors (heaviest first,
 next actor that is free), streaming each result line back to the driver, which is the only
 writer of OUTPUT; the batch-dict conversion for ``map_batches``.
 Never: records, grouping, resume keys, result and error lines, or running records: all of that
-is ``longctx.batch``'s, so a Ray job reads the same input and writes the same lines as a local
+is ``longctx.entrypoints.batch``'s, so a Ray job reads the same input and writes the same lines as a local
 one. Ray is imported only here, and only when used (``pip install 'longctx[ray]'``).
 
     longctx batch jobs.jsonl --output results.jsonl --ray                 # local cluster
@@ -34,8 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from longctx import batch
-from longctx.batch import (BatchError, BatchJob, ProgressBar, Record, ResultLog, check_paths,
+from longctx.entrypoints import batch
+from longctx.entrypoints.batch import (BatchError, BatchJob, ProgressBar, Record, ResultLog, check_paths,
                            delete_outputs, error_line, group_records, group_weight, merge_parts,
                            parse_lines, progress_enabled, result_key, run_records, todo_records)
 from longctx.config import ConfigError
@@ -74,7 +74,7 @@ class LongctxPredictor:
 
     def __init__(self, engine_kwargs: dict | None = None, *, defaults: dict | None = None,
                  max_in_flight: int = 16, base_dir: str | os.PathLike | None = None) -> None:
-        from longctx.api import LLM
+        from longctx.entrypoints.api import LLM
 
         self.llm = LLM(**(engine_kwargs or {}))
         self.defaults = {"temperature": 0.0, **(defaults or {})}  # greedy, as longctx batch

@@ -20,7 +20,7 @@ from itertools import accumulate
 import torch
 
 from longctx.lookahead.tree import tree_ancestor_words, tree_depths
-from longctx.outputs import SchedulerOutput
+from longctx.engine.outputs import SchedulerOutput
 
 
 @dataclass

@@ -58,14 +58,14 @@ from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedSte
                                         local_slot, slot_owner)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
 from longctx.kv.exact_tail import TailPlan, TailStep, fill_first_pages, first_pages_to_fill, tail_seqs
-from longctx.outputs import DraftMove, SchedulerOutput
-from longctx.runner import SamplingRunner, draft_position_moves, draft_slot_moves
-from longctx.step_inputs import flatten_batch
+from longctx.engine.outputs import DraftMove, SchedulerOutput
+from longctx.engine.runner import SamplingRunner, draft_position_moves, draft_slot_moves
+from longctx.engine.step_inputs import flatten_batch
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)  # without the board, a worker waits this long for a command
-TORCHRUN_ENV = "LONGCTX_SP_TORCHRUN"  # set by ``python -m longctx.torchrun`` on rank 0
+TORCHRUN_ENV = "LONGCTX_SP_TORCHRUN"  # set by ``python -m longctx.entrypoints.torchrun`` on rank 0
 MAX_BOARD_TOKENS = 8192  # the shared-memory board holds steps up to this size; larger go over gloo
 
 
@@ -541,6 +541,43 @@ def board_slot_bytes(config: Any, world: int, max_tokens: int, itemsize: int) ->
     return max(gather, partials, rows * config.hidden_size * itemsize)
 
 
+def _check_start(model: LlamaForCausalLM, world: int, device: torch.device) -> None:
+    if dist.is_initialized():
+        raise ConfigError("sequence_parallel_size > 1 needs its own process group, but this process "
+                          "already has one (one sequence-parallel LLM per process)")
+    if device.type == "cuda" and world > torch.cuda.device_count():
+        raise ConfigError(f"sequence_parallel_size {world} needs as many GPUs; this machine has "
+                          f"{torch.cuda.device_count()}")
+    if device.type == "cpu" and model.has_packed_linears():
+        raise ConfigError("cpu_matmul='onednn' packs weights into opaque tensors that the ranks cannot "
+                          "share: use cpu_matmul='kernel' or 'blas' with sequence_parallel_size > 1")
+
+
+def _wait_for_ranks(procs: list, ready: Any, folder: tempfile.TemporaryDirectory, world: int,
+                    init_method: str, backend: str, timeout_s: float) -> Any:
+    """Join the process group as rank 0 and wait for every worker's ready message; returns the
+    gloo control group. On any failure the workers are killed and the error says which lived."""
+    try:
+        init_distributed(0, world, init_method, backend, timeout_s)
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        for _ in procs:
+            ready.get(timeout=timeout_s)
+        return control
+    except BaseException as err:
+        for proc in procs:
+            proc.kill()
+            proc.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        folder.cleanup()
+        if isinstance(err, queue.Empty):
+            fates = ", ".join(f"rank {i + 1}: " + ("running" if p.exitcode == -9 else f"exit code {p.exitcode}")
+                              for i, p in enumerate(procs))
+            raise SequenceParallelError(f"the sequence-parallel ranks did not start within "
+                                        f"{timeout_s:.0f} s ({fates}; see their stderr)") from None
+        raise
+
+
 def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, parallel: ParallelConfig,
           num_blocks: int, kernels: Any, device: torch.device, max_step_tokens: int) -> SequenceParallelRunner:
     """Start ``parallel.sequence_parallel_size - 1`` workers beside this process (rank 0),
@@ -549,16 +586,8 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     world = parallel.sequence_parallel_size
     if os.environ.get(TORCHRUN_ENV):
         return _join_torchrun(model, load, cache, parallel, num_blocks, kernels, device)
-    if dist.is_initialized():
-        raise ConfigError("sequence_parallel_size > 1 needs its own process group, but this process "
-                          "already has one (one sequence-parallel LLM per process)")
-    if device.type == "cuda" and world > torch.cuda.device_count():
-        raise ConfigError(f"sequence_parallel_size {world} needs as many GPUs; this machine has "
-                          f"{torch.cuda.device_count()}")
+    _check_start(model, world, device)
     shared: Any = model if device.type == "cpu" else load.model
-    if device.type == "cpu" and model.has_packed_linears():
-        raise ConfigError("cpu_matmul='onednn' packs weights into opaque tensors that the ranks cannot "
-                          "share: use cpu_matmul='kernel' or 'blas' with sequence_parallel_size > 1")
     threads = rank_threads(world, load.num_threads)
     backend = "nccl" if device.type == "cuda" else "gloo"  # a CPU engine on a GPU machine too
     board = None
@@ -576,24 +605,7 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
              for rank in range(1, world)]
     for proc in procs:
         proc.start()
-    try:
-        init_distributed(0, world, init_method, backend, parallel.sp_timeout_s)
-        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
-        for _ in procs:
-            ready.get(timeout=parallel.sp_timeout_s)
-    except BaseException as err:
-        for proc in procs:
-            proc.kill()
-            proc.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        folder.cleanup()
-        if isinstance(err, queue.Empty):
-            fates = ", ".join(f"rank {i + 1}: " + ("running" if p.exitcode == -9 else f"exit code {p.exitcode}")
-                              for i, p in enumerate(procs))
-            raise SequenceParallelError(f"the sequence-parallel ranks did not start within "
-                                        f"{parallel.sp_timeout_s:.0f} s ({fates}; see their stderr)") from None
-        raise
+    control = _wait_for_ranks(procs, ready, folder, world, init_method, backend, parallel.sp_timeout_s)
     set_cpu_threads(threads)
     def alive() -> bool:
         return all(p.exitcode is None for p in procs)
@@ -611,14 +623,14 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
 def _join_torchrun(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig,
                    parallel: ParallelConfig, num_blocks: int, kernels: Any,
                    device: torch.device) -> SequenceParallelRunner:
-    """Rank 0 under ``torchrun`` (``longctx.torchrun``): the other ranks were started by torchrun,
+    """Rank 0 under ``torchrun`` (``longctx.entrypoints.torchrun``): the other ranks were started by torchrun,
     possibly on other machines, and build their model themselves; join their group, wait until
     they are ready, and run as usual over torch.distributed (no shared-memory board)."""
     saved = dict(item.split("=", 1) for item in os.environ[TORCHRUN_ENV].split(","))
     world = int(saved["WORLD_SIZE"])
     if world != parallel.sequence_parallel_size:
         raise ConfigError(f"under torchrun, sequence_parallel_size must be the world size ({world})")
-    os.environ.update(saved)  # longctx.torchrun hid torchrun's RANK/WORLD_SIZE from the command
+    os.environ.update(saved)  # longctx.entrypoints.torchrun hid torchrun's RANK/WORLD_SIZE from the command
     backend = "nccl" if device.type == "cuda" else "gloo"
     init_from_env(backend, parallel.sp_timeout_s)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
