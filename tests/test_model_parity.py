@@ -57,6 +57,48 @@ def test_gguf_file_matches_hf_folder(tmp_path, monkeypatch):
     assert _relative_error(_our_logits(model, ids), expected) < 1e-5
 
 
+def test_llama3_gguf_applies_rope_freqs(tmp_path, monkeypatch):
+    """llama.cpp writes a Llama 3.1 GGUF's RoPE scaling as the ``rope_freqs.weight`` tensor (no
+    scaling keys): loaded, it gives the HF folder's logits past the scaling threshold (plain
+    RoPE, the tensor skipped, is wrong from the first positions past it)."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_checkpoint(tmp_path / "hf", "llama-llama3")
+    gguf_path = tmp_path / "llama3.gguf"
+    write_gguf(gguf_path, hf)
+    ids = torch.randint(0, hf.config.vocab_size, (SEQ_LEN,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    model = load_model(str(gguf_path))
+    assert _relative_error(_our_logits(model, ids), expected) < 1e-4
+    again = load_model(str(gguf_path))  # from the converted-weights cache: the factors kept
+    assert again.config.rope_scaling == model.config.rope_scaling
+    assert _relative_error(_our_logits(again, ids), expected) < 1e-4
+
+
+def test_gguf_tensor_the_loader_does_not_know_is_refused_by_name(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_checkpoint(tmp_path / "hf", "llama-default")
+    path = tmp_path / "extra.gguf"
+    write_gguf(path, hf)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "extra2.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") or key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0]) if len(field.types) == 1 else None
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data))
+    writer.add_tensor("blk.0.attn_q_norm.weight", np.ones(16, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="blk.0.attn_q_norm.weight"):
+        load_model(str(tmp_path / "extra2.gguf"))
+
+
 def test_unsupported_architecture_names_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     with pytest.raises(UnsupportedModelError, match="gpt2"):

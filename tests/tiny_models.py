@@ -68,8 +68,28 @@ def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def llama3_rope_freqs(rope: dict, theta: float, dim: int) -> np.ndarray:
+    """The ``rope_freqs.weight`` tensor llama.cpp's converter writes for a ``llama3`` RoPE
+    (convert_hf_to_gguf, LlamaModel): one divisor per frequency, no scaling type in the keys."""
+    base = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in base:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def write_gguf(path: Path, model) -> None:
-    """Write an HF Llama model's weights (fp32) and config as a GGUF file."""
+    """Write an HF Llama model's weights (fp32) and config as a GGUF file; a ``llama3`` RoPE
+    becomes a ``rope_freqs.weight`` tensor, as llama.cpp writes Llama 3.1-3.3."""
     import gguf
 
     cfg = model.config
@@ -86,6 +106,12 @@ def write_gguf(path: Path, model) -> None:
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        dim = cfg.hidden_size // cfg.num_attention_heads
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], dim))
+    elif rope.get("rope_type", "default") != "default":
+        raise ValueError(f"write_gguf: no GGUF form for rope_type {rope['rope_type']!r} here")
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",

@@ -34,8 +34,14 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    # llama.cpp's ``rope_freqs.weight`` (a GGUF's Llama 3.1 scaling): each base frequency is
+    # divided by its factor; only with rope_type "default" (the GGUF has no scaling keys then)
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.freq_factors is not None and self.rope_type != "default":
+            raise UnsupportedModelError(f"a rope_freqs tensor together with RoPE type {self.rope_type!r} "
+                                        "is not supported (llama.cpp writes one or the other)")
         if self.rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(
                 f"RoPE type {self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")

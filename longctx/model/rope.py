@@ -69,6 +69,8 @@ def inv_freq_for(config: ModelConfig, seq_len: int | None = None) -> tuple[torch
     """Inverse frequencies [D / 2] and the cos/sin scale for ``config`` (and, for dynamic NTK,
     the current sequence length)."""
     rs, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    if rs.freq_factors is not None:  # a GGUF's rope_freqs tensor: one divisor per frequency
+        return _base_inv_freq(base, dim) / torch.tensor(rs.freq_factors, dtype=torch.float32), 1.0
     if rs.rope_type == "default":
         return _base_inv_freq(base, dim), 1.0
     if rs.rope_type == "linear":
