@@ -43,17 +43,21 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert _relative_error(_our_logits(load_model(str(tmp_path)), ids), expected) < 1e-4
 
 
-def test_gguf_file_matches_hf_folder(tmp_path, monkeypatch):
-    """A GGUF written with llama.cpp's q/k permutation loads to the same logits."""
+@pytest.mark.parametrize("kind", ["llama-default", "llama-bias", "qwen2", "qwen3", "qwen3-tied"])
+def test_gguf_file_matches_hf_folder(tmp_path, monkeypatch, kind):
+    """A GGUF written as llama.cpp writes the architecture (llama: q/k rows permuted; qwen2 and
+    qwen3 not; qwen3's q/k norms as attn_q_norm/attn_k_norm) loads to the same logits."""
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
-    hf = make_checkpoint(tmp_path / "hf", "llama-default")
+    hf = make_checkpoint(tmp_path / "hf", kind)
     gguf_path = tmp_path / "tiny.gguf"
     write_gguf(gguf_path, hf)
     ids = torch.arange(50) % hf.config.vocab_size
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
     model = load_model(str(gguf_path))
-    assert model.config.num_key_value_heads == 2 and not model.config.tie_word_embeddings
+    assert model.config.num_key_value_heads == 2
+    assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert model.config.model_type == hf.config.model_type
     assert _relative_error(_our_logits(model, ids), expected) < 1e-5
 
 

@@ -25,19 +25,24 @@ ROPE = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
 }
 
-KINDS = [f"llama-{r}" for r in ROPE] + ["llama-tied", "mistral", "qwen2", "llama-mha"]
+KINDS = [f"llama-{r}" for r in ROPE] + ["llama-tied", "mistral", "qwen2", "llama-mha", "llama-bias",
+                                        "qwen3", "qwen3-tied"]
 
 
-def hf_config(kind: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def hf_config(kind: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    kwargs = dict(BASE)
+    kwargs = {**BASE, **overrides}
+    if kind.startswith("qwen3"):  # head_dim 24 != hidden / heads, as Qwen3's own sizes differ
+        return Qwen3Config(**kwargs, head_dim=24, rope_theta=10000.0, tie_word_embeddings=kind == "qwen3-tied")
     if kind == "mistral":
         return MistralConfig(**kwargs, sliding_window=None, rope_theta=10000.0)
     if kind == "qwen2":
         return Qwen2Config(**kwargs, rope_theta=10000.0)
     if kind == "llama-tied":
         return LlamaConfig(**kwargs, tie_word_embeddings=True, rope_theta=10000.0)
+    if kind == "llama-bias":  # q/k/v/o biases and MLP biases
+        return LlamaConfig(**kwargs, attention_bias=True, mlp_bias=True, rope_theta=10000.0)
     if kind == "llama-mha":
         kwargs.update(num_key_value_heads=4, hidden_size=128, num_attention_heads=4)
         return LlamaConfig(**kwargs, rope_theta=10000.0)
@@ -46,11 +51,12 @@ def hf_config(kind: str):
     return LlamaConfig(**kwargs, rope_parameters=params)
 
 
-def make_checkpoint(folder: Path, kind: str, seed: int = 0, max_shard_size: str | None = None):
+def make_checkpoint(folder: Path, kind: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """``overrides`` change the config (``max_position_embeddings=1024`` for engine tests)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(kind, **overrides), dtype=torch.float32)
     with torch.no_grad():  # give norms and biases non-trivial values
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
@@ -93,7 +99,8 @@ def write_gguf(path: Path, model) -> None:
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = cfg.model_type if cfg.model_type in ("qwen2", "qwen3") else "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -103,7 +110,11 @@ def write_gguf(path: Path, model) -> None:
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -115,7 +126,8 @@ def write_gguf(path: Path, model) -> None:
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm"}
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy().copy()
         if name == "model.embed_tokens.weight":
@@ -129,7 +141,9 @@ def write_gguf(path: Path, model) -> None:
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            if module == "self_attn.q_proj":
+            if arch != "llama":  # llama.cpp permutes q/k rows of llama only (NeoX RoPE elsewhere)
+                pass
+            elif module == "self_attn.q_proj":
                 data = _permute_for_gguf(data, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 data = _permute_for_gguf(data, cfg.num_key_value_heads)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -84,6 +85,8 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2: always)
+    o_proj_bias: bool = False  # and on o_proj (HF Llama's attention_bias: all four)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -153,6 +156,8 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope, cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -169,15 +174,16 @@ class ModelConfig:
     def from_gguf_fields(cls, meta: dict[str, Any], has_output_weight: bool) -> "ModelConfig":
         """Build from GGUF key/values (``general.architecture``, ``llama.*``, ``tokenizer.ggml.*``)."""
         arch = meta.get("general.architecture", "")
-        if arch not in ("llama", "qwen2"):
-            raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (llama, qwen2)")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported "
+                                        f"({', '.join(GGUF_ARCHITECTURES)})")
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
 
         num_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
-        head_dim = int(get("rope.dimension_count", hidden // num_heads))
+        head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
         rope: dict[str, Any] = {}
         if get("rope.scaling.type") not in (None, "none"):
             rope = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0),
@@ -197,6 +203,7 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope, int(get("context_length", 2048))),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(x for x in (meta.get("tokenizer.ggml.eos_token_id"),) if x is not None),
         )

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain torch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain torch.
 
 Owns: the layer math (RMSNorm, fused QKV + RoPE, attention call, SwiGLU MLP, LM head).
 Never: KV bytes, scheduling or serving. Attention goes through an ``AttentionBackend``
@@ -68,7 +68,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # Qwen3: an RMSNorm over each head's q and k before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                plan: Any) -> torch.Tensor:
@@ -79,6 +82,8 @@ class Attention(nn.Module):
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
+        if self.q_norm is not None:  # a fresh contiguous tensor: still rotated in place below
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         if self.qkv_proj.method.name == ROW_KERNEL.name:  # qkv_proj's fresh fp32 output: rotated in place
             qk = cpu_linear.rope_(qk, cos, sin)
         else:

@@ -80,6 +80,7 @@ _FUSED = {  # HF per-layer name -> (our fused name, part index)
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _RENAME = {"self_attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj"}
+_KEPT = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 
 
 def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -102,12 +103,14 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
                 parts.setdefault(f"{prefix}{fused}.{kind}", {})[index] = tensor
             elif module in _RENAME and kind == "weight":
                 state[f"{prefix}{_RENAME[module]}.weight_t"] = tensor.t()
-            elif module in ("input_layernorm", "post_attention_layernorm") or module in _RENAME:
+            elif module in _KEPT or module in _RENAME:
                 state[f"{prefix}{module}.{kind}"] = tensor
             elif "rotary_emb" not in module:
-                log.warning("ignoring unexpected tensor %s", name)
+                raise UnsupportedModelError(f"checkpoint tensor {name} ({config.model_type}) is not one "
+                                            "longctx understands; refusing rather than running without it")
         elif "rotary_emb" not in name:
-            log.warning("ignoring unexpected tensor %s", name)
+            raise UnsupportedModelError(f"checkpoint tensor {name} ({config.model_type}) is not one "
+                                        "longctx understands; refusing rather than running without it")
     for name, pieces in parts.items():
         fused = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
         state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
@@ -135,7 +138,7 @@ _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -167,6 +170,9 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
         meta[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in names)
+    # biases as the file holds them (llama.cpp writes a Llama's q/k/v/o and MLP biases when it has them)
+    config = replace(config, attention_bias=config.attention_bias or "blk.0.attn_q.bias" in names,
+                     o_proj_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3.1-3.3 as llama.cpp converts them: the scaling is this tensor
         factors = dequantize(freqs.data, freqs.tensor_type).astype("float64").ravel()
@@ -187,7 +193,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
                 yield "lm_head.weight", weight
             elif t.name.startswith("blk."):
                 _, layer, kind, suffix = t.name.split(".", 3)
-                if kind not in _GGUF_NAMES:
+                if kind not in _GGUF_NAMES or (kind in ("attn_q_norm", "attn_k_norm") and not config.qk_norm):
                     raise UnsupportedModelError(f"GGUF tensor {t.name} ({arch}) is not one longctx "
                                                 "understands; refusing rather than running without it")
                 if arch == "llama" and kind in ("attn_q", "attn_k"):

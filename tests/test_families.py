@@ -1,0 +1,82 @@
+"""Every model family and feature the engine serves, end to end, against HF transformers in
+fp32 on tiny random checkpoints (1K window, prompts of 150 tokens): greedy tokens identical over
+24 new tokens and every prompt log-prob within 1e-4, on each CPU weight path; the same tokens
+with lookahead, with a prefix hit and with 2 sequence-parallel ranks; and a bf16 model
+following HF on the bf16-rounded weights.
+
+Families here: Llama with q/k/v/o and MLP biases (``attention_bias``, ``mlp_bias``), Qwen3
+(per-head q/k RMSNorm, head_dim apart from hidden / heads; tied and untied). Plain Llama,
+Mistral without a window and Qwen2 are covered by test_engine.py, test_logprobs.py and
+test_model_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx import LLM, SamplingParams
+from longctx.kernels import cpu_linear
+from tiny_models import hf_greedy, make_checkpoint, random_tokens, write_char_tokenizer
+
+FAMILIES = ["llama-bias", "qwen3", "qwen3-tied"]
+NEW_TOKENS = 24
+PROMPT = random_tokens(150, seed=11)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+PATHS = ["blas"] + (["kernel"] if cpu_linear.available() else [])
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(folder, HF model, HF greedy tokens of PROMPT, HF prompt log-probs [T, V])."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_checkpoint(folder, request.param, max_position_embeddings=1024)
+    write_char_tokenizer(folder)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    return str(folder), hf, hf_greedy(hf, PROMPT, NEW_TOKENS), logprobs
+
+
+def _llm(folder: str, **kw) -> LLM:
+    return LLM(folder, **{"block_size": 16, "max_num_batched_tokens": 64, **kw})
+
+
+@pytest.mark.parametrize("cpu_matmul", PATHS)
+def test_greedy_tokens_and_prompt_logprobs_equal_hf(family, cpu_matmul):
+    folder, _, expected, ref = family
+    with _llm(folder, cpu_matmul=cpu_matmul, lookahead=False) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPT},
+                           SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                          prompt_logprobs=1))[0]
+    assert out.outputs[0].token_ids == expected
+    got = out.prompt_logprobs
+    assert got[0] is None and len(got) == len(PROMPT)
+    worst = max(abs(got[pos][PROMPT[pos]] - float(ref[pos - 1, PROMPT[pos]])) for pos in range(1, len(PROMPT)))
+    assert worst < 1e-4
+
+
+def test_lookahead_and_a_prefix_hit_keep_the_tokens(family):
+    folder, hf, expected, _ = family
+    follow = PROMPT[:128] + random_tokens(20, seed=12)
+    with _llm(folder, lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected
+        again = llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids
+        assert llm.cache_stats().hit_tokens["device"] >= 128
+    assert again == hf_greedy(hf, follow, NEW_TOKENS)
+
+
+def test_two_sequence_parallel_ranks_keep_the_tokens(family):
+    folder, _, expected, _ = family
+    with _llm(folder, sequence_parallel_size=2, max_num_batched_tokens=32) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected
+
+
+def test_bfloat16_follows_hf_on_the_rounded_weights(family):
+    folder, hf, _, _ = family
+    rounded = type(hf)(hf.config).eval()
+    rounded.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.bfloat16().float())
+    with _llm(folder, dtype="bfloat16", lookahead=False) as llm:
+        got = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    assert got == hf_greedy(rounded, PROMPT, NEW_TOKENS)
