@@ -1,20 +1,24 @@
 """Draw the benchmark results as PNG plots for docs/benchmarks.md.
 
-Reads ``benchmarks/results/*.json`` (the files the ``bench_*.py`` scripts write; their
-schemas differ) and writes, with matplotlib's Agg backend:
+Reads the result records under ``benchmarks/results/<bench>/<machine>/*.json`` (schema 1, see
+``benchmarks/run.py``; the figures are each record's ``result``, whose schema is the benchmark
+script's own) and writes, with matplotlib's Agg backend:
 
-* ``prefill.png``      prefill time vs prompt length per engine (the newest ``e2e-*.json``);
-* ``decode.png``       decode ms/token vs context length (the newest ``e2e-*.json``, and
+* ``prefill.png``      prefill time vs prompt length per engine (the newest ``e2e`` record);
+* ``decode.png``       decode ms/token vs context length (the newest ``e2e`` record, and
                        ``bench_parallel``'s one-process runs, which decode at 4K and 8K);
-* ``prefix.png``       time to first token per prefix-store tier (the newest ``prefix-*.json``);
-* ``lookahead.png``    decode tokens/s and lookahead speedup per prompt (``lookahead-*.json``);
-* ``parallel.png``     sequence parallelism, N = 1 vs N = 2 ranks (``parallel-*.json``);
-* ``e2e-history.png``  8K prefill and decode at 8K, longctx, HF and vLLM-CPU, in every ``e2e-*.json`` run;
+* ``prefix.png``       time to first token per prefix-store tier (the newest ``prefix`` record);
+* ``lookahead.png``    decode tokens/s and lookahead speedup per prompt (``lookahead``);
+* ``parallel.png``     sequence parallelism, N = 1 vs N = 2 ranks (``parallel``);
+* ``e2e-history.png``  8K prefill and decode at 8K, longctx, HF and vLLM-CPU, in every ``e2e``
+                       record that ran a peer engine (HF or vLLM) beside longctx;
 * ``long-context.png`` decode ms/token and prefill time vs context, float32 vs int8 KV pages
-                       (the newest ``long-*.json``, from ``bench_long.py``).
+                       (the newest ``long`` record, from ``bench_long.py``).
 
-"Newest" is by the commit date of the run's git revision (``git log``), else by file time.
-A plot whose data is missing is skipped with a printed reason; nothing else is touched.
+"Newest" is the rule of ``benchmarks/tables.py``: the newest record (by its ``started`` time;
+ties: more figures, then the later path) that holds the fields the plot needs, so the plots
+and the generated tables read the same records. A plot whose data is missing is skipped with
+a printed reason; nothing else is touched.
 
 Usage:  python benchmarks/plots.py [--results benchmarks/results] [--out docs/img]
 """
@@ -22,9 +26,7 @@ Usage:  python benchmarks/plots.py [--results benchmarks/results] [--out docs/im
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tables  # noqa: E402  (benchmarks/tables.py: the records and the newest-record rule)
+from tables import Record  # noqa: E402
+
+sys.path.pop(0)
+
 ROOT = Path(__file__).resolve().parent.parent
 COLORS = {"longctx-fp32": "tab:blue", "longctx-bf16": "tab:cyan", "hf-fp32": "tab:orange",
           "vllm-fp32": "tab:red", "vllm-bf16": "tab:pink"}
@@ -40,84 +48,39 @@ LABELS = {"longctx-fp32": "longctx fp32", "longctx-bf16": "longctx bf16",
           "hf-fp32": "HF transformers fp32", "vllm-fp32": "vLLM-CPU fp32", "vllm-bf16": "vLLM-CPU bf16"}
 TIER_LABELS = {"cold": "cold\n(nothing cached)", "device_hit": "device hit", "host_hit": "host hit",
                "disk_hit": "disk hit\n(fresh process)", "hf": "HF transformers\n(recomputes)"}
+PEERS = ("hf-fp32", "vllm-fp32", "vllm-bf16")
 
 
 class Skip(Exception):
     """The data a plot needs is not in the results."""
 
 
-def load_results(folder: Path) -> dict[str, dict]:
-    out = {}
-    for path in sorted(folder.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            print(f"ignoring {path.name}: {exc}")
-            continue
-        if isinstance(data, dict):
-            out[path.name] = data
-    return out
+def load_results(folder: Path) -> list[Record]:
+    """The schema-1 records under ``folder`` (other JSON files there are ignored)."""
+    return tables.load_records(folder, ROOT)
 
 
-def commit_time(rev: str | None) -> float | None:
-    """Commit time of a short revision (``-dirty`` stripped), or None if git does not know it."""
-    if not rev:
-        return None
-    rev = rev.removesuffix("-dirty")
-    try:
-        res = subprocess.run(["git", "log", "-1", "--format=%ct", rev], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = res.stdout.strip()
-    return float(text) if res.returncode == 0 and text.isdigit() else None
+def newest(records: list[Record], bench: str, needs) -> tuple[Record, dict]:
+    """The newest record of ``bench`` whose result satisfies ``needs(result)``, and that result."""
+    rec = tables.newest(records, bench, lambda r: needs(r.result))
+    if rec is None:
+        raise Skip(f"no {bench} record with the fields this plot needs")
+    return rec, rec.result
 
 
-def run_time(name: str, data: dict, folder: Path) -> float:
-    t = commit_time((data.get("machine") or {}).get("git_rev"))
-    if t is not None:
-        return t
-    try:
-        return (folder / name).stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def newest(results: dict[str, dict], folder: Path, prefix: str, needs) -> tuple[str, dict]:
-    """The newest file named ``prefix*.json`` for which ``needs(data)`` holds."""
-    found = [(n, d) for n, d in results.items() if n.startswith(prefix) and needs(d)]
-    if not found:
-        raise Skip(f"no {prefix}*.json with the fields this plot needs")
-    # same revision: the run with more engines x prompt lengths (a full run over a partial
-    # rerun), then the later one (files that record when they finished)
-    return max(found, key=lambda nd: (run_time(nd[0], nd[1], folder), coverage(nd[1]),
-                                      str(nd[1].get("finished_at") or "")))
-
-
-def coverage(data: dict) -> int:
-    """How many (engine, prompt length) prefill figures a run holds."""
-    results = data.get("results")
-    if not isinstance(results, dict):
-        return 0
-    return sum(len(r.get("prefill_s") or {}) for r in results.values() if isinstance(r, dict))
-
-
-def machine_line(name: str, data: dict) -> str:
-    m = data.get("machine") or {}
-    parts = [m.get("cpu", "unknown CPU")]
-    if m.get("cores"):
-        parts.append(f"{m['cores']} cores")
+def machine_line(rec: Record) -> str:
+    m = rec.machine
+    parts = [tables.machine_name(rec)]
     if m.get("threads"):
         parts.append(f"{m['threads']} threads")
     if m.get("torch"):
         parts.append(f"torch {m['torch']}")
-    if m.get("git_rev"):
-        parts.append(f"git {m['git_rev']}")
-    return ", ".join(parts) + f"  ({name})"
+    parts.append(f"git {tables.rev(rec)}")
+    return ", ".join(parts) + f"  ({rec.name})"
 
 
-def finish(fig, ax_or_axes, title: str, name: str, data: dict, path: Path) -> None:
-    fig.suptitle(f"{title}\n{machine_line(name, data)}", fontsize=10)
+def finish(fig, ax_or_axes, title: str, rec: Record, data: dict, path: Path) -> None:
+    fig.suptitle(f"{title}\n{machine_line(rec)}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Software": None})
@@ -155,8 +118,8 @@ def has_prefill(d: dict) -> bool:
     return isinstance(res, dict) and bool((res.get("longctx-fp32") or {}).get("prefill_s"))
 
 
-def plot_prefill(results, folder, out: Path) -> None:
-    name, data = newest(results, folder, "e2e", has_prefill)
+def plot_prefill(results, out: Path) -> None:
+    rec, data = newest(results, "e2e", has_prefill)
     res = data["results"]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     hf = res.get("hf-fp32", {}).get("prefill_s") or {}
@@ -182,9 +145,10 @@ def plot_prefill(results, folder, out: Path) -> None:
     ax.set_xlim(0, ax.get_xlim()[1] * 1.04)
     ax.grid(alpha=0.3)
     ax.legend(title=f"median of {reps} runs, bars min-max" if reps else None, fontsize=9)
-    ax.text(0.99, 0.02, "labels: HF time / longctx time", transform=ax.transAxes, ha="right",
-            fontsize=8, color="gray")
-    finish(fig, ax, "Prefill time vs prompt length (bench_e2e.py)", name, data, out / "prefill.png")
+    if hf:
+        ax.text(0.99, 0.02, "labels: HF time / longctx time", transform=ax.transAxes, ha="right",
+                fontsize=8, color="gray")
+    finish(fig, ax, "Prefill time vs prompt length (bench_e2e.py)", rec, data, out / "prefill.png")
 
 
 # --- (b) decode ------------------------------------------------------------------------------
@@ -200,12 +164,12 @@ def has_sp_summary(d: dict) -> bool:
     return isinstance(s, list) and any(isinstance(r, dict) and "world" in r and "context" in r for r in s)
 
 
-def plot_decode(results, folder, out: Path) -> None:
-    name, data = newest(results, folder, "e2e", has_decode)
+def plot_decode(results, out: Path) -> None:
+    rec, data = newest(results, "e2e", has_decode)
     res = data["results"]
     ctx = (data.get("args") or {}).get("decode_ctx")
     if not ctx:
-        raise Skip(f"{name} has no args.decode_ctx")
+        raise Skip(f"{rec.name} has no args.decode_ctx")
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for i, engine in enumerate(engine_order(res)):
         dec = (res[engine] or {}).get("decode_ms")
@@ -218,30 +182,33 @@ def plot_decode(results, folder, out: Path) -> None:
         ax.annotate(f"{m:.1f}", (ctx, m), textcoords="offset points", xytext=(8, -3), fontsize=8,
                     color=COLORS.get(engine))
     floor = ((data.get("derived") or {}).get("longctx-fp32") or {}).get("decode_floor_ms")
-    copy = (data.get("ceilings") or {}).get("copy_gbps")
+    ceilings = data.get("ceilings") or {}
+    # the run's floor is the bytes a step reads over its read rate where it measured one, else its copy rate
+    rate, kind = ((ceilings["read_gbps"], "read") if ceilings.get("read_gbps")
+                  else (ceilings.get("copy_gbps"), "copy"))
     if floor:
         ax.plot([ctx], [floor], marker="_", markersize=22, color="gray", linestyle="none",
-                label=f"fp32 bandwidth floor (copy {copy:.1f} GB/s)" if copy else "bandwidth floor")
+                label=f"fp32 bandwidth floor ({kind} {rate:.1f} GB/s)" if rate else "bandwidth floor")
     # bench_parallel's one-process runs decode at several contexts (prefix caching and
     # lookahead off); shown when they ran on the same CPU.
     try:
-        pname, pdata = newest(results, folder, "parallel", has_sp_summary)
+        prec, pdata = newest(results, "parallel", has_sp_summary)
     except Skip:
-        pname = None
+        prec = None
     note = ""
-    if pname and (pdata.get("machine") or {}).get("cpu") == (data.get("machine") or {}).get("cpu"):
+    if prec and prec.machine.get("cpu") == rec.machine.get("cpu"):
         rows = sorted((r for r in pdata["summary"] if r.get("world") == 1 and "decode_ms_per_token" in r),
                       key=lambda r: r["context"])
         if rows:
             xs = [r["context"] for r in rows]
             ys = [r["decode_ms_per_token"] for r in rows]
             ax.plot(xs, ys, marker="s", color="tab:green",
-                    label=f"longctx fp32, 1 process (bench_parallel, git {pdata['machine'].get('git_rev')})")
+                    label=f"longctx fp32, 1 process (bench_parallel, git {tables.rev(prec)})")
             for x, y in zip(xs, ys):
                 ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(8, -3),
                             fontsize=8, color="tab:green")
-            note = f"; green: {pname}, median of {len(rows[0].get('decode_ms_all') or [0])} processes"
-    n = len(next(iter(res.values())).get("decode_ms") or [])
+            note = f"; green: {prec.name}, median of {len(rows[0].get('decode_ms_all') or [0])} processes"
+    n = len((res.get("longctx-fp32") or {}).get("decode_ms") or [])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode time (ms per token, batch 1)")
     ax.set_ylim(bottom=0)
@@ -250,13 +217,13 @@ def plot_decode(results, folder, out: Path) -> None:
     ax.legend(fontsize=8, loc="upper left")
     ax.text(0.99, 0.02, f"e2e points: median of {n} steps, bars interquartile{note}",
             transform=ax.transAxes, ha="right", fontsize=7, color="gray")
-    finish(fig, ax, "Decode ms/token vs context length", name, data, out / "decode.png")
+    finish(fig, ax, "Decode ms/token vs context length", rec, data, out / "decode.png")
 
 
 # --- (c) prefix store -----------------------------------------------------------------------
 
-def plot_prefix(results, folder, out: Path) -> None:
-    name, data = newest(results, folder, "prefix",
+def plot_prefix(results, out: Path) -> None:
+    rec, data = newest(results, "prefix",
                         lambda d: isinstance(d.get("ttft_s"), dict) and "cold" in d["ttft_s"])
     ttft = data["ttft_s"]
     tiers = [t for t in ("cold", "device_hit", "host_hit", "disk_hit") if isinstance(ttft.get(t), (int, float))]
@@ -283,13 +250,13 @@ def plot_prefix(results, folder, out: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     doc, q = data.get("doc_tokens"), data.get("question_tokens")
     what = f"{doc}-token document + a new {q}-token question" if doc and q else "document + new question"
-    finish(fig, ax, f"Prefix store: TTFT per tier ({what})", name, data, out / "prefix.png")
+    finish(fig, ax, f"Prefix store: TTFT per tier ({what})", rec, data, out / "prefix.png")
 
 
 # --- (d) lookahead --------------------------------------------------------------------------
 
-def plot_lookahead(results, folder, out: Path) -> None:
-    name, data = newest(results, folder, "lookahead", lambda d: isinstance(d.get("cases"), dict) and d["cases"])
+def plot_lookahead(results, out: Path) -> None:
+    rec, data = newest(results, "lookahead", lambda d: isinstance(d.get("cases"), dict) and d["cases"])
     cases = data["cases"]
     targets = data.get("targets_speedup") or {}
     names, series, speedups = [], {"longctx plain": [], "longctx lookahead": [], "HF": [],
@@ -308,7 +275,7 @@ def plot_lookahead(results, folder, out: Path) -> None:
         series["HF prompt lookup"].append((hf.get("prompt_lookup") or {}).get("decode_tok_s"))
         speedups.append((c.get("speedup") or look / plain, targets.get(case), c.get("identical_tokens")))
     if not names:
-        raise Skip(f"{name} has no case with longctx plain and lookahead tok/s")
+        raise Skip(f"{rec.name} has no case with longctx plain and lookahead tok/s")
     series = {k: v for k, v in series.items() if any(x is not None for x in v)}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / len(series)
@@ -344,18 +311,18 @@ def plot_lookahead(results, folder, out: Path) -> None:
     ax2.set_title("lookahead speedup", fontsize=9)
     doc, n = data.get("doc_tokens"), data.get("max_tokens")
     what = f"{n} new tokens, {doc}-token document" if doc and n else "per prompt"
-    finish(fig, (ax1, ax2), f"Lookahead decoding per prompt ({what})", name, data, out / "lookahead.png")
+    finish(fig, (ax1, ax2), f"Lookahead decoding per prompt ({what})", rec, data, out / "lookahead.png")
 
 
 # --- (e) sequence parallelism --------------------------------------------------------------
 
-def plot_parallel(results, folder, out: Path) -> None:
-    name, data = newest(results, folder, "parallel", has_sp_summary)
+def plot_parallel(results, out: Path) -> None:
+    rec, data = newest(results, "parallel", has_sp_summary)
     rows = [r for r in data["summary"] if isinstance(r, dict)]
     worlds = sorted({r["world"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     if len(worlds) < 2:
-        raise Skip(f"{name} has one world size only")
+        raise Skip(f"{rec.name} has one world size only")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
     metrics = [("prefill_s", "prefill_s_all", "prefill time (s)", "{:.2f}"),
                ("decode_ms_per_token", "decode_ms_all", "decode time (ms per token)", "{:.1f}")]
@@ -388,22 +355,24 @@ def plot_parallel(results, folder, out: Path) -> None:
     title = "Sequence parallelism: N = 1 vs N ranks on one CPU"
     if reps:
         title += f" (medians of {reps} processes, bars min-max)"
-    finish(fig, axes, title, name, data, out / "parallel.png")
+    finish(fig, axes, title, rec, data, out / "parallel.png")
 
 
 # --- (f) run history -----------------------------------------------------------------------
 
-def plot_history(results, folder, out: Path) -> None:
-    runs = [(n, d) for n, d in results.items() if n.startswith("e2e") and has_prefill(d) and has_decode(d)]
+def plot_history(results, out: Path) -> None:
+    """Every e2e run that measured a peer (HF or vLLM) beside longctx fp32: the runs of one
+    engine alone (an ISA-level study, a bf16-only rerun) are not points of this history."""
+    runs = [(r, r.result) for r in results if r.bench == "e2e" and has_prefill(r.result)
+            and has_decode(r.result) and any(p in (r.result.get("results") or {}) for p in PEERS)]
     if len(runs) < 2:
-        raise Skip("fewer than two e2e-*.json runs")
-    runs.sort(key=lambda nd: run_time(nd[0], nd[1], folder))
+        raise Skip("fewer than two e2e records with a peer engine")
+    runs.sort(key=lambda rd: tables.order_key(rd[0]))
     labels = []
-    cpus = [(d.get("machine") or {}).get("cpu") for _, d in runs] + [None]
-    for n, d in runs:
-        m = d.get("machine") or {}
-        cpu = m.get("cpu", "?").replace("(R)", "").replace(" Processor", "")
-        labels.append(f"{m.get('git_rev', '?').removesuffix('-dirty')}\n{cpu}")
+    cpus = [r.machine.get("cpu") for r, _ in runs] + [None]
+    for r, d in runs:
+        cpu = str(r.machine.get("cpu", "?")).replace("(R)", "").replace(" Processor", "")
+        labels.append(f"{tables.rev(r).removesuffix('-dirty')}\n{cpu}")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     for engine in ("hf-fp32", "vllm-fp32", "vllm-bf16", "longctx-fp32", "longctx-bf16"):
         pre, dec = [], []
@@ -425,7 +394,7 @@ def plot_history(results, folder, out: Path) -> None:
                     segment.append((i, y))
     for ax, ylabel in ((ax1, "prefill of 8,000 tokens (s)"), (ax2, "decode at 8K context (ms per token)")):
         ax.set_xticks(range(len(runs)), labels, fontsize=7, rotation=60, ha="right")
-        ax.set_xlabel("run (git revision, CPU), oldest to newest commit")
+        ax.set_xlabel("run (git revision, CPU), oldest to newest record")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -445,8 +414,8 @@ def has_long_stages(d: dict) -> bool:
     return isinstance(res, dict) and any(isinstance(r, dict) and r.get("stages") for r in res.values())
 
 
-def plot_long_context(results, folder, out: Path) -> None:
-    name, data = newest(results, folder, "long", has_long_stages)
+def plot_long_context(results, out: Path) -> None:
+    rec, data = newest(results, "long", has_long_stages)
     res = {d: r for d, r in data["results"].items() if isinstance(r, dict) and r.get("stages")}
     derived = data.get("derived") or {}
     colors = {"auto": "tab:blue", "int8": "tab:red"}
@@ -514,7 +483,7 @@ def plot_long_context(results, folder, out: Path) -> None:
     what = f"RoPE {rope.get('rope_type')} x{rope.get('factor'):g}, " if rope.get("rope_type") else ""
     n = (data.get("args") or {}).get("decode_tokens")
     finish(fig, (ax1, ax2), f"Long context: float32 vs int8 KV pages ({what}greedy, {n} new tokens per "
-           "context; bench_long.py)", name, data, out / "long-context.png")
+           "context; bench_long.py)", rec, data, out / "long-context.png")
 
 
 PLOTS = {"prefill.png": plot_prefill, "decode.png": plot_decode, "prefix.png": plot_prefix,
@@ -532,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     written = 0
     for fname, fn in PLOTS.items():
         try:
-            fn(results, args.results, args.out)
+            fn(results, args.out)
         except Skip as exc:
             print(f"skipped {fname}: {exc}")
             plt.close("all")

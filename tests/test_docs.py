@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -71,8 +72,8 @@ def test_relative_links_resolve(path: Path):
 
 def test_readme_links_the_docs():
     targets = {t.partition("#")[0] for t in links(README)}
-    for doc in ("benchmarks", "guide", "kernels", "parallel", "prefix-store", "lookahead", "serve",
-                "architecture"):
+    for doc in ("benchmarks", "history", "testing", "guide", "kernels", "parallel", "prefix-store", "lookahead",
+                "serve", "architecture"):
         assert f"docs/{doc}.md" in targets, f"README.md does not link docs/{doc}.md"
 
 
@@ -118,11 +119,17 @@ def test_plots_build_and_skip_missing_data(tmp_path: Path):
         png = out / name
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name} not written"
 
-    # only a prefix result: that plot is drawn, every other one is skipped with a reason
+    # only a prefix record (and a lookahead record without the figures, and a file that is not a
+    # record): that plot is drawn, every other one is skipped with a reason
     only = tmp_path / "only-prefix"
-    only.mkdir()
-    shutil.copy(results / "prefix-vm.json", only / "prefix-vm.json")
-    (only / "lookahead-broken.json").write_text('{"cases": {"x": {"longctx": {}}}}')
+    (only / "prefix" / "intel-xeon-processor-2c").mkdir(parents=True)
+    shutil.copy(results / "prefix" / "intel-xeon-processor-2c" / "legacy.json",
+                only / "prefix" / "intel-xeon-processor-2c" / "legacy.json")
+    (only / "lookahead" / "x-2c").mkdir(parents=True)
+    (only / "lookahead" / "x-2c" / "broken.json").write_text(json.dumps(
+        {"schema_version": 1, "bench": "lookahead", "machine": {"cpu": "x"}, "git": {"rev": "abc", "dirty": False},
+         "command": None, "started": "2026-01-01T00:00:00+00:00", "result": {"cases": {"x": {"longctx": {}}}}}))
+    (only / "e2e-not-a-record.json").write_text('{"results": {"longctx-fp32": {"prefill_s": {"8000": [1.0]}}}}')
     out2 = tmp_path / "img2"
     run = subprocess.run([sys.executable, str(script), "--results", str(only), "--out", str(out2)],
                          capture_output=True, text=True, timeout=300)
@@ -132,31 +139,32 @@ def test_plots_build_and_skip_missing_data(tmp_path: Path):
 
 
 def test_plots_take_the_fuller_of_two_runs_at_one_revision(tmp_path: Path):
-    """Two e2e runs of one commit: a full one and a later partial rerun. The per-run plots
-    draw the full one, whatever the order in which the runs finished."""
+    """Two e2e records started together (migrated from one commit): a full run and a partial
+    rerun. The per-run plots draw the full one, whatever the file names; a later start wins."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import plots
+        import tables
     finally:
         sys.path.pop(0)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip()
-    if not rev:
-        pytest.skip("not a git checkout")
 
-    def run(engines: list[str], lengths: list[str], finished: str) -> dict:
-        return {"machine": {"git_rev": rev}, "finished_at": finished,
-                "results": {e: {"prefill_s": {n: [1.0] for n in lengths}} for e in engines}}
+    def run(name: str, engines: list[str], lengths: list[str], started: str):
+        result = {"results": {e: {"prefill_s": {n: [1.0] for n in lengths}} for e in engines}}
+        return tables.Record(f"benchmarks/results/e2e/m-2c/{name}", f"e2e/m-2c/{name}",
+                             {"schema_version": 1, "bench": "e2e", "machine": {"cpu": "m", "cores": 2},
+                              "git": {"rev": "abc1234", "dirty": False}, "started": started, "result": result})
 
-    full = run(["vllm-fp32", "longctx-fp32", "longctx-bf16"], ["2048", "8000"], "2026-01-01T10:00")
-    rerun = run(["vllm-fp32", "longctx-fp32"], ["8000"], "2026-01-01T11:00")
-    for names in (("e2e-a.json", "e2e-b.json"), ("e2e-b.json", "e2e-a.json")):
-        results = {names[0]: full, names[1]: rerun}
-        assert plots.newest(results, tmp_path, "e2e-", lambda d: True) == (names[0], full)
-    # equal coverage: the later run
-    later = run(["vllm-fp32", "longctx-fp32", "longctx-bf16"], ["2048", "8000"], "2026-01-01T12:00")
-    assert plots.newest({"e2e-a.json": full, "e2e-c.json": later}, tmp_path, "e2e-", lambda d: True)[0] == "e2e-c.json"
+    at = "2026-01-01T10:00:00+00:00"
+    for full_name, rerun_name in (("a.json", "b.json"), ("b.json", "a.json")):
+        full = run(full_name, ["vllm-fp32", "longctx-fp32", "longctx-bf16"], ["2048", "8000"], at)
+        rerun = run(rerun_name, ["vllm-fp32", "longctx-fp32"], ["8000"], at)
+        assert plots.newest([full, rerun], "e2e", lambda d: True)[0] is full
+        assert plots.newest([rerun, full], "e2e", lambda d: True)[0] is full
+    # a later start wins over more figures
+    later = run("c.json", ["vllm-fp32", "longctx-fp32"], ["8000"], "2026-01-01T12:00:00+00:00")
+    assert plots.newest([full, later], "e2e", lambda d: True)[0] is later
     # a later run of one other dtype only is not what the prefill plot draws
-    bf16_only = run(["vllm-bf16", "longctx-bf16"], ["2048", "4096", "8000"], "2026-01-01T13:00")
-    assert plots.newest({"e2e-a.json": full, "e2e-d.json": bf16_only}, tmp_path, "e2e-",
-                        plots.has_prefill)[0] == "e2e-a.json"
+    bf16_only = run("d.json", ["vllm-bf16", "longctx-bf16"], ["2048", "4096", "8000"], "2026-01-01T13:00:00+00:00")
+    assert plots.newest([full, bf16_only], "e2e", plots.has_prefill)[0] is full
+    with pytest.raises(plots.Skip):
+        plots.newest([bf16_only], "e2e", plots.has_prefill)

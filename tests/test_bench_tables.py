@@ -1,0 +1,199 @@
+"""The generated tables of benchmark figures (``benchmarks/tables.py``): the README's and
+docs/benchmarks.md's tables are what the records give (the sync check CI runs with the suite),
+a table edited by hand fails the check, and every row reads the newest record that holds the
+fields it needs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "tables.py"
+
+
+@pytest.fixture(scope="module")
+def tables():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import tables
+    finally:
+        sys.path.pop(0)
+    return tables
+
+
+def check(root: Path | None = None, *extra: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, str(SCRIPT), "--check", *extra]
+    if root is not None:
+        args += ["--root", str(root)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def test_tables_in_the_repository_are_up_to_date():
+    run = check()
+    assert run.returncode == 0, ("a generated table differs from the records: run "
+                                 f"`python benchmarks/tables.py`\n{run.stdout}{run.stderr}")
+
+
+def test_the_docs_have_the_tables(tables):
+    text = {doc: (ROOT / doc).read_text() for doc in tables.DOCS}
+    names = {doc: [m["name"] for m in tables.MARKER.finditer(t)] for doc, t in text.items()}
+    assert names["README.md"] == ["readme-results"]
+    assert set(names["docs/benchmarks.md"]) == set(tables.TABLES) - {"readme-results"}
+    for doc, t in text.items():  # a figure the README quotes comes with its record
+        body = "".join(m["body"] for m in tables.MARKER.finditer(t))
+        assert "benchmarks/results/" in body and "No record" not in body, doc
+
+
+def _copy_repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copy(ROOT / "docs" / "benchmarks.md", root / "docs" / "benchmarks.md")
+    shutil.copytree(ROOT / "benchmarks" / "results", root / "benchmarks" / "results")
+    return root
+
+
+def test_a_hand_edited_table_fails_the_check(tmp_path: Path):
+    root = _copy_repo(tmp_path)
+    assert check(root).returncode == 0
+
+    readme = root / "README.md"
+    text = readme.read_text()
+    begin = text.index("<!-- table:readme-results begin -->")
+    row = text.index("| prefill", begin)
+    # one figure changed by hand, inside the generated table
+    edited = text[:row] + text[row:].replace(" s |", " s (fast!) |", 1)
+    assert edited != text
+    readme.write_text(edited)
+    run = check(root)
+    assert run.returncode == 1
+    assert "README.md: table readme-results" in run.stderr
+    assert "docs/benchmarks.md" not in run.stderr
+
+    # the same in docs/benchmarks.md, outside the README: named too
+    bench = root / "docs" / "benchmarks.md"
+    btext = bench.read_text()
+    start = btext.index("<!-- table:lookahead begin -->")
+    bench.write_text(btext[:start] + btext[start:].replace("| extraction |", "| extraction (edited) |", 1))
+    run = check(root)
+    assert run.returncode == 1
+    assert "README.md: table readme-results" in run.stderr
+    assert "docs/benchmarks.md: table lookahead" in run.stderr
+
+    # text outside the markers is not the generator's business
+    readme.write_text(text + "\nA line added by hand below the tables.\n")
+    bench.write_text(btext)
+    assert check(root).returncode == 0
+
+    # regenerating repairs a hand edit
+    readme.write_text(edited)
+    assert subprocess.run([sys.executable, str(SCRIPT), "--root", str(root)], capture_output=True,
+                          timeout=120).returncode == 0
+    assert check(root).returncode == 0
+    assert readme.read_text() == text
+
+
+def _record(root: Path, bench: str, machine: str, name: str, started: str, result: dict, rev: str = "1111111",
+            cpu: str = "Test CPU") -> Path:
+    path = root / "benchmarks" / "results" / bench / machine / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema_version": 1, "bench": bench, "machine": {"cpu": cpu, "cores": 2},
+                                "git": {"rev": rev, "dirty": False}, "command": None, "started": started,
+                                "result": result}))
+    return path
+
+
+def _e2e(prefill_8k: float, decode_ms: float, engines=("hf-fp32", "longctx-fp32")) -> dict:
+    """A minimal bench_e2e result: the same figures for every engine but longctx's, which is
+    twice as fast as the HF figures."""
+    res = {}
+    for e in engines:
+        scale = 0.5 if e.startswith("longctx") else 1.0
+        res[e] = {"prefill_s": {"1024": [scale * prefill_8k / 8], "8000": [scale * prefill_8k]},
+                  "decode_ms": [scale * decode_ms], "batch": {"output_tok_s": 4.0 / scale},
+                  "peak_rss_gib": 3.0 * scale}
+    return {"args": {"decode_ctx": 8000, "batch": 8, "batch_ctx": 2048, "batch_tokens": 32}, "results": res}
+
+
+def test_the_newest_record_is_chosen(tmp_path: Path, tables):
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "README.md").write_text("# x\n\n<!-- table:readme-results begin -->\n<!-- table:readme-results end -->\n")
+    (root / "benchmarks" / "results" / "e2e" / "test-cpu-2c").mkdir(parents=True)
+    # not records: ignored
+    (root / "benchmarks" / "results" / "e2e" / "test-cpu-2c" / "raw.json").write_text(json.dumps(_e2e(1.0, 1.0)))
+    (root / "benchmarks" / "results" / "e2e" / "test-cpu-2c" / "run.log").write_text("log\n")
+
+    def readme() -> str:
+        assert tables.main(["--root", str(root), "README.md"]) == 0
+        return (root / "README.md").read_text()
+
+    _record(root, "e2e", "test-cpu-2c", "aaaaaaa", "2026-01-01T00:00:00+00:00", _e2e(40.0, 100.0), rev="aaaaaaa")
+    text = readme()
+    assert "| prefill, 1K / 8K tokens | 2.50 / 20.00 s | 5.00 / 40.00 s (2.0x / 2.0x) |" in text
+    assert "git aaaaaaa, [`e2e/test-cpu-2c/aaaaaaa.json`](benchmarks/results/e2e/test-cpu-2c/aaaaaaa.json)" in text
+    assert "Test CPU, 2 cores" in text
+
+    # a newer record replaces it, whatever its file name
+    _record(root, "e2e", "test-cpu-2c", "0000000", "2026-01-02T00:00:00+00:00", _e2e(60.0, 200.0), rev="0000000")
+    assert tables.main(["--check", "--root", str(root), "README.md"]) == 1  # stale until regenerated
+    text = readme()
+    assert "| prefill, 1K / 8K tokens | 3.75 / 30.00 s | 7.50 / 60.00 s (2.0x / 2.0x) |" in text
+    assert "| decode at 8K context | 100.0 ms/token | 200.0 ms/token (2.0x) |" in text
+    assert "e2e/test-cpu-2c/0000000.json" in text and "aaaaaaa.json" not in text
+    assert tables.main(["--check", "--root", str(root), "README.md"]) == 0
+
+    # a still newer record without HF does not displace it from the HF rows, but it is the
+    # newest one with vLLM and longctx both, so the vLLM rows read it (and only it)
+    vllm = _e2e(50.0, 80.0, engines=("vllm-fp32", "longctx-fp32", "vllm-bf16", "longctx-bf16"))
+    vllm["results"]["vllm-fp32"]["vllm"] = "0.32.0"
+    _record(root, "e2e", "test-cpu-2c", "vllm-bbbbbbb", "2026-01-03T00:00:00+00:00", vllm, rev="bbbbbbb")
+    text = readme()
+    hf_rows = [line for line in text.splitlines() if line.startswith(("| prefill,", "| decode at 8K context"))]
+    assert hf_rows and all("0000000.json" in line for line in hf_rows)
+    vllm_rows = [line for line in text.splitlines() if "vLLM" in line and line.startswith("|")]
+    assert len(vllm_rows) == 2 and all("vllm-bbbbbbb.json" in line for line in vllm_rows[1:]), vllm_rows
+    assert "against vLLM-CPU 0.32.0 in the same run: 8K prefill fp32 / bf16 | 25.00 / 25.00 s" in text
+    assert "rerun" not in text
+
+    # a partial rerun at the same revision and machine (fp32 only) joins that row, newer or not
+    rerun = _e2e(44.0, 80.0, engines=("vllm-fp32", "longctx-fp32"))
+    _record(root, "e2e", "test-cpu-2c", "vllm-bbbbbbb-fp32", "2026-01-03T00:00:00+00:00", rerun, rev="bbbbbbb")
+    text = readme()
+    row = next(line for line in text.splitlines() if "8K prefill fp32 / bf16" in line)
+    assert "25.00 / 25.00 s (fp32 rerun: 22.00 s)" in row and "vllm-bbbbbbb-fp32.json" in row
+    assert "[`e2e/test-cpu-2c/vllm-bbbbbbb.json`]" in row  # the full run, not the rerun, leads the row
+
+
+def test_ties_and_missing_fields(tables):
+    def rec(name: str, started, result: dict) -> object:
+        return tables.Record(f"benchmarks/results/e2e/m/{name}", f"e2e/m/{name}",
+                             {"schema_version": 1, "bench": "e2e", "machine": {"cpu": "m"}, "git": {"rev": "r"},
+                              "started": started, "result": result})
+
+    small, big = _e2e(1.0, 1.0), _e2e(1.0, 1.0, engines=("hf-fp32", "longctx-fp32", "longctx-bf16"))
+    t = "2026-01-01T00:00:00+00:00"
+    # same start: the record with more figures, then the later name; file order plays no part
+    a, b, c = rec("a.json", t, big), rec("b.json", t, small), rec("c.json", t, big)
+    for order in ([a, b, c], [c, b, a], [b, a, c]):
+        assert tables.newest(order, "e2e") is c
+        assert tables.newest(order, "e2e", lambda r: "longctx-bf16" not in r.result["results"]) is b
+    # offsets are compared as times; a record without a start is the oldest
+    east = rec("east.json", "2026-01-01T01:30:00+02:00", small)  # 23:30 UTC the day before
+    assert tables.newest([a, east], "e2e") is a
+    assert tables.newest([rec("none.json", None, big), b], "e2e") is b
+    # no record has the fields: no row, and a table says so instead of inventing one
+    assert tables.newest([a, b], "lookahead") is None
+    doc = tables.Doc(Path("docs/benchmarks.md"))
+    assert "No record" in tables.render("lookahead", [a, b], doc)
+    assert tables.render("readme-results", [], tables.Doc(Path("README.md"))).startswith("_No record")
+    # a broken field does not break the selection, it only disqualifies the record
+    broken = rec("z.json", "2026-02-01T00:00:00+00:00", {"results": {"hf-fp32": {"prefill_s": "oops"},
+                                                                      "longctx-fp32": None}})
+    assert tables.newest([a, broken], "e2e", lambda r: tables.lengths(r, "hf-fp32", "longctx-fp32")) is a
