@@ -31,7 +31,7 @@ __all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "ro
 SOURCE = cpu_build.CSRC / "linear_rows.c"
 # Rows up to which the model's Linear takes this kernel when it was built without AVX2/FMA (dot
 # products only); above it BLAS on the same weights. Built with them, the kernel has its panel
-# path from 17 rows and takes every step (``max_rows``). bench_linear.py (linear-vm.json, AMD
+# path from 17 rows and takes every step (``max_rows``). bench_linear.py (linear/amd-epyc-2c/legacy.json, AMD
 # EPYC, 2 threads, all 121 matrices, ms), before the panels: 1 row 30.2 vs 48.3 for F.linear
 # and 35.5 oneDNN-packed; 8 rows 43.9 vs 90.4 / 48.2; 64 rows 179.6 vs 215.5 / 160.5; at 128
 # rows (4 layers) 44.8 vs 38.5 / 38.8, where BLAS's blocked GEMM won over the dot products.

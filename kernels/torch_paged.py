@@ -94,7 +94,7 @@ def dequantized_kv(cache: torch.Tensor, scale: torch.Tensor, block_row: list[int
 # 2,048-token prefill chunk over 0-6K cached tokens 0.60-0.67 s per layer vs 0.69-0.77 s with
 # PyTorch's flash kernel (the torch forms below, which remain for no compiler, a 16-bit cache
 # without a kernel, LONGCTX_CPU_KERNEL=0, or a build without the kernels' intrinsic paths:
-# bench_cpu_isa.py, cpu-isa-vm.json, 30 layers' decode at 8K with float32 pages: the portable
+# bench_cpu_isa.py, cpu-isa/amd-epyc-2c/legacy.json, 30 layers' decode at 8K with float32 pages: the portable
 # build 90.5-95.3 ms vs 65.9-70.0 ms for these forms).
 USE_CPU_KERNEL = True
 CPU_KERNEL_MAX_ROWS = 20

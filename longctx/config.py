@@ -16,7 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
 DEFAULT_HOST_CACHE_GB = 2.0
-DEFAULT_KV_CACHE_GB = 1.0  # the KV pool on the CPU (on a GPU: sized from free memory)
+DEFAULT_KV_CACHE_GB = 1.0  # the KV pool of each sequence-parallel rank (one process: "auto")
+CPU_KV_SHARE = 0.5  # "auto" on the CPU: this share of the memory available after the weights
 DEFAULT_BLOCK_SIZE = 64
 FLASH_ATTN_BLOCK_SIZE = 256  # flash-attn's paged KV needs pages of a multiple of 256 tokens
 
@@ -128,8 +129,11 @@ class CacheConfig:
     block_size: int | None = field(
         default=None, metadata={"help": "tokens per KV page (default: 64; 256 when flash-attn runs)"})
     kv_cache_gb: float | None = field(
-        default=None, metadata={"help": "memory budget for the KV pool (GiB; default: 1 on the CPU, "
-                                        "on a GPU gpu_memory_utilization of its memory less the model's)"})
+        default=None, metadata={"help": "memory budget for the KV pool (GiB; default \"auto\": on the CPU "
+                                        "half the memory available after the weights, at most what "
+                                        "max_num_seqs requests of max_model_len tokens need; on a GPU "
+                                        "gpu_memory_utilization of its memory less the model's; 1 per "
+                                        "sequence-parallel rank)"})
     gpu_memory_utilization: float = field(
         default=0.9, metadata={"help": "share of the GPU's memory the engine may use (weights, "
                                        "activations and the KV pool) when kv_cache_gb is not given"})
@@ -167,8 +171,10 @@ class CacheConfig:
         _check(self.block_size is None or (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024
                                            and self.block_size & (self.block_size - 1) == 0),
                f"block_size must be a power of two in [1, 1024], got {self.block_size}")
-        _check(self.kv_cache_gb is None or self.kv_cache_gb > 0,
-               f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.kv_cache_gb == "auto":
+            object.__setattr__(self, "kv_cache_gb", None)
+        _check(self.kv_cache_gb is None or (isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0),
+               f"kv_cache_gb must be positive or \"auto\", got {self.kv_cache_gb!r}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.num_blocks >= 0, f"num_blocks must be >= 0, got {self.num_blocks}")
@@ -194,7 +200,11 @@ class SchedulerConfig:
         default=256, metadata={"help": "prefill chunk of a long prompt in a step that also gives "
                                        "other requests tokens (0: no cap)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
-    max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's)"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit (0: the model's window, as "
+                                                            "its rope_scaling stretches it)"})
+    allow_long_context: bool = field(
+        default=False, metadata={"help": "accept a max_model_len past the model's trained window "
+                                         "(positions past it were never trained: outputs there degrade)"})
     prefill_step_cost: int = field(
         default=0, metadata={"help": "latency mode for serving: a step's work, counted in tokens "
                                      "at zero context (attention to a long context counts extra), "
@@ -254,16 +264,15 @@ def resolve_auto(load: ModelLoadConfig, cache: CacheConfig, device_type: str,
                  flash_attn: bool) -> tuple[ModelLoadConfig, CacheConfig]:
     """The "auto" choices made concrete for a device: the dtype (bfloat16 on CUDA, float32 on
     the CPU) and the page size (256 when flash-attn will run: on CUDA, installed, a 16-bit
-    dtype and a backend that allows it; else 64). ``kv_cache_gb`` stays None on CUDA (the
-    engine sizes the pool from free memory) and becomes 1 GiB elsewhere."""
+    dtype and a backend that allows it; else 64). ``kv_cache_gb`` stays None ("auto": the
+    engine sizes the pool from the memory the model leaves)."""
     from dataclasses import replace
 
     dtype = load.dtype if load.dtype != "auto" else ("bfloat16" if device_type == "cuda" else "float32")
     uses_flash = (flash_attn and device_type == "cuda" and dtype != "float32"
                   and load.attention_backend in ("auto", "flash-attn"))
     block = cache.block_size or (FLASH_ATTN_BLOCK_SIZE if uses_flash else DEFAULT_BLOCK_SIZE)
-    kv = cache.kv_cache_gb if cache.kv_cache_gb is not None or device_type == "cuda" else DEFAULT_KV_CACHE_GB
-    return replace(load, dtype=dtype), replace(cache, block_size=block, kv_cache_gb=kv)
+    return replace(load, dtype=dtype), replace(cache, block_size=block)
 
 
 def split_engine_kwargs(kwargs: dict[str, Any]) -> tuple[ModelLoadConfig, CacheConfig, SchedulerConfig,

@@ -27,14 +27,29 @@ def test_engine_config_defaults():
 
 
 @pytest.mark.parametrize("device,flash,dtype,block,kv", [
-    ("cpu", False, "float32", 64, 1.0),
-    ("cpu", True, "float32", 64, 1.0),  # flash-attn never runs on the CPU
+    ("cpu", False, "float32", 64, None),  # "auto": the engine sizes the pool after the weights
+    ("cpu", True, "float32", 64, None),  # flash-attn never runs on the CPU
     ("cuda", False, "bfloat16", 64, None),  # Triton; the KV pool sized from free GPU memory
     ("cuda", True, "bfloat16", 256, None),  # flash-attn's paged KV wants pages of 256
 ])
 def test_auto_choices_per_device(device, flash, dtype, block, kv):
     load, cache = resolve_auto(ModelLoadConfig(), CacheConfig(), device, flash)
     assert (load.dtype, cache.block_size, cache.kv_cache_gb) == (dtype, block, kv)
+
+
+def test_kv_cache_gb_auto_is_the_default():
+    assert CacheConfig(kv_cache_gb="auto") == CacheConfig()
+    with pytest.raises(ConfigError, match='kv_cache_gb must be positive or "auto", got \'lots\''):
+        CacheConfig(kv_cache_gb="lots")
+
+
+def test_cpu_kv_budget_is_a_share_of_what_is_left_capped_at_what_requests_need():
+    from longctx.kv.device_pool import cpu_kv_budget_gb
+
+    gb, note = cpu_kv_budget_gb(100.0, available=8 << 30)
+    assert gb == pytest.approx(4.0) and "50% of 8.0 GiB available after the weights" in note
+    gb, note = cpu_kv_budget_gb(0.25, available=8 << 30)
+    assert gb == pytest.approx(0.25) and "need" in note
 
 
 def test_explicit_choices_win_over_auto():
@@ -103,8 +118,8 @@ def test_cache_config_accepts_power_of_two_block_sizes(block_size):
     (dict(block_size=48), "block_size must be a power of two in [1, 1024], got 48"),
     (dict(block_size=2048), "block_size must be a power of two in [1, 1024], got 2048"),
     (dict(block_size=-4), "block_size must be a power of two in [1, 1024], got -4"),
-    (dict(kv_cache_gb=0), "kv_cache_gb must be positive, got 0"),
-    (dict(kv_cache_gb=-0.5), "kv_cache_gb must be positive, got -0.5"),
+    (dict(kv_cache_gb=0), "kv_cache_gb must be positive or \"auto\", got 0"),
+    (dict(kv_cache_gb=-0.5), "kv_cache_gb must be positive or \"auto\", got -0.5"),
     (dict(num_blocks=-1), "num_blocks must be >= 0, got -1"),
 ])
 def test_cache_config_errors(kwargs, message):
@@ -159,7 +174,7 @@ def test_split_engine_kwargs_unknown_keys_are_listed_sorted_with_the_known_ones(
     known = sorted(f.name for cls in (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig,
                                                   ParallelConfig)
                    for f in dataclasses.fields(cls))
-    assert known[:3] == ["attention_backend", "block_size", "busy_prefill_chunk"]
+    assert known[:3] == ["allow_long_context", "attention_backend", "block_size"]
     with pytest.raises(ConfigError) as info:
         split_engine_kwargs({"zeta": 1, "blok_size": 16, "dtype": "float32", "gamma": 0,
                              "temperature": 0.5, "alpha": 2, "max_tokens": 9, "beta": 1})
@@ -374,7 +389,7 @@ def test_unsupported_model_type_names_it(model_type):
     with pytest.raises(UnsupportedModelError) as info:
         ModelConfig.from_hf_dict({**SMOLLM2_135M, "model_type": model_type})
     assert str(info.value) == (f"model_type {model_type!r} is not supported; longctx runs "
-                               "llama, mistral, qwen2 (Llama-family decoders)")
+                               "llama, mistral, qwen2, qwen3 (Llama-family decoders)")
 
 
 def test_missing_model_type_is_unsupported():
@@ -490,7 +505,7 @@ def test_gguf_linear_rope_scaling():
 def test_gguf_unsupported_architecture_names_it():
     with pytest.raises(UnsupportedModelError) as info:
         ModelConfig.from_gguf_fields({**GGUF_LLAMA, "general.architecture": "gemma2"}, True)
-    assert str(info.value) == "GGUF architecture 'gemma2' is not supported (llama, qwen2)"
+    assert str(info.value) == "GGUF architecture 'gemma2' is not supported (llama, qwen2, qwen3)"
 
 
 def test_lookahead_takes_a_bool_or_a_config_object():

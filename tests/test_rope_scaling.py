@@ -82,9 +82,45 @@ def test_default_window_stretches_with_the_override(tiny, caplog):
     llm = LLM(str(tiny), rope_scaling=OVERRIDES["yarn"], lookahead=False)
     assert llm.engine.max_model_len == 4 * WINDOW  # original_max_position_embeddings * factor
     assert LLM(str(tiny), lookahead=False).engine.max_model_len == WINDOW
-    with caplog.at_level(logging.WARNING, logger="longctx.engine.llm_engine"):
-        LLM(str(tiny), max_model_len=2 * WINDOW, lookahead=False)  # allowed, as before, but said
-    assert any("no rope_scaling is given" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match=r"max_model_len 2048 is past the model's window: the model was "
+                                          r"trained on 1024 positions .*allow_long_context"):
+        LLM(str(tiny), max_model_len=2 * WINDOW, lookahead=False)
+    with caplog.at_level(logging.WARNING, logger="longctx.model.prepare"):
+        LLM(str(tiny), max_model_len=2 * WINDOW, allow_long_context=True, lookahead=False)
+    assert any("past the model's window (allow_long_context)" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="the yarn rope_scaling \\(factor 4\\) stretches the model to 4096"):
+        LLM(str(tiny), max_model_len=8 * WINDOW, rope_scaling=OVERRIDES["yarn"], lookahead=False)
+
+
+def test_the_window_comes_from_the_checkpoints_own_rope_scaling(tmp_path):
+    """A config.json carrying YaRN (the Qwen2.5 128K recipe) serves the stretched window, as
+    HF and vLLM read it; without it, the trained one."""
+    make_engine_checkpoint(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW}
+    cfg.pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), lookahead=False)
+    assert llm.engine.model_config.rope_scaling.rope_type == "yarn"
+    assert llm.engine.max_model_len == 4 * WINDOW
+
+
+def test_the_kv_pool_bounds_the_window(tiny, caplog):
+    """Start-up says in one line how many tokens the pool holds; a max_model_len it cannot hold
+    is refused with that number, and the model's own window is served only as far as it goes."""
+    with caplog.at_level(logging.INFO, logger="longctx.engine.llm_engine"):
+        llm = LLM(str(tiny), lookahead=False, block_size=16)  # kv_cache_gb "auto"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:")]
+    assert len(lines) == 1 and "auto:" in lines[0]
+    assert llm.engine.kv_capacity_tokens >= WINDOW
+    with pytest.raises(ConfigError, match=r"max_model_len 1024 is more than the KV pool holds: 320 tokens "
+                                          r"\(num_blocks=20\); raise kv_cache_gb or give max_model_len <= 320"):
+        LLM(str(tiny), lookahead=False, block_size=16, num_blocks=20, max_model_len=WINDOW)
+    capped = LLM(str(tiny), lookahead=False, block_size=16, num_blocks=20)
+    assert capped.engine.max_model_len == 320
+    out = capped.generate({"prompt_token_ids": random_tokens(300, seed=4)},
+                          SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 20 and out.finish_reason == "length"
 
 
 # ---------------------------------------------------------------------- (c) validation

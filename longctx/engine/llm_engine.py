@@ -24,9 +24,9 @@ from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.cache.radix_tree import RadixTree
 from longctx.engine.cuda_graphs import StepGraphs
-from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
+from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, ConfigError, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
-from longctx.kv.device_pool import (DeviceKVPool, num_blocks_for,
+from longctx.kv.device_pool import (DeviceKVPool, cpu_kv_budget_gb, num_blocks_for,
                                     profile_kv_cache_gb)
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.formats import kv_format
@@ -35,7 +35,7 @@ from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
 from longctx.lookahead.controller import LookaheadController
 from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
-from longctx.model.prepare import model_window, prepare_model, warn_past_window
+from longctx.model.prepare import check_window, model_window, prepare_model
 from longctx.model.tokenizer import load_tokenizer
 from longctx.engine.output_processor import OutputProcessor, RequestOutput, StepUpdate
 from longctx.engine.runner import ModelRunner, Runner
@@ -58,17 +58,13 @@ class LLMEngine:
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
-        max_len = sched.max_model_len or model_window(self.model_config, load.rope_scaling)
-        warn_past_window(max_len, self.model_config, load.rope_scaling)
+        max_len = sched.max_model_len or model_window(self.model_config)
+        check_window(max_len, self.model_config, sched.allow_long_context)
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
-        if cache.kv_cache_gb is None and not cache.num_blocks:  # CUDA: what the model leaves free
-            budget = profile_kv_cache_gb(self.model, backend, self.device, sched.max_num_batched_tokens,
-                                         cache.gpu_memory_utilization)
-            # less the exact tail's rows (outside the pages), if the format keeps any
-            budget -= self.kv_format.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
-            cache = self.cache_config = dataclasses.replace(cache, kv_cache_gb=budget)
+        cache, pool_note = self._size_kv_pool(cache, sched, max_len, backend)
+        self.cache_config = cache
         num_blocks = num_blocks_for(cache, self.kv_format)  # per rank
         self.sequence_parallel_size = parallel.sequence_parallel_size
         self.runner: Runner
@@ -93,7 +89,7 @@ class LLMEngine:
         except BaseException:
             self._stop_runner()  # sequence-parallel ranks already started: no orphans
             raise
-        self.max_model_len = max_len
+        self.max_model_len = self._fit_window(max_len, bool(sched.max_model_len), pool_note)
         if (self.device.type == "cuda" and not load.enforce_eager and parallel.sequence_parallel_size == 1
                 and self.model_config.rope_scaling.rope_type != "dynamic"):  # dynamic RoPE: tables per length
             self.capture_step_graphs(sched.max_num_seqs, capture=True,
@@ -132,6 +128,43 @@ class LLMEngine:
         key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype), self.kv_format.cache_key)
         self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)
         return PrefixCache(tree, self.pool, self.kv, host, disk, key)
+
+    def _size_kv_pool(self, cache: CacheConfig, sched: SchedulerConfig, max_len: int,
+                      backend) -> tuple[CacheConfig, str]:
+        """The cache config with its pool's size settled, and how it was chosen (for the log)."""
+        if cache.num_blocks:
+            return cache, f"num_blocks={cache.num_blocks}"
+        if cache.kv_cache_gb is not None:
+            return cache, f"kv_cache_gb={cache.kv_cache_gb:g}"
+        if self.device.type == "cuda":  # what the model leaves free of gpu_memory_utilization
+            budget = profile_kv_cache_gb(self.model, backend, self.device, sched.max_num_batched_tokens,
+                                         cache.gpu_memory_utilization)
+            # less the exact tail's rows (outside the pages), if the format keeps any
+            budget -= self.kv_format.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
+            note = f"auto: {budget:.2f} GiB of gpu_memory_utilization {cache.gpu_memory_utilization:g}"
+        else:  # the CPU: a share of what the weights leave, at most what the requests can use
+            need = max_len * sched.max_num_seqs * self.kv_format.page_bytes(cache.block_size) / cache.block_size
+            budget, note = cpu_kv_budget_gb(need / (1 << 30))
+        return dataclasses.replace(cache, kv_cache_gb=budget), note
+
+    def _fit_window(self, max_len: int, explicit: bool, note: str) -> int:
+        """One start-up line with the pool's token capacity; a window the pool cannot hold is
+        refused when ``max_model_len`` was given, and served only as far as the pool goes when
+        it came from the model (so ``summarize``/``ask`` plan with what fits)."""
+        sched = self.scheduler
+        capacity = (self.pool.num_blocks - sched.num_reserved_blocks) * sched.block_size
+        log.info("KV pool: %d tokens (%d pages of %d; %s); context window %d tokens", capacity,
+                 self.pool.num_blocks, sched.block_size, note, min(max_len, capacity))
+        if max_len <= capacity:
+            return max_len
+        if explicit:
+            self._stop_runner()
+            raise ConfigError(f"max_model_len {max_len} is more than the KV pool holds: {capacity} tokens "
+                              f"({note}); raise kv_cache_gb or give max_model_len <= {capacity}")
+        log.warning("the model's window (%d tokens) is more than the KV pool holds: serving up to %d "
+                    "tokens per request (raise kv_cache_gb to serve the whole window)", max_len, capacity)
+        sched.max_model_len = capacity
+        return capacity
 
     # ------------------------------------------------------------------ prefix cache
 

@@ -14,11 +14,12 @@ resident memory grows with the KV actually used, not with the budget.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 
-from longctx.config import CacheConfig
+from longctx.config import CPU_KV_SHARE, CacheConfig
 from longctx.kv.formats import FloatPages
 
 
@@ -47,6 +48,30 @@ def num_blocks_for(cache: CacheConfig, kv_format: FloatPages) -> int:
     if cache.num_blocks:
         return cache.num_blocks
     return max(1, int(cache.kv_cache_gb * (1 << 30)) // kv_format.page_bytes(cache.block_size))
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel could give this process now (``MemAvailable``), or free pages where
+    /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_kv_budget_gb(need_gb: float, available: int | None = None) -> tuple[float, str]:
+    """``kv_cache_gb="auto"`` on the CPU, measured after the weights are loaded: ``CPU_KV_SHARE``
+    of the available memory, at most ``need_gb`` (what the most requests at the longest context
+    can use). Returns the size and a note saying how it was chosen."""
+    available = available_memory_bytes() if available is None else available
+    share = CPU_KV_SHARE * available / (1 << 30)
+    if need_gb <= share:
+        return max(need_gb, 1e-3), f"auto: what max_num_seqs x max_model_len need, {need_gb:.2f} GiB"
+    return share, f"auto: {CPU_KV_SHARE:.0%} of {available / (1 << 30):.1f} GiB available after the weights"
 
 
 def kv_budget_bytes(total: int, free: int, allocated: int, peak_allocated: int,

@@ -55,7 +55,7 @@ def choose_cpu_matmul(requested: str, dtype: torch.dtype) -> str:
                               "(use cpu_matmul='auto' to fall back)")
         return "kernel"
     # only with the kernel's intrinsic paths: its plain C loops (portable builds) measured
-    # slower than BLAS (bench_cpu_isa.py, cpu-isa-vm.json: one row 55.8-57.7 vs 45.1 ms over
+    # slower than BLAS (bench_cpu_isa.py, cpu-isa/amd-epyc-2c/legacy.json: one row 55.8-57.7 vs 45.1 ms over
     # the model's matrices, 4 rows 222-226 vs 66 ms)
     if dtype in ROW_KERNEL_DTYPES and cpu_linear.available() and cpu_build.vectorized():
         return "kernel"

@@ -2,7 +2,7 @@
 the context window it serves.
 
 Owns: ``prepare_model`` (the same on every sequence-parallel rank), ``model_window`` and the
-warning for a ``max_model_len`` past the trained window. Never: KV, scheduling.
+check of a ``max_model_len`` past the trained window. Never: KV, scheduling.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from longctx.config import ModelLoadConfig, ParallelConfig
+from longctx.config import ConfigError, ModelLoadConfig, ParallelConfig
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
@@ -48,26 +48,33 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     return model, cpu_matmul
 
 
-def model_window(config: ModelConfig, rope_scaling: dict | None) -> int:
-    """The context window when ``max_model_len`` is not given: the checkpoint's
-    ``max_position_embeddings``, or with a ``rope_scaling`` override the window it stretches
-    to (``original_max_position_embeddings``, else the checkpoint's, times ``factor``)."""
+def model_window(config: ModelConfig) -> int:
+    """The context window the model's RoPE serves, read as vLLM and HF read it: the checkpoint's
+    ``max_position_embeddings``, stretched by a linear, dynamic or YaRN ``rope_scaling`` (from
+    config.json, GGUF keys or the override) to ``original_max_position_embeddings`` (else the
+    checkpoint's) times ``factor``; llama3 and GGUF frequency factors already state theirs."""
     window = config.max_position_embeddings
-    if rope_scaling:
-        rs = config.rope_scaling
+    rs = config.rope_scaling
+    if rs.rope_type in ("linear", "dynamic", "yarn") and rs.freq_factors is None:
         window = max(window, int((rs.original_max_position_embeddings or window) * rs.factor))
     return window
 
 
-def warn_past_window(max_len: int, config: ModelConfig, rope_scaling: dict | None) -> None:
-    window = model_window(config, rope_scaling)
+def check_window(max_len: int, config: ModelConfig, allow_long_context: bool) -> None:
+    """Refuse a ``max_model_len`` past the trained window unless ``allow_long_context``; warn
+    (naming the reason) when it is allowed."""
+    window = model_window(config)
     if max_len <= window:
         return
-    if rope_scaling:
-        log.warning("max_model_len %d exceeds the %d positions the rope_scaling override stretches "
-                    "the model to; outputs past it may degrade", max_len, window)
+    rs = config.rope_scaling
+    if rs.rope_type in ("linear", "dynamic", "yarn"):
+        why = f"the {rs.rope_type} rope_scaling (factor {rs.factor:g}) stretches the model to {window} positions"
     else:
-        log.warning("max_model_len %d exceeds the model's window (max_position_embeddings %d) and no "
-                    "rope_scaling is given: positions past %d were never trained and outputs there "
-                    "degrade; pass rope_scaling, e.g. {\"rope_type\": \"yarn\", \"factor\": %g}",
-                    max_len, window, window, 2 ** math.ceil(math.log2(max_len / window)))
+        why = (f"the model was trained on {window} positions (max_position_embeddings) and its "
+               f"RoPE ({rs.rope_type}) does not stretch further")
+    hint = f"pass rope_scaling, e.g. {{\"rope_type\": \"yarn\", \"factor\": {2 ** math.ceil(math.log2(max_len / window)):g}}}"
+    if not allow_long_context:
+        raise ConfigError(f"max_model_len {max_len} is past the model's window: {why}; {hint}, or "
+                          "allow_long_context=True (--allow-long-context) to accept degraded outputs past it")
+    log.warning("max_model_len %d is past the model's window (allow_long_context): %s; outputs "
+                "past %d positions degrade", max_len, why, window)
