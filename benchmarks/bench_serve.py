@@ -15,9 +15,12 @@ Scenarios (default model, fp32, token-id prompts cut from real text: the GPL-3):
 Only 127.0.0.1 is contacted; request counts and timeouts are bounded; each server is stopped
 with SIGTERM (then killed) at the end, also on errors.
 
-Usage:  python benchmarks/bench_serve.py [--quick] [--concurrency 1,4,16]
+Usage:  python benchmarks/run.py serve -- [--quick] [--concurrency 1,4,16]
             [--interference-chunks 2048,256] [-- extra server flags, e.g. --num-threads 2]
-Writes benchmarks/results/serve-<host>.json and prints a table last.
+        (or python benchmarks/bench_serve.py ... [--out FILE] [-- server flags])
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py serve, which records it
+as benchmarks/results/serve/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table last.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -37,9 +39,7 @@ import time
 from pathlib import Path
 
 import httpx
-from machine import machine_info
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from machine import machine_info, save_result
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 HOST = "127.0.0.1"
 READY_RE = re.compile(r"serving '.*' on http://127\.0\.0\.1:(\d+)/v1")
@@ -365,7 +365,8 @@ def main() -> None:
     p.add_argument("--long-timeout", type=float, default=400.0, help="the 8K document request, seconds")
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = p.parse_args(argv)
     args.server_flags = server_flags
     args.concurrency, args.requests = ints(args.concurrency), ints(args.requests)
@@ -383,10 +384,8 @@ def main() -> None:
     report = {"machine": machine_info(httpx=httpx.__version__),
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
               **report}
-    RESULTS.mkdir(exist_ok=True)
-    out = args.out or RESULTS / f"serve-{platform.node() or 'host'}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out} (total {report['total_s']:.0f}s)")
+    save_result(args.out, report)
+    print(f"total {report['total_s']:.0f}s")
     for row in summarize(report):
         print(row)
 

@@ -2,20 +2,23 @@
 the model's work is a few hundred microseconds and what is left is the step's Python: schedule,
 inputs, sampling, update, detokenizing.
 
-Usage:  python benchmarks/bench_step.py [--batches 1,8] [--steps 200] [--repeats 5] [--threads 1]
-                                        [--cpu-time] [--out FILE]
+Usage:  python benchmarks/run.py step -- [--batches 1,8] [--steps 200] [--repeats 5] [--threads 1]
+                                        [--cpu-time]
+        (or python benchmarks/bench_step.py ... [--out FILE])
 
 Per batch size and with lookahead off/on: the median wall time (``--cpu-time``: the engine
 thread's CPU time) of one ``engine.step()`` over ``steps`` decode steps (prompts of 32 random tokens, greedy, ignore_eos), median over repeats.
 To compare two revisions, run it from each in turn, alternating (the machine drifts by tens of
 percent over minutes; docs/benchmarks.md). The tiny checkpoint is built with the tests' helper
 (tests/tiny_models.py) in a temporary folder.
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py step, which records it
+as benchmarks/results/step/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from machine import machine_info  # noqa: E402
+from machine import machine_info, save_result  # noqa: E402
 
 
 def step_times(llm, batch: int, steps: int, cpu_time: bool) -> list[float]:
@@ -61,7 +64,8 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="the engine thread's CPU time per step instead of wall time (time a busy "
                          "neighbour steals is not counted; with --threads 1 it is the step's work)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = ap.parse_args()
     import torch
 
@@ -81,8 +85,7 @@ def main() -> None:
                 rows[f"batch{batch}-lookahead{int(lookahead)}"] = {
                     "step_us_median": statistics.median(medians), "step_us_per_repeat": medians}
     result = {"machine": machine_info(), "args": vars(args) | {"out": str(args.out)}, "steps": rows}
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save_result(args.out, result)
     print(f"{'case':24} {'us per step (median of repeats)':>32}")
     for name, row in rows.items():
         print(f"{name:24} {row['step_us_median']:32.0f}")

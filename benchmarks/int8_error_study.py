@@ -36,16 +36,19 @@ float32 tie the lead (nats) of float32's token in the variant's run (None where 
 there or before: how near the kept prompts came to parting). First the float32 run's
 top-2 gaps: the four smallest of each prompt's first 32 steps (the near-ties).
 
-    python benchmarks/int8_error_study.py base:0:0,w64s:64:1,bf16:0:0:b --tokens 32
+    python benchmarks/run.py int8-error -- base:0:0,w64s:64:1,bf16:0:0:b --tokens 32
+    (or python benchmarks/int8_error_study.py ... [--out FILE])
 
 Each variant costs about as much as one pass of the five 6,000-token prompts (~100 s on 2
 cores). Results: docs/benchmarks.md (int8 KV pages and 32K prompts).
+Writes its JSON only to ``--out FILE`` (run through benchmarks/run.py int8-error, which
+records it as benchmarks/results/int8-error/<machine>/<git rev>.json); without ``--out`` it
+writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -185,7 +188,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", help="comma-separated name:W:sink[:kind][:seed]")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--out", type=Path, help="JSON file for the results")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON file for the result (benchmarks/run.py passes one); none: write nothing")
     args = ap.parse_args()
     variants = [Variant(v) for v in args.variants.split(",")]
     hook = Hook()
@@ -232,8 +236,9 @@ def main() -> None:
               f"max {row['max_abs_dlogp']:.4f}; lead at float32's tightest tie {margins} "
               f"({time.time() - start:.0f} s)", flush=True)
     llm.close()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    from machine import save_result  # noqa: PLC0415 - the tests import this file without benchmarks/ on the path
+
+    save_result(args.out, results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""What every benchmark records about where it ran: CPU, cores, threads, versions, git revision."""
+"""What every benchmark records about where it ran: CPU, cores, threads, versions, git revision;
+and the one rule of where a benchmark script's result goes (``save_result``).
+
+Only the standard library at module level: bench_e2e.py imports this and is also run by the
+python of vLLM's venv.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -35,3 +41,17 @@ def machine_info(**extra: object) -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "git_rev": git_rev(),
             **extra}
+
+
+def save_result(out: Path | str | None, report: dict, **dump: object) -> None:
+    """Every benchmark script's output rule: its JSON result goes to ``--out FILE`` only, and
+    without ``--out`` it writes nothing (it prints its table either way). ``benchmarks/run.py
+    NAME`` passes ``--out`` and records the result, with the machine, the revision and a schema
+    version, as ``benchmarks/results/NAME/<machine>/<rev>.json``. ``dump``: ``json.dumps``
+    options (default ``indent=1``)."""
+    if out is None:
+        return
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, **{"indent": 1, **dump}) + "\n")
+    print(f"wrote {out}")

@@ -1,20 +1,26 @@
 """One harness for the benchmarks: a result is data with a machine, a revision and a schema.
 
-Usage:  python benchmarks/run.py NAME [--allow-dirty] [-- SCRIPT ARGS ...]
+Usage:  python benchmarks/run.py NAME [--allow-dirty] [--results DIR] [-- SCRIPT ARGS ...]
         python benchmarks/run.py --list
 
-Runs ``benchmarks/<script of NAME>`` with its own arguments plus ``--out`` and writes
-``benchmarks/results/<NAME>/<machine>/<git rev>.json``:
+Runs ``benchmarks/<script of NAME>`` with ``--out FILE`` and its own arguments and writes
+``benchmarks/results/<NAME>/<machine>/<git rev>.json`` (``--results DIR``: ``DIR/<NAME>/...``;
+a later run of the same revision adds ``-2``, ``-3``, ... and never overwrites one):
 
     {"schema_version": 1, "bench": NAME, "machine": {cpu, cores, threads, torch, python, ...},
      "git": {"rev": ..., "dirty": bool}, "command": [...], "started": ISO time,
      "result": <what the script wrote>}
 
 ``<machine>`` is the CPU model and core count as a folder name (``lscpu``'s model name), so
-results of Intel and AMD machines sit side by side. A working tree with changes is refused
-(the result could not be reproduced from its revision) unless ``--allow-dirty``, which the
-record then says (``git.dirty``). The script's own output (its table) streams through.
-Benchmarks that write their files themselves (no ``--out``) are not in ``BENCHES`` yet.
+results of Intel and AMD machines sit side by side; a result whose own ``machine`` names a GPU
+(``bench_gpu``, ``bench_kernels`` on CUDA) goes under the GPU's name instead. A working tree with
+changes is refused (the result could not be reproduced from its revision) unless
+``--allow-dirty``, which the record then says (``git.dirty``). The script's own output (its
+table) streams through.
+
+Every benchmark script is here (``BENCHES``), and every one follows one rule: it writes its JSON
+result to ``--out FILE`` only and, run by itself without ``--out``, prints its table and writes
+nothing. Recording a result is this harness's job.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from machine import cpu_model, machine_info
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SCHEMA_VERSION = 1
-BENCHES = {  # name -> script taking --out FILE
+BENCHES = {  # name -> script taking --out FILE (the results folder's name too)
     "e2e": "bench_e2e.py",
     "long": "bench_long.py",
     "batch": "bench_batch.py",
@@ -43,6 +49,14 @@ BENCHES = {  # name -> script taking --out FILE
     "detok": "bench_detok.py",
     "parallel": "bench_parallel.py",
     "gpu": "bench_gpu.py",
+    "linear": "bench_linear.py",
+    "load": "bench_load.py",
+    "lookahead": "bench_lookahead.py",
+    "prefill-paths": "bench_prefill_paths.py",
+    "prefix": "bench_prefix.py",
+    "tasks-32k": "bench_32k_tasks.py",
+    "step": "bench_step.py",
+    "int8-error": "int8_error_study.py",
 }
 
 
@@ -60,13 +74,44 @@ def machine_slug(cpu: str, cores: int | None) -> str:
     return "-".join(re.findall(r"[a-z0-9]+", words)) + f"-{cores or 0}c"
 
 
+def gpu_slug(gpu: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    return "-".join(re.findall(r"[a-z0-9]+", gpu.lower()))
+
+
+def result_gpu(result: object) -> str | None:
+    """The GPU a result says it ran on (its own ``machine.gpu``), or None."""
+    machine = result.get("machine") if isinstance(result, dict) else None
+    gpu = machine.get("gpu") if isinstance(machine, dict) else None
+    return gpu if isinstance(gpu, str) and gpu else None
+
+
+def machine_folder(info: dict, result: object) -> str:
+    """The folder of a result: the GPU it ran on where it names one, else this machine's CPU
+    and cores."""
+    gpu = result_gpu(result)
+    return gpu_slug(gpu) if gpu else machine_slug(cpu_model(), info.get("cores"))
+
+
 def result_path(name: str, machine: str, rev: str, root: Path = RESULTS) -> Path:
-    return root / name / machine / f"{rev}.json"
+    """``root/name/machine/rev.json``; a later run of the same revision never overwrites an
+    earlier one: ``rev-2.json``, ``rev-3.json``, ... (alternating runs of two revisions are how
+    docs/benchmarks.md compares them)."""
+    path, n = root / name / machine / f"{rev}.json", 1
+    while path.exists():
+        n += 1
+        path = root / name / machine / f"{rev}-{n}.json"
+    return path
 
 
 def run(name: str, script_args: list[str], allow_dirty: bool = False, script: Path | None = None,
         root: Path = RESULTS) -> tuple[int, Path | None]:
     """Run benchmark ``name``; returns (the script's exit code, the record written or None)."""
+    own = script_args[:script_args.index("--")] if "--" in script_args else script_args
+    if any(a == "--out" or a.startswith("--out=") for a in own):
+        print("run.py: --out is the harness's (the record goes under --results); "
+              "run the script by itself to write a file of your own", file=sys.stderr)
+        return 2, None
     dirty = tree_is_dirty()
     if dirty and not allow_dirty:
         print(f"run.py: the working tree has changes: commit them, or pass --allow-dirty "
@@ -78,19 +123,22 @@ def run(name: str, script_args: list[str], allow_dirty: bool = False, script: Pa
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        command = [sys.executable, str(script), *script_args, "--out", str(out)]
+        # --out first: what follows a script's own "--" (bench_serve's server flags) is not its
+        command = [sys.executable, str(script), "--out", str(out), *script_args]
         rc = subprocess.run(command).returncode
         if rc != 0 or not out.exists():
             print(f"run.py: {script.name} exited with {rc}; nothing recorded", file=sys.stderr)
             return rc or 1, None
         result = json.loads(out.read_text())
+    if result_gpu(result):
+        info["gpu"] = result_gpu(result)
     record = {"schema_version": SCHEMA_VERSION, "bench": name, "machine": info,
-              "git": {"rev": rev, "dirty": dirty}, "command": [Path(command[1]).name, *script_args],
+              "git": {"rev": rev, "dirty": dirty}, "command": [script.name, *script_args],
               "started": started, "result": result}
-    path = result_path(name, machine_slug(cpu_model(), info.get("cores")), rev + ("-dirty" if dirty else ""), root)
+    path = result_path(name, machine_folder(info, result), rev + ("-dirty" if dirty else ""), root)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"run.py: wrote {path.relative_to(root.parent) if root.parent in path.parents else path}")
+    print(f"run.py: wrote {path.relative_to(HERE.parent) if HERE.parent in path.parents else path}")
     return 0, path
 
 
@@ -101,13 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name", nargs="?", choices=sorted(BENCHES))
     ap.add_argument("--allow-dirty", action="store_true", help="run from a tree with changes (recorded)")
+    ap.add_argument("--results", type=Path, default=RESULTS, metavar="DIR",
+                    help="root of the records (default: benchmarks/results)")
     ap.add_argument("--list", action="store_true", help="list the benchmarks and their scripts")
     args = ap.parse_args(own)
     if args.list or args.name is None:
         for name, script in sorted(BENCHES.items()):
-            print(f"{name:10} benchmarks/{script}")
+            print(f"{name:14} benchmarks/{script}")
         return 0 if args.list else 2
-    return run(args.name, script_args, args.allow_dirty)[0]
+    return run(args.name, script_args, args.allow_dirty, root=args.results.resolve())[0]
 
 
 if __name__ == "__main__":

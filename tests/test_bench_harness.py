@@ -1,11 +1,16 @@
 """The benchmark harness (``benchmarks/run.py``): results land as records with a schema version,
 the machine and the revision, under ``results/<bench>/<machine>/<rev>.json``; a tree with
-changes is refused unless allowed, and then recorded as dirty; a failing script records nothing."""
+changes is refused unless allowed, and then recorded as dirty; a failing script records nothing.
+Every benchmark script is reachable through it, takes ``--out`` and writes nothing else; the HF
+transformers reference lives in one module (benchmarks/hf_worker.py)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,3 +80,158 @@ def test_a_failing_script_records_nothing(harness, tmp_path, monkeypatch):
 def test_every_listed_script_takes_out(harness):
     for name, script in harness.BENCHES.items():
         assert '"--out"' in (BENCH / script).read_text(), name
+
+
+def test_script_arguments_follow_out_and_a_scripts_own_dashdash_is_kept(harness, tmp_path, monkeypatch):
+    """``--out`` goes first: bench_serve passes what follows its own ``--`` to the server."""
+    monkeypatch.setattr(harness, "tree_is_dirty", lambda: False)
+    script = tmp_path / "fake_serve.py"
+    script.write_text("import argparse, json, sys\n"
+                      "argv = sys.argv[1:]\n"
+                      "cut = argv.index('--') if '--' in argv else len(argv)\n"
+                      "own, extra = argv[:cut], argv[cut + 1:]\n"
+                      "p = argparse.ArgumentParser(); p.add_argument('--n'); p.add_argument('--out')\n"
+                      "a = p.parse_args(own)\n"
+                      "json.dump({'n': a.n, 'server_flags': extra}, open(a.out, 'w'))\n")
+    args = ["--n", "1", "--", "--num-threads", "2"]
+    rc, path = harness.run("serve", args, script=script, root=tmp_path / "results")
+    assert rc == 0
+    record = json.loads(path.read_text())
+    assert record["result"] == {"n": "1", "server_flags": ["--num-threads", "2"]}
+    assert record["command"] == ["fake_serve.py", *args]
+
+
+def test_an_out_of_ones_own_is_refused(harness, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(harness, "tree_is_dirty", lambda: False)
+    script = _script(tmp_path, "json.dump({}, open(a.out, 'w'))\n")
+    for args in (["--out", str(tmp_path / "mine.json")], [f"--out={tmp_path / 'mine.json'}"]):
+        assert harness.run("e2e", args, script=script, root=tmp_path / "results") == (2, None)
+        assert "--out" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists() and not (tmp_path / "mine.json").exists()
+
+
+def test_a_gpu_result_is_filed_under_its_gpu(harness, tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "tree_is_dirty", lambda: False)
+    script = _script(tmp_path, "json.dump({'machine': {'gpu': 'NVIDIA H100 80GB HBM3'}, 'rows': []},"
+                               " open(a.out, 'w'))\n")
+    rc, path = harness.run("gpu", [], script=script, root=tmp_path / "results")
+    assert rc == 0 and path.parent.name == "nvidia-h100-80gb-hbm3"
+    assert json.loads(path.read_text())["machine"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    # no GPU named (bench_kernels on a CPU says gpu None): the CPU's folder
+    cpu = harness.machine_slug(harness.cpu_model(), harness.machine_info()["cores"])
+    assert harness.machine_folder({"cores": harness.machine_info()["cores"]}, {"machine": {"gpu": None}}) == cpu
+    assert harness.machine_folder({"cores": harness.machine_info()["cores"]}, [1, 2]) == cpu
+
+
+def test_the_command_line_takes_a_results_folder(harness, tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "tree_is_dirty", lambda: False)
+    script = _script(tmp_path, "json.dump({'n': a.n}, open(a.out, 'w'))\n")
+    monkeypatch.setitem(harness.BENCHES, "fake", str(script))  # an absolute path: HERE / it is it
+    assert harness.main(["fake", "--results", str(tmp_path / "elsewhere"), "--", "--n", "5"]) == 0
+    (path,) = (tmp_path / "elsewhere" / "fake").glob("*/*.json")
+    assert json.loads(path.read_text())["result"] == {"n": 5}
+
+
+# ---------------------------------------------------------------- the scripts themselves
+
+SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py")) + ["int8_error_study.py"]
+
+
+def test_every_benchmark_script_is_in_the_harness(harness):
+    """No orphan: each bench_*.py (and the int8 study) has a name in ``BENCHES``, and each
+    name's script exists."""
+    assert sorted(set(SCRIPTS) - set(harness.BENCHES.values())) == []
+    assert sorted(s for s in harness.BENCHES.values() if not (BENCH / s).is_file()) == []
+    assert len(set(harness.BENCHES.values())) == len(harness.BENCHES)
+
+
+def test_every_script_answers_help_with_out(harness):
+    """Each script's ``--help`` runs (with this python, from the repository root) and lists
+    ``--out``: run.py can drive every one of them."""
+    procs = {name: subprocess.Popen([sys.executable, str(BENCH / script), "--help"], cwd=BENCH.parent,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, script in harness.BENCHES.items()}
+    failed = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failed[name] = "timed out"
+            continue
+        if proc.returncode != 0 or not re.search(r"(?<![\w-])--out(?![\w-])", out):  # not --output
+            failed[name] = f"exit {proc.returncode}: {(out + err)[-600:]}"
+    assert failed == {}
+
+
+def test_every_script_states_the_one_output_rule(harness):
+    """Each docstring says how it is run through the harness and that it writes --out only;
+    no script names a results file of its own."""
+    for name, script in harness.BENCHES.items():
+        text = (BENCH / script).read_text()
+        doc = " ".join((ast.get_docstring(ast.parse(text)) or "").split())
+        assert f"benchmarks/run.py {name}" in doc, script
+        assert "Writes its JSON only to ``--out FILE``" in doc and "writes nothing" in doc, script
+        assert f"benchmarks/results/{name}/" in doc, script
+        assert "RESULTS" not in text and not re.search(r'/ *"results"', text), script  # no folder of its own
+        assert "save_result(args.out" in text, script
+
+
+def test_the_hf_worker_is_the_one_transformers_loader():
+    """The HF transformers reference is loaded in one place, benchmarks/hf_worker.py: no other
+    benchmark file calls ``from_pretrained`` or names ``AutoModelForCausalLM``."""
+    assert "AutoModelForCausalLM.from_pretrained(" in (BENCH / "hf_worker.py").read_text()
+    others = {p.name for p in BENCH.rglob("*.py") if p.name != "hf_worker.py"
+              and ("from_pretrained" in p.read_text() or "AutoModelForCausalLM" in p.read_text())}
+    assert others == set()
+    users = {p.name for p in BENCH.glob("*.py") if re.search(r"^\s*(import hf_worker|from hf_worker import)",
+                                                             p.read_text(), re.MULTILINE)}
+    assert {"bench_e2e.py", "bench_batch.py", "bench_lookahead.py", "bench_prefix.py", "hf_folder.py"} <= users
+
+
+def test_bench_e2e_imports_only_the_standard_library():
+    """vLLM's python runs bench_e2e.py as its worker: the script and what it imports at module
+    level (machine.py, hf_worker.py) must not need torch, transformers or longctx."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_e2e, hf_worker, machine, run; "
+            "print(sorted(m for m in ('torch', 'transformers', 'longctx', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_worker_result_is_the_last_json_line_and_a_failure_says_why(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import hf_worker
+    finally:
+        sys.path.remove(str(BENCH))
+    assert hf_worker.worker_result('log {"a": 1}\n{"b": 2}\nINFO done\n{not json\n') == {"b": 2}
+    with pytest.raises(RuntimeError, match="no JSON"):
+        hf_worker.worker_result("only logs\n")
+    worker = tmp_path / "worker.py"
+    worker.write_text("import json, sys\n"
+                      "if '--fail' in sys.argv: print('it broke', file=sys.stderr); sys.exit(4)\n"
+                      "print('a log line'); print(json.dumps({'argv': sys.argv[1:]})); print('INFO bye')\n")
+    res, wall = hf_worker.spawn(worker, ["--worker", "hf", "--n", "2"], "hf", announce=False)
+    assert res == {"argv": ["--worker", "hf", "--n", "2"]} and wall > 0
+    with pytest.raises(RuntimeError, match=r"(?s)hf worker failed with exit code 4.*it broke"):
+        hf_worker.spawn(worker, ["--fail"], "hf", announce=False)
+
+
+def test_save_result_writes_only_to_out(harness, tmp_path, capsys):
+    from machine import save_result  # on the path while the harness fixture lives
+
+    save_result(None, {"a": 1})
+    assert capsys.readouterr().out == "" and list(tmp_path.iterdir()) == []
+    save_result(tmp_path / "sub" / "r.json", {"a": 1})
+    assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"a": 1}
+
+
+def test_a_second_run_of_a_revision_keeps_the_first(harness, tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "tree_is_dirty", lambda: False)
+    script = _script(tmp_path, "json.dump({'n': a.n}, open(a.out, 'w'))\n")
+    paths = [harness.run("step", ["--n", str(n)], script=script, root=tmp_path / "results")[1] for n in (1, 2, 3)]
+    rev = harness.git("rev-parse", "--short", "HEAD")
+    assert [p.name for p in paths] == [f"{rev}.json", f"{rev}-2.json", f"{rev}-3.json"]
+    assert [json.loads(p.read_text())["result"] for p in paths] == [{"n": 1}, {"n": 2}, {"n": 3}]

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.reference import causal_visibility
+from longctx.kernels.reference import causal_visibility
 from longctx.lookahead import drafter as drafter_module
 from longctx.lookahead.drafter import SEPARATOR, Drafter, DrafterConfig, SharedDraftPool
 from longctx.lookahead.tree import MAX_NODES, ROOT, DraftTree
