@@ -76,13 +76,18 @@ def test_pool_running_dry_preempts_and_still_matches(tiny):
 
 def test_prompt_that_can_never_fit_is_rejected_before_work(tiny):
     folder, _ = tiny
-    llm = LLM(folder, block_size=16, num_blocks=4)
-    with pytest.raises(RequestTooLongError, match="needs 5 KV pages"):
+    llm = LLM(folder, block_size=16, num_blocks=4)  # 64 tokens: the model's 1024 are cut to them
+    with pytest.raises(RequestTooLongError, match=r"70 tokens but the context window the KV pool holds "
+                                                  r"\(the model's is 1024\) is 64 tokens"):
         llm.generate([{"prompt_token_ids": [5] * 10}, {"prompt_token_ids": [5] * 70}],
                      SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished()
-    with pytest.raises(RequestTooLongError, match="context window is 1024"):
-        llm.generate({"prompt_token_ids": [5] * 1024})
+    reserved = LLM(folder, block_size=16, num_blocks=4, max_model_len=64)
+    reserved.engine.scheduler.num_reserved_blocks = 1  # (as the CUDA graphs' scratch page takes one)
+    with pytest.raises(RequestTooLongError, match="needs 4 KV pages"):
+        reserved.generate({"prompt_token_ids": [5] * 50}, SamplingParams(max_tokens=4))
+    with pytest.raises(RequestTooLongError, match="the model's context window is 1024"):
+        LLM(folder).generate({"prompt_token_ids": [5] * 1024})
 
 
 def test_bad_inputs_get_clear_errors(tiny):

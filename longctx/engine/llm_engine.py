@@ -164,6 +164,7 @@ class LLMEngine:
         log.warning("the model's window (%d tokens) is more than the KV pool holds: serving up to %d "
                     "tokens per request (raise kv_cache_gb to serve the whole window)", max_len, capacity)
         sched.max_model_len = capacity
+        sched.window_name = f"the context window the KV pool holds (the model's is {max_len})"
         return capacity
 
     # ------------------------------------------------------------------ prefix cache

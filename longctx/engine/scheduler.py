@@ -196,6 +196,7 @@ class Scheduler:
         self.cache = prefix_cache
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.window_name = "the model's context window"  # (the engine's, when the KV pool caps it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.loading: dict[str, Request] = {}  # waiting for prefix pages from disk
@@ -235,7 +236,7 @@ class Scheduler:
             raise RequestTooLongError("the prompt is empty: give at least one token")
         if prompt_len >= self.max_model_len:
             raise RequestTooLongError(
-                f"the prompt has {prompt_len} tokens but the model's context window is "
+                f"the prompt has {prompt_len} tokens but {self.window_name} is "
                 f"{self.max_model_len} tokens (prompt plus at least one new token must fit)")
         longest = min(prompt_len + max_tokens, self.max_model_len)
         usable = self.pool.num_blocks - self.num_reserved_blocks

@@ -63,10 +63,6 @@ class PrefixCacheStats:
     disk_misses: dict[str, int] = field(default_factory=dict)  # reason -> pages
     pages_written_to_disk: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return sum(self.hit_tokens.values()) / self.prompt_tokens if self.prompt_tokens else 0.0
-
 
 class PrefixCache:
     def __init__(self, tree: RadixTree, pool: BlockPool, device_kv: DeviceKVPool,
