@@ -108,7 +108,7 @@ def test_the_window_comes_from_the_checkpoints_own_rope_scaling(tmp_path):
 def test_the_kv_pool_bounds_the_window(tiny, caplog):
     """Start-up says in one line how many tokens the pool holds; a max_model_len it cannot hold
     is refused with that number, and the model's own window is served only as far as it goes."""
-    with caplog.at_level(logging.INFO, logger="longctx.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="longctx.kv.setup"):
         llm = LLM(str(tiny), lookahead=False, block_size=16)  # kv_cache_gb "auto"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:")]
     assert len(lines) == 1 and "auto:" in lines[0]

@@ -22,17 +22,14 @@ import torch
 
 from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
-from longctx.cache.radix_tree import RadixTree
 from longctx.engine.cuda_graphs import StepGraphs
-from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, ConfigError, LookaheadConfig, ModelLoadConfig, ParallelConfig,
+from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
-from longctx.kv.device_pool import (DeviceKVPool, cpu_kv_budget_gb, num_blocks_for,
-                                    profile_kv_cache_gb)
-from longctx.kv.disk_store import DiskKVStore
+from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
 from longctx.kv.formats import kv_format
-from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
-from longctx.kv.prefix_cache import PrefixCache, PrefixCacheStats, host_tier_pages
+from longctx.kv.prefix_cache import PrefixCacheStats
+from longctx.kv.setup import build_prefix_cache, fit_window, size_kv_pool
 from longctx.lookahead.controller import LookaheadController
 from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
 from longctx.model.prepare import check_window, model_window, prepare_model
@@ -63,7 +60,7 @@ class LLMEngine:
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
-        cache, pool_note = self._size_kv_pool(cache, sched, max_len, backend)
+        cache, pool_note = size_kv_pool(cache, sched, max_len, self.kv_format, self.model, backend, self.device)
         self.cache_config = cache
         num_blocks = num_blocks_for(cache, self.kv_format)  # per rank
         self.sequence_parallel_size = parallel.sequence_parallel_size
@@ -82,14 +79,21 @@ class LLMEngine:
             self.kv = self.runner.kv
             self.pool = BlockPool(self.kv.num_blocks)
             self.kv_mover: KVMover | None = None
-            self.prefix_cache = self._build_prefix_cache(cache, path) if cache.enable_prefix_caching else None
-            self.scheduler = Scheduler(sched, self.pool, cache.block_size, max_len, self.prefix_cache,
+            self.prefix_cache = None
+            if cache.enable_prefix_caching:
+                self.prefix_cache, self.kv_mover = build_prefix_cache(cache, self.kv, self.pool, self.kv_format,
+                                                                      model_fingerprint(path, self.model_config))
+                self.runner.kv_mover = self.kv_mover
+            self.max_model_len = fit_window(max_len, self.pool.num_blocks, cache.block_size,
+                                            bool(sched.max_model_len), pool_note)
+            self.scheduler = Scheduler(sched, self.pool, cache.block_size, self.max_model_len, self.prefix_cache,
                                        context_cost=self.model_config.context_cost_tokens,
                                        drafter=self.lookahead)
+            if self.max_model_len < max_len:
+                self.scheduler.window_name = f"the context window the KV pool holds (the model's is {max_len})"
         except BaseException:
-            self._stop_runner()  # sequence-parallel ranks already started: no orphans
+            self.runner.shutdown()  # sequence-parallel ranks already started: no orphans
             raise
-        self.max_model_len = self._fit_window(max_len, bool(sched.max_model_len), pool_note)
         if (self.device.type == "cuda" and not load.enforce_eager and parallel.sequence_parallel_size == 1
                 and self.model_config.rope_scaling.rope_type != "dynamic"):  # dynamic RoPE: tables per length
             self.capture_step_graphs(sched.max_num_seqs, capture=True,
@@ -114,73 +118,14 @@ class LLMEngine:
         self.runner.graphs = graphs
         return graphs
 
-    def _build_prefix_cache(self, cache: CacheConfig, path) -> PrefixCache:
-        page_bytes = self.kv_format.page_bytes(cache.block_size)
-        host_pages = host_tier_pages(cache.host_tier_gb(torch.device(self.kv.device).type), page_bytes)
-        host = HostKVPool(self.kv, host_pages) if host_pages else None
-        disk = None
-        if cache.disk_cache_dir:
-            disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), self.kv.page_shape,
-                               self.kv.page_dtype)
-        tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
-        # the fingerprint holds the whole ModelConfig, RoPE included: pages cached under another
-        # rope_scaling (another rotation of the keys) never match, on any tier
-        key = ("longctx-kv-1", model_fingerprint(path, self.model_config), str(self.dtype), self.kv_format.cache_key)
-        self.kv_mover = self.runner.kv_mover = KVMover(self.kv, host, disk)
-        return PrefixCache(tree, self.pool, self.kv, host, disk, key)
-
-    def _size_kv_pool(self, cache: CacheConfig, sched: SchedulerConfig, max_len: int,
-                      backend) -> tuple[CacheConfig, str]:
-        """The cache config with its pool's size settled, and how it was chosen (for the log)."""
-        if cache.num_blocks:
-            return cache, f"num_blocks={cache.num_blocks}"
-        if cache.kv_cache_gb is not None:
-            return cache, f"kv_cache_gb={cache.kv_cache_gb:g}"
-        if self.device.type == "cuda":  # what the model leaves free of gpu_memory_utilization
-            budget = profile_kv_cache_gb(self.model, backend, self.device, sched.max_num_batched_tokens,
-                                         cache.gpu_memory_utilization)
-            # less the exact tail's rows (outside the pages), if the format keeps any
-            budget -= self.kv_format.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
-            note = f"auto: {budget:.2f} GiB of gpu_memory_utilization {cache.gpu_memory_utilization:g}"
-        else:  # the CPU: a share of what the weights leave, at most what the requests can use
-            need = max_len * sched.max_num_seqs * self.kv_format.page_bytes(cache.block_size) / cache.block_size
-            budget, note = cpu_kv_budget_gb(need / (1 << 30))
-        return dataclasses.replace(cache, kv_cache_gb=budget), note
-
-    def _fit_window(self, max_len: int, explicit: bool, note: str) -> int:
-        """One start-up line with the pool's token capacity; a window the pool cannot hold is
-        refused when ``max_model_len`` was given, and served only as far as the pool goes when
-        it came from the model (so ``summarize``/``ask`` plan with what fits)."""
-        sched = self.scheduler
-        capacity = (self.pool.num_blocks - sched.num_reserved_blocks) * sched.block_size
-        log.info("KV pool: %d tokens (%d pages of %d; %s); context window %d tokens", capacity,
-                 self.pool.num_blocks, sched.block_size, note, min(max_len, capacity))
-        if max_len <= capacity:
-            return max_len
-        if explicit:
-            self._stop_runner()
-            raise ConfigError(f"max_model_len {max_len} is more than the KV pool holds: {capacity} tokens "
-                              f"({note}); raise kv_cache_gb or give max_model_len <= {capacity}")
-        log.warning("the model's window (%d tokens) is more than the KV pool holds: serving up to %d "
-                    "tokens per request (raise kv_cache_gb to serve the whole window)", max_len, capacity)
-        sched.max_model_len = capacity
-        sched.window_name = f"the context window the KV pool holds (the model's is {max_len})"
-        return capacity
-
     # ------------------------------------------------------------------ prefix cache
 
     def cache_stats(self, wait_for_disk: bool = False) -> PrefixCacheStats:
         """Prompt tokens seen, prefilled, and served from each cache tier, so far."""
-        sched, pc = self.scheduler, self.prefix_cache
         if wait_for_disk and self.kv_mover is not None:
             self.kv_mover.flush()  # queued disk writes count once written (the server never waits)
-        stats = PrefixCacheStats(sched.num_prompt_tokens, sched.num_computed_prompt_tokens)
-        if pc is not None:
-            stats.hit_tokens = dict(pc.hit_tokens)
-            if pc.disk is not None:
-                stats.disk_misses = pc.disk.miss_counts()
-                stats.pages_written_to_disk = pc.disk.num_written
-        return stats
+        sched = self.scheduler
+        return PrefixCacheStats.of(self.prefix_cache, sched.num_prompt_tokens, sched.num_computed_prompt_tokens)
 
     # ------------------------------------------------------------------ the facade
 
@@ -205,10 +150,6 @@ class LLMEngine:
     @property
     def has_prefix_cache(self) -> bool:
         return self.prefix_cache is not None
-
-    def queue_lengths(self) -> tuple[int, int]:
-        """(running, waiting) requests now."""
-        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def kv_usage(self) -> dict[str, dict[str, int]]:
         """Pages per tier: ``in_use`` by unfinished requests (running, waiting with pages, or
@@ -237,8 +178,8 @@ class LLMEngine:
         return None if request is None else request.status.value
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: requests running / waiting / loading now, preemptions, prompt
-        tokens seen and computed, and the sequence-parallel worker processes (their pids)."""
+        """Requests running / waiting / loading now; preemptions and prompt tokens seen and
+        computed since start."""
         sched = self.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting), "loading": len(sched.loading),
                 "preemptions": sched.num_preemptions, "prompt_tokens": sched.num_prompt_tokens,
@@ -259,7 +200,7 @@ class LLMEngine:
                 if self.kv_mover is not None:
                     self.kv_mover.close()
         finally:
-            self._stop_runner()
+            self.runner.shutdown()
             self._free_device_memory()
 
     def _free_device_memory(self) -> None:
@@ -275,9 +216,6 @@ class LLMEngine:
         self.model.to("meta")
         gc.collect()
         torch.cuda.empty_cache()
-
-    def _stop_runner(self) -> None:
-        self.runner.shutdown()
 
     def persist_prefix_cache(self) -> int:
         """Write every cached page to the disk tier (if there is one); returns pages written."""

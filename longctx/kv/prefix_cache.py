@@ -63,6 +63,16 @@ class PrefixCacheStats:
     disk_misses: dict[str, int] = field(default_factory=dict)  # reason -> pages
     pages_written_to_disk: int = 0
 
+    @classmethod
+    def of(cls, cache: "PrefixCache | None", prompt_tokens: int, computed_prompt_tokens: int) -> "PrefixCacheStats":
+        stats = cls(prompt_tokens, computed_prompt_tokens)
+        if cache is not None:
+            stats.hit_tokens = dict(cache.hit_tokens)
+            if cache.disk is not None:
+                stats.disk_misses = cache.disk.miss_counts()
+                stats.pages_written_to_disk = cache.disk.num_written
+        return stats
+
 
 class PrefixCache:
     def __init__(self, tree: RadixTree, pool: BlockPool, device_kv: DeviceKVPool,

@@ -221,7 +221,8 @@ class EngineLoop:
 
     def _publish_state(self) -> None:
         look = self.engine.lookahead
-        self.metrics.set_engine_state(*self.engine.queue_lengths(), self.engine.kv_usage(), self.engine.cache_stats(),
+        stats = self.engine.stats()
+        self.metrics.set_engine_state(stats["running"], stats["waiting"], self.engine.kv_usage(), self.engine.cache_stats(),
                                       look.stats.overall if look is not None else None)
 
     def _deliver(self, items: list[tuple[RequestHandle, StepUpdate | Exception]]) -> None:

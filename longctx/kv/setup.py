@@ -1,0 +1,82 @@
+"""The engine's KV memory sized and built: how many pages the pool gets, how far the context
+window goes with them, and the prefix store over them.
+
+Owns: ``size_kv_pool`` (``num_blocks``, ``kv_cache_gb``, or "auto": on CUDA what
+``gpu_memory_utilization`` leaves after a profiled step, on the CPU ``cpu_kv_budget_gb``),
+``fit_window`` (the start-up line with the pool's token capacity; a ``max_model_len`` the pool
+cannot hold is refused, the model's own window cut to it) and ``build_prefix_cache``.
+Never: running steps or choosing what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from longctx.cache.radix_tree import RadixTree
+from longctx.config import CacheConfig, ConfigError, SchedulerConfig
+from longctx.kv.device_pool import cpu_kv_budget_gb, profile_kv_cache_gb
+from longctx.kv.disk_store import DiskKVStore
+from longctx.kv.formats import FloatPages
+from longctx.kv.host_pool import HostKVPool
+from longctx.kv.mover import KVMover
+from longctx.kv.prefix_cache import PrefixCache, host_tier_pages
+
+log = logging.getLogger(__name__)
+
+
+def size_kv_pool(cache: CacheConfig, sched: SchedulerConfig, max_len: int, fmt: FloatPages, model: Any,
+                 backend: Any, device: torch.device) -> tuple[CacheConfig, str]:
+    """The cache config with its pool's size settled, and how it was chosen (for the log)."""
+    if cache.num_blocks:
+        return cache, f"num_blocks={cache.num_blocks}"
+    if cache.kv_cache_gb is not None:
+        return cache, f"kv_cache_gb={cache.kv_cache_gb:g}"
+    if device.type == "cuda":  # what the model leaves free of gpu_memory_utilization
+        budget = profile_kv_cache_gb(model, backend, device, sched.max_num_batched_tokens,
+                                     cache.gpu_memory_utilization)
+        # less the exact tail's rows (outside the pages), if the format keeps any
+        budget -= fmt.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
+        note = f"auto: {budget:.2f} GiB of gpu_memory_utilization {cache.gpu_memory_utilization:g}"
+    else:  # the CPU: a share of what the weights leave, at most what the requests can use
+        need = max_len * sched.max_num_seqs * fmt.page_bytes(cache.block_size) / cache.block_size
+        budget, note = cpu_kv_budget_gb(need / (1 << 30))
+    return dataclasses.replace(cache, kv_cache_gb=budget), note
+
+
+def fit_window(max_len: int, num_pages: int, block_size: int, explicit: bool, note: str) -> int:
+    """Log one start-up line with the pool's token capacity; return the window served.
+    A window the pool cannot hold is refused when ``max_model_len`` was given (``explicit``),
+    and served only as far as the pool goes when it came from the model (so ``summarize`` and
+    ``ask`` plan with what fits)."""
+    capacity = num_pages * block_size
+    log.info("KV pool: %d tokens (%d pages of %d; %s); context window %d tokens", capacity,
+             num_pages, block_size, note, min(max_len, capacity))
+    if max_len <= capacity:
+        return max_len
+    if explicit:
+        raise ConfigError(f"max_model_len {max_len} is more than the KV pool holds: {capacity} tokens "
+                          f"({note}); raise kv_cache_gb or give max_model_len <= {capacity}")
+    log.warning("the model's window (%d tokens) is more than the KV pool holds: serving up to %d "
+                "tokens per request (raise kv_cache_gb to serve the whole window)", max_len, capacity)
+    return capacity
+
+
+def build_prefix_cache(cache: CacheConfig, kv: Any, pool: Any, fmt: FloatPages,
+                       fingerprint: str) -> tuple[PrefixCache, KVMover]:
+    """The prefix store over ``kv``'s pages (host and disk tiers as ``cache`` asks) and the
+    mover that runs its copy orders. Its pages are keyed by the model's ``fingerprint`` (which
+    holds the whole ModelConfig, RoPE included: pages cached under another rope_scaling never
+    match, on any tier), the pages' dtype and the KV format."""
+    host_pages = host_tier_pages(cache.host_tier_gb(torch.device(kv.device).type), fmt.page_bytes(cache.block_size))
+    host = HostKVPool(kv, host_pages) if host_pages else None
+    disk = None
+    if cache.disk_cache_dir:
+        disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), kv.page_shape,
+                           kv.page_dtype)
+    tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
+    key = ("longctx-kv-1", fingerprint, str(fmt.dtype), fmt.cache_key)
+    return PrefixCache(tree, pool, kv, host, disk, key), KVMover(kv, host, disk)
