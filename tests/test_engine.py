@@ -95,6 +95,10 @@ def test_bad_inputs_get_clear_errors(tiny):
     llm = LLM(folder)
     with pytest.raises(ValueError, match=r"integers in \[0, 160\)"):
         llm.generate({"prompt_token_ids": [1, 2, 999]})
+    with pytest.raises(TypeError, match=r"a SamplingParams or a list of them, got dict \(pass SamplingParams"):
+        llm.generate({"prompt_token_ids": [1, 2]}, {"max_tokens": 2})
+    with pytest.raises(TypeError, match="got int"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], [3])
     with pytest.raises(ValueError, match="empty"):
         llm.generate("")
     with pytest.raises(TypeError, match="string or a dict"):

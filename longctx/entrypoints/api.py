@@ -13,7 +13,7 @@ Never: model math or scheduling.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -106,7 +106,12 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
-        params = list(params)
+        params = [params] if isinstance(params, (dict, str)) or not isinstance(params, Iterable) else list(params)
+        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            hint = " (pass SamplingParams(**that_dict))" if isinstance(wrong, dict) else ""
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(wrong).__name__}{hint}")
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
