@@ -103,6 +103,24 @@ def test_gguf_tensor_the_loader_does_not_know_is_refused_by_name(tmp_path, monke
         load_model(str(tmp_path / "extra2.gguf"))
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("llama.attention.sliding_window", 32, "GGUF key\\(s\\) llama.attention.sliding_window \\(llama\\) are not"),
+    ("llama.attn_logit_softcapping", 50.0, "llama.attn_logit_softcapping"),
+    ("llama.expert_count", 8, "mixture-of-experts"),
+    ("llama.rope.dimension_count", 8, "partial rotary embeddings"),  # (no key_length: seen in attn_q)
+])
+def test_gguf_key_the_loader_does_not_understand_is_refused_by_name(tmp_path, monkeypatch, key, value, words):
+    import gguf
+
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_checkpoint(tmp_path / "hf", "llama-default")
+    path = tmp_path / "extra.gguf"
+    write_gguf(path, hf, extra={key: value})
+    with pytest.raises(UnsupportedModelError, match=words):
+        load_model(str(path))
+    assert gguf  # (the writer's package)
+
+
 def test_unsupported_architecture_names_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     with pytest.raises(UnsupportedModelError, match="gpt2"):

@@ -93,9 +93,10 @@ def llama3_rope_freqs(rope: dict, theta: float, dim: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def write_gguf(path: Path, model) -> None:
+def write_gguf(path: Path, model, extra: dict | None = None) -> None:
     """Write an HF Llama model's weights (fp32) and config as a GGUF file; a ``llama3`` RoPE
-    becomes a ``rope_freqs.weight`` tensor, as llama.cpp writes Llama 3.1-3.3."""
+    becomes a ``rope_freqs.weight`` tensor, as llama.cpp writes Llama 3.1-3.3. ``extra``: more
+    keys (int or float values), replacing written ones of the same name."""
     import gguf
 
     cfg = model.config
@@ -117,6 +118,9 @@ def write_gguf(path: Path, model) -> None:
         writer.add_value_length(head_dim)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    for key, value in (extra or {}).items():
+        writer.kv_data[0].pop(key, None)
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(key, value)
     rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
         dim = cfg.hidden_size // cfg.num_attention_heads

@@ -13,6 +13,14 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# the ``{arch}.*`` GGUF keys the loader reads (or knows to change nothing); any other is refused
+# by name, since it may change the math (a sliding window, soft-capping, experts, ...)
+GGUF_KEYS = frozenset({
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+    "rope.scaling.finetuned", "tensor_data_layout", "expert_count", "expert_used_count"})
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -177,6 +185,13 @@ class ModelConfig:
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported "
                                         f"({', '.join(GGUF_ARCHITECTURES)})")
+        unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in GGUF_KEYS)
+        if unknown:
+            raise UnsupportedModelError(f"GGUF key(s) {', '.join(unknown)} ({arch}) are not ones longctx "
+                                        "understands; refusing rather than running without them")
+        if meta.get(f"{arch}.expert_count", 0):
+            raise UnsupportedModelError(f"GGUF {arch}.expert_count is {meta[f'{arch}.expert_count']}: "
+                                        "mixture-of-experts models are not supported")
 
         def get(key: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{key}", default)
@@ -184,6 +199,9 @@ class ModelConfig:
         num_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
+        if int(get("rope.dimension_count", head_dim)) != head_dim:  # partial rotary embeddings
+            raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count {get('rope.dimension_count')} is less "
+                                        f"than the head dim {head_dim}: partial rotary embeddings are not supported")
         rope: dict[str, Any] = {}
         if get("rope.scaling.type") not in (None, "none"):
             rope = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0),

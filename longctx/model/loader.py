@@ -170,6 +170,12 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
         meta[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in names)
+    q = next((t for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)
+    if q is not None and int(q.shape[-1]) != config.num_attention_heads * config.head_dim:
+        raise UnsupportedModelError(  # (ne[1] is the output rows) e.g. rope.dimension_count < head dim
+            f"GGUF {arch}: attn_q has {int(q.shape[-1])} rows, but {config.num_attention_heads} heads of "
+            f"head dim {config.head_dim} (rope.dimension_count) need {config.num_attention_heads * config.head_dim}: "
+            "partial rotary embeddings or an unknown head layout are not supported")
     # biases as the file holds them (llama.cpp writes a Llama's q/k/v/o and MLP biases when it has them)
     config = replace(config, attention_bias=config.attention_bias or "blk.0.attn_q.bias" in names,
                      o_proj_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names)
