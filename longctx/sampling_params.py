@@ -6,12 +6,17 @@ import. Validated on construction; a bad value raises ``ValueError`` naming the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# temperatures below this are greedy: logits / 1e-38 overflow float32 to inf and the draw
+# becomes garbage (vLLM's floor is the same 1e-5)
+TEMPERATURE_FLOOR = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below TEMPERATURE_FLOOR): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None  # reproducible per request when set
@@ -42,8 +47,8 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
-            (isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
             (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
              f"top_p must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and self.top_k >= 0,
@@ -71,6 +76,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.temperature < TEMPERATURE_FLOOR:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -90,6 +90,16 @@ def test_prompt_that_can_never_fit_is_rejected_before_work(tiny):
         LLM(folder).generate({"prompt_token_ids": [5] * 1024})
 
 
+def test_a_temperature_below_the_floor_decodes_greedily(tiny):
+    """logits / 1e-39 overflow float32: such a temperature is greedy (it drew garbage before)."""
+    folder, hf = tiny
+    prompt = _prompts([40], seed=13)[0]
+    llm = LLM(folder, block_size=16, lookahead=False)
+    tiny_t = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1e-39, max_tokens=12,
+                                                                       ignore_eos=True, seed=1))[0]
+    assert tiny_t.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
 def test_bad_inputs_get_clear_errors(tiny):
     folder, _ = tiny
     llm = LLM(folder)

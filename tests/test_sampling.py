@@ -42,7 +42,8 @@ def test_has_penalties(kwargs, penalised):
 def test_temperature_zero_is_greedy():
     assert SamplingParams(temperature=0).greedy is True
     assert SamplingParams(temperature=0.0).greedy is True
-    assert SamplingParams(temperature=1e-6).greedy is False
+    assert SamplingParams(temperature=1e-6).greedy is True  # below TEMPERATURE_FLOOR (1e-5)
+    assert SamplingParams(temperature=1e-4).greedy is False
 
 
 def test_params_are_frozen():
@@ -114,8 +115,21 @@ def test_bad_stop_raises_value_error_naming_the_field(stop):
 
 
 def test_first_bad_field_is_reported():
-    with pytest.raises(ValueError, match=r"^temperature must be a number >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 0, got -1$"):
         SamplingParams(temperature=-1, top_p=2.0)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), True])
+def test_temperature_must_be_finite(value):
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 0"):
+        SamplingParams(temperature=value)
+
+
+@pytest.mark.parametrize("value", [1e-39, 1e-30, 9e-6])
+def test_temperature_below_the_floor_is_greedy(value):
+    params = SamplingParams(temperature=value)
+    assert params.greedy and params.temperature == 0.0
+    assert not SamplingParams(temperature=2e-5).greedy
 
 
 def test_stop_none_means_no_stop_strings():

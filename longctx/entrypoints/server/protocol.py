@@ -43,6 +43,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _text(value: str) -> str:
+    """``value`` if it is valid Unicode text; a lone surrogate (JSON lets ``"\\ud800"`` through)
+    cannot be encoded or tokenized, so it is the client's error."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"contains a lone surrogate ({value[err.start]!r} at character {err.start}), "
+                         "which is not valid Unicode text") from None
+    return value
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -50,7 +61,7 @@ class GenerationRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
@@ -78,7 +89,7 @@ class GenerationRequest(BaseModel):
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        return tuple(stop)
+        return tuple(_text(s) for s in stop)
 
     @field_validator("stream_options")
     @classmethod
@@ -133,7 +144,7 @@ class CompletionRequest(GenerationRequest):
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is an empty string")
-            return prompt
+            return _text(prompt)
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
@@ -154,11 +165,11 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_only(cls, content: Any) -> str:
         if isinstance(content, str):
-            return content
+            return _text(content)
         if isinstance(content, list) and all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                 for p in content):
-            return "".join(p["text"] for p in content)
+            return _text("".join(p["text"] for p in content))
         raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts "
                          "(only text is supported)")
 
