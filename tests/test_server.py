@@ -459,6 +459,25 @@ def test_api_key(strict_server, slow_folder):
     assert out.usage.completion_tokens <= 2
 
 
+def test_api_description_is_behind_the_key(strict_server, server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(strict_server.url + path).status_code == 401, path
+        assert httpx.get(strict_server.url + path, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        assert httpx.get(server.url + path).status_code == 200  # no key set: open, as before
+
+
+@pytest.mark.parametrize("host, key, warns", [
+    ("0.0.0.0", "", True), ("::", "", True), ("192.168.1.5", "", True), ("example.org", "", True),
+    ("127.0.0.1", "", False), ("::1", "", False), ("localhost", "", False), ("0.0.0.0", "k", False)])
+def test_a_public_bind_without_a_key_is_warned_about(host, key, warns):
+    from longctx.entrypoints.server.launch import exposure_warning
+
+    line = exposure_warning(host, key)
+    assert (line is not None) == warns
+    if warns:
+        assert host in line and "--api-key" in line
+
+
 def test_queue_full_gets_429_and_the_server_recovers(strict_server):
     url, auth = strict_server.url, {"Authorization": f"Bearer {API_KEY}"}
     long_body = {"prompt": "hold the slot", "max_tokens": 3000, "temperature": 0, "stream": True,

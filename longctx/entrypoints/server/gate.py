@@ -1,6 +1,7 @@
 """The request gate: ASGI middleware that runs before any route sees a request.
 
-Owns: the API key check on ``/v1/*`` (401), the request body size limit (413), and reading
+Owns: the API key check on ``/v1/*`` and the API's own description (``/docs``, ``/redoc``,
+``/openapi.json``) (401), the request body size limit (413), and reading
 the body once (bounded) so that the app never buffers more than the limit. Never: parsing
 the body, or anything on routes outside ``/v1`` except the size limit.
 """
@@ -16,6 +17,7 @@ from longctx.entrypoints.server.errors import APIError
 # A client that announces a body larger than this is answered without reading it; up to it,
 # the body is read and dropped first, so the client gets the 413 instead of a reset socket.
 DRAIN_FACTOR = 8
+DOC_PATHS = ("/docs", "/redoc", "/openapi.json")  # behind the key too: they map the whole API
 
 
 class RequestGate:
@@ -29,7 +31,8 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(headers):
+        guarded = scope["path"].startswith("/v1") or scope["path"].startswith(DOC_PATHS)
+        if self.api_key and guarded and not self._authorized(headers):
             await _reply(APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}),
                          scope, receive, send)

@@ -10,6 +10,7 @@ SIGTERM and Ctrl-C stop accepting connections, let in-flight requests finish for
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import socket
 import sys
@@ -46,6 +47,9 @@ def run_server(server_config: ServerConfig, engine_kwargs: dict[str, Any]) -> in
             engine_loop, config.graceful_shutdown_timeout)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        warning = exposure_warning(host, config.api_key)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         print(f"serving '{config.served_model_name}' on http://{shown}:{port}/v1 "
               f"(api key {'required' if config.api_key else 'off'}); stop with Ctrl-C or SIGTERM",
               file=sys.stderr, flush=True)
@@ -79,6 +83,20 @@ class _GracefulServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+
+
+def exposure_warning(host: str, api_key: str) -> str | None:
+    """A warning line when the server listens beyond this machine without an API key."""
+    if api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:  # a host name: loopback only if it is localhost
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this address "
+            f"can use the model and read its API; pass --api-key (or set $LONGCTX_API_KEY)")
 
 
 def bind(host: str, port: int) -> socket.socket:
