@@ -22,7 +22,9 @@ SCRIPTS = ["ask.py", "quickstart.py", "summarize.py"]
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-examples")
-    make_engine_checkpoint(folder)
+    # a 4K window: the examples ask for max_model_len=4096, which SmolLM2 (8K) serves and a
+    # model trained on fewer positions refuses (without allow_long_context)
+    make_engine_checkpoint(folder, max_position_embeddings=4096)
     return str(folder)
 
 
