@@ -65,7 +65,9 @@ def git(*cmd: str, cwd: Path = HERE) -> str:
 
 
 def tree_is_dirty(cwd: Path = HERE) -> bool:
-    return bool(git("status", "--porcelain", cwd=cwd))
+    """Changes to the code (new result records not yet committed do not count: a run must not
+    make the next run of the same revision refuse)."""
+    return bool(git("status", "--porcelain", "--", ":/", ":(top,exclude)benchmarks/results", cwd=cwd))
 
 
 def machine_slug(cpu: str, cores: int | None) -> str:

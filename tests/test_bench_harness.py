@@ -59,6 +59,20 @@ def test_a_run_is_recorded_with_its_machine_and_revision(harness, tmp_path, monk
     assert record["machine"]["cpu"] == harness.cpu_model() and record["command"] == ["fake_bench.py", "--n", "21"]
 
 
+def test_new_result_records_do_not_make_the_tree_dirty(harness, tmp_path):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "code.py").write_text("x = 1\n")
+    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=a@b", "-c", "user.name=t", "commit", "-qm", "c"]):
+        subprocess.run(["git", *cmd], cwd=repo, check=True)
+    (repo / "benchmarks" / "results" / "new.json").write_text("{}")
+    assert not harness.tree_is_dirty(repo / "benchmarks")
+    (repo / "code.py").write_text("x = 2\n")
+    assert harness.tree_is_dirty(repo / "benchmarks")
+
+
 def test_a_dirty_tree_is_refused_unless_allowed(harness, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(harness, "tree_is_dirty", lambda: True)
     script = _script(tmp_path, "json.dump({}, open(a.out, 'w'))\n")
