@@ -60,6 +60,25 @@ def test_good_records_parse_with_defaults_and_overrides(tmp_path):
     assert records[0].document_key == ""
 
 
+def test_a_document_field_is_text_even_when_it_names_a_file(tmp_path):
+    """A job's ``document`` is never read as a file (it was, when the string named one: a job
+    could read any file the worker can); ``document_path`` must name a regular file."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the private text")
+    path = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "t", "task": "summarize", "document": str(secret)},
+        {"id": "f", "task": "summarize", "document_path": "fifo"},
+    ])
+    os.mkfifo(tmp_path / "fifo")
+    (text_record, fifo_record), bad = read_records(path)
+    assert not bad
+    assert batch._document(text_record) == str(secret)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="not a regular file"):
+        batch._document(fifo_record)  # at once: opening a FIFO to read would wait for a writer
+    assert time.monotonic() - started < 5
+
+
 def test_malformed_lines_get_reasons(tmp_path):
     errors = _bad(tmp_path / "in.jsonl", [
         "{not json",

@@ -373,7 +373,8 @@ def _read_file(path: Path) -> str:
 def _document(record: Record) -> str | None:
     if record.document_path is not None:
         return _read_file(record.document_path)
-    return record.fields.get("document")
+    text = record.fields.get("document")
+    return None if text is None else tasks.Text(text)  # text, even if it names a file
 
 
 def _generate_content(record: Record) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -37,6 +38,12 @@ from typing import Any, Union
 from longctx.sampling_params import SamplingParams
 
 Document = Union[str, "os.PathLike[str]"]
+MAX_DOCUMENT_BYTES = 64 << 20  # a document file larger than this is refused (~16M tokens)
+
+
+class Text(str):
+    """A document given as text: never read as a file name, whatever it says (batch jobs mark
+    their ``document`` fields so; ``document_path`` is the way to name a file)."""
 ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
 
 SUMMARY_TOKENS = 256  # default length of each summary
@@ -128,13 +135,10 @@ class Piece:
 
 def read_document(document: Document) -> str:
     """The text of ``document``: a path object, a one-line string naming an existing file (read
-    as UTF-8), or else the text itself."""
-    if isinstance(document, os.PathLike) or _names_file(document):
-        path = Path(document)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read the document {path}: {err}") from err
+    as UTF-8; not a ``Text``), or else the text itself. A path must be a regular file of at most
+    ``MAX_DOCUMENT_BYTES`` (a FIFO or a device would block or never end)."""
+    if isinstance(document, os.PathLike) or (not isinstance(document, Text) and _names_file(document)):
+        text = _read_file(Path(document))
     elif isinstance(document, str):
         text = document
     else:
@@ -142,6 +146,23 @@ def read_document(document: Document) -> str:
     if not text.strip():
         raise ValueError("the document is empty")
     return text
+
+
+def _read_file(path: Path) -> str:
+    try:
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"cannot read the document {path}: not a regular file")
+            if st.st_size > MAX_DOCUMENT_BYTES:
+                raise ValueError(f"cannot read the document {path}: {st.st_size} bytes, more than the "
+                                 f"{MAX_DOCUMENT_BYTES} a document may have")
+            data = f.read(MAX_DOCUMENT_BYTES + 1)
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise ValueError(f"cannot read the document {path}: it grew past {MAX_DOCUMENT_BYTES} bytes")
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the document {path}: {err}") from err
 
 
 def _names_file(value: object) -> bool:
