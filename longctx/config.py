@@ -257,7 +257,12 @@ class ParallelConfig:
 
 
 CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig, ParallelConfig)
-FLAG_TYPES = {"block_size": int, "rope_scaling": str}  # fields whose default None means "auto" and whose value is not a float
+def _gib_or_auto(value: str) -> float | str:
+    return "auto" if value == "auto" else float(value)
+
+
+_gib_or_auto.__name__ = "GiB (a number, or auto)"  # argparse names the type so in its error
+FLAG_TYPES = {"block_size": int, "rope_scaling": str, "kv_cache_gb": _gib_or_auto}  # fields whose default None means "auto" and whose value is not a float
 
 
 def resolve_auto(load: ModelLoadConfig, cache: CacheConfig, device_type: str,

@@ -43,6 +43,17 @@ def test_kv_cache_gb_auto_is_the_default():
         CacheConfig(kv_cache_gb="lots")
 
 
+def test_kv_cache_gb_flag_takes_a_number_or_auto(capsys):
+    from longctx.entrypoints import cli
+
+    parse = cli.build_parser().parse_args
+    assert parse(["generate", "hi", "--kv-cache-gb", "auto"]).kv_cache_gb == "auto"
+    assert parse(["generate", "hi", "--kv-cache-gb", "1.5"]).kv_cache_gb == 1.5
+    with pytest.raises(SystemExit):
+        parse(["generate", "hi", "--kv-cache-gb", "lots"])
+    assert "invalid GiB (a number, or auto) value: 'lots'" in capsys.readouterr().err
+
+
 def test_cpu_kv_budget_is_a_share_of_what_is_left_capped_at_what_requests_need():
     from longctx.kv.device_pool import cpu_kv_budget_gb
 

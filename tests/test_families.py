@@ -1,8 +1,8 @@
 """Every model family and feature the engine serves, end to end, against HF transformers in
 fp32 on tiny random checkpoints (1K window, prompts of 150 tokens): greedy tokens identical over
 24 new tokens and every prompt log-prob within 1e-4, on each CPU weight path; the same tokens
-with lookahead, with a prefix hit and with 2 sequence-parallel ranks; and a bf16 model
-following HF on the bf16-rounded weights.
+with lookahead, with a prefix hit and with 2 sequence-parallel ranks; int8 KV pages; and a bf16
+model following HF on the bf16-rounded weights. (CUDA graphs run on a GPU only: not here.)
 
 Families here: Llama with q/k/v/o and MLP biases (``attention_bias``, ``mlp_bias``), Qwen3
 (per-head q/k RMSNorm, head_dim apart from hidden / heads; tied and untied). Plain Llama,
@@ -68,6 +68,15 @@ def test_two_sequence_parallel_ranks_keep_the_tokens(family):
     folder, _, expected, _ = family
     with _llm(folder, sequence_parallel_size=2, max_num_batched_tokens=32) as llm:
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected
+
+
+def test_int8_pages_follow_hf(family):
+    """int8 KV pages round K and V, so tokens may part from fp32's late; on these prompts the
+    first 16 of 24 must agree (measured: all 24 for each family)."""
+    folder, _, expected, _ = family
+    with _llm(folder, kv_cache_dtype="int8", lookahead=False) as llm:
+        got = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    assert got[:16] == expected[:16]
 
 
 def test_bfloat16_follows_hf_on_the_rounded_weights(family):
