@@ -157,8 +157,9 @@ class EngineLoop:
                 if stopping:
                     break
                 if self.engine.has_unfinished():
-                    self._step()
-                self._publish_state()
+                    self._step()  # (publishes the gauges itself, before delivering)
+                else:
+                    self._publish_state()
         except Exception as err:  # noqa: BLE001 - reported to every waiting client and /health
             log.exception("the engine thread failed; the server cannot serve requests any more")
             self.error = err
