@@ -76,7 +76,7 @@ def test_a_document_field_is_text_even_when_it_names_a_file(tmp_path):
     started = time.monotonic()
     with pytest.raises(ValueError, match="not a regular file"):
         batch._document(fifo_record)  # at once: opening a FIFO to read would wait for a writer
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 60  # (a hang would block for good; 60 s: a busy machine)
 
 
 def test_malformed_lines_get_reasons(tmp_path):
