@@ -40,11 +40,11 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # int8: pages of 
 # The C batch signature both attention kernels share (paged_decode.c, paged_flash.c; ``call_batch``): q,
 # k_cache, v_cache, k_scale, v_scale (int8 caches; NULL otherwise), dtype, block_table,
 # table_rows, table_stride, num_blocks, ctx_lens, cu_q, total_q, seqs, [splits: flash only],
-# num_seqs, block_size, num_heads, num_kv, d, scale, words, [split_tokens: decode only],
-# threads, out, lse.
+# num_seqs, block_size, num_heads, num_kv, d, scale, words, window, softcap (0: none),
+# [split_tokens: decode only], threads, out, lse.
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 BATCH_HEAD = [_P, _P, _P, _P, _P, _I, _P, _I, _I64, _I, _P, _P, _I, _P]
-BATCH_SHAPE = [_I, _I, _I, _I, _I, ctypes.c_float, _P]
+BATCH_SHAPE = [_I, _I, _I, _I, _I, ctypes.c_float, _P, _I, ctypes.c_float]
 BATCH_TAIL = [_I, _P, _P]
 ERRORS = {-1: "unknown cache dtype or missing int8 scales", -2: "bad head layout (num_heads, num_kv, head_dim)",
           -3: "a sequence's query or context length is out of range", -4: "out of memory",
@@ -291,10 +291,12 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
                ctx_lens: torch.Tensor, cu_q: torch.Tensor, seqs: torch.Tensor, words: torch.Tensor | None,
                scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor, *,
-               splits: torch.Tensor | None = None, split_tokens: int | None = None) -> None:
+               splits: torch.Tensor | None = None, split_tokens: int | None = None,
+               window: int = 0, softcap: float = 0.0) -> None:
     """Check a batch kernel's arguments (``check_batch``) and call its C entry ``fn`` with the
     signature both share (see ``BATCH_HEAD``): ``splits`` for the flash kernel, ``split_tokens``
-    for the decode kernel. A code the C side returns becomes a ValueError naming ``kernel``."""
+    for the decode kernel; ``window``/``softcap``: a sliding window and a score cap (0: none;
+    see the C files). A code the C side returns becomes a ValueError naming ``kernel``."""
     check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
     head = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
@@ -303,7 +305,7 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if splits is not None:
         head.append(splits.data_ptr())
     shape = [seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
-             None if words is None else words.data_ptr()]
+             None if words is None else words.data_ptr(), window, softcap]
     tail = [num_threads, out.data_ptr(), lse.data_ptr()]
     rc = fn(*head, *shape, *([] if split_tokens is None else [split_tokens]), *tail)
     if rc != 0:
@@ -314,18 +316,21 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                   v_scale: torch.Tensor | None, block_table: torch.Tensor, ctx_lens: torch.Tensor,
                   cu_q: torch.Tensor, seqs: torch.Tensor, words: torch.Tensor | None, scale: float,
-                  split_tokens: int, num_threads: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+                  split_tokens: int, num_threads: int, out: torch.Tensor, lse: torch.Tensor,
+                  window: int = 0, softcap: float = 0.0) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU decode kernel is {status()}")
     call_batch("paged_decode", lib.longctx_paged_decode_batch, q, k_cache, v_cache, k_scale, v_scale, block_table,
-               ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, split_tokens=split_tokens)
+               ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, split_tokens=split_tokens,
+               window=window, softcap=softcap)
 
 
 paged_decode = cpu_build.define_op(
     "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
     "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor? words, float scale, "
-    "int split_tokens, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_decode)
+    "int split_tokens, int num_threads, Tensor(a!) out, Tensor(b!) lse, int window=0, float softcap=0.0) -> ()",
+    _paged_decode)
 int8_write_kv = cpu_build.define_op(
     "int8_write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor k, "
     "Tensor v, Tensor slots, Tensor starts) -> ()", _int8_write_kv)
@@ -450,17 +455,19 @@ def attend_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seqs: torch.Tensor, scale: float, words: torch.Tensor | None = None, *,
                  out: torch.Tensor, lse: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, split_tokens: int = SPLIT_TOKENS,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, window: int | None = None,
+                 softcap: float | None = None) -> None:
     """The sequences ``seqs`` (int32 indices into ``tables``) of a step in one call: q [T, H, D]
     float32 holds every sequence's new tokens (``tables.cu_q``), the last ``q_len`` of its
     ``ctx_len``; their rows of ``out`` [T, H, D] / ``lse`` [T, H] (contiguous float32) are
     written. ``words`` [T] int64: bit j of a row's word lets it see new token j of its
     sequence (None: causal among the new tokens). int8 caches need ``k_scale``/``v_scale``.
     ``num_threads``: OpenMP threads (default torch's count). At most ``MAX_Q`` new tokens and
-    ``MAX_ROWS`` rows per KV head per sequence."""
+    ``MAX_ROWS`` rows per KV head per sequence. ``window``/``softcap``: a sliding window and
+    a score cap (``reference.py``'s conventions; with ``words`` the window must be >= 64)."""
     paged_decode(q, k_cache, v_cache, k_scale, v_scale, tables.block_table, tables.ctx_lens, tables.cu_q,
                  seqs, words, scale, split_tokens, torch.get_num_threads() if num_threads is None else num_threads,
-                 out, lse)
+                 out, lse, window or 0, softcap or 0.0)
 
 
 def single(q: torch.Tensor, blocks: Blocks, words: torch.Tensor | None,

@@ -75,7 +75,8 @@ def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int, threads: int |
 def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                  v_scale: torch.Tensor | None, block_table: torch.Tensor, ctx_lens: torch.Tensor,
                  cu_q: torch.Tensor, seqs: torch.Tensor, splits: torch.Tensor, words: torch.Tensor | None,
-                 scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+                 scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor,
+                 window: int = 0, softcap: float = 0.0) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU flash kernel is {status()}")
@@ -83,13 +84,15 @@ def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"splits must be a contiguous int32 tensor like seqs {tuple(seqs.shape)}, got "
                          f"{splits.dtype} {tuple(splits.shape)}")
     call_batch("paged_flash", lib.longctx_paged_flash_batch, q, k_cache, v_cache, k_scale, v_scale, block_table,
-               ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, splits=splits)
+               ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, splits=splits, window=window,
+               softcap=softcap)
 
 
 paged_flash = cpu_build.define_op(
     "paged_flash(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
     "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor splits, Tensor? words, "
-    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse) -> ()", _paged_flash)
+    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse, int window=0, float softcap=0.0) -> ()",
+    _paged_flash)
 paged_flash.__doc__ = """``torch.ops.longctx.paged_flash``: a step's varlen batch through the flash kernel,
 written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
 
@@ -98,14 +101,16 @@ def attend_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seqs: torch.Tensor, scale: float, words: torch.Tensor | None = None, *,
                  out: torch.Tensor, lse: torch.Tensor, splits: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, window: int | None = None,
+                 softcap: float | None = None) -> None:
     """The sequences ``seqs`` (int32 indices into ``tables``) of a step in one call, as
     ``cpu_decode.attend_batch`` (same q, out, lse, words, scales), any number of new tokens
     each (at most 63 with ``words``). ``splits`` int32, one per entry of ``seqs``: its KV
-    splits (``num_splits``). ``num_threads``: OpenMP threads (default torch's count)."""
+    splits (``num_splits``). ``num_threads``: OpenMP threads (default torch's count).
+    ``window``/``softcap``: as for ``cpu_decode.attend_batch``."""
     paged_flash(q, k_cache, v_cache, k_scale, v_scale, tables.block_table, tables.ctx_lens, tables.cu_q,
                 seqs, splits, words, scale, torch.get_num_threads() if num_threads is None else num_threads,
-                out, lse)
+                out, lse, window or 0, softcap or 0.0)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

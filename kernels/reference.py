@@ -23,6 +23,13 @@ Conventions shared by every attention path in longctx:
 * Every function returns ``(out, lse)``: ``out`` in the dtype of ``q``; ``lse`` fp32
   ``[T, H]``, the natural-log log-sum-exp of the scaled scores (``-inf`` for a query with no
   visible key).
+* Sliding windows (``window=W``, Mistral/Gemma/Phi-3 layers): a query at position p also sees
+  only keys at positions > p - W (W keys counting itself; HF's ``sliding_window`` and
+  flash-attn's ``window_size=(W - 1, 0)``). Positions: cached token c is at c; new token i is
+  at ``S - q_len + i``, or under a tree mask at ``S - q_len + depth(i)`` with ``depth(i) =
+  popcount(word_i) - 1`` (its ancestors), as the runner places draft tokens. ``None``: no window.
+* Soft-capping (``softcap=c``, Gemma 2): each scaled score s becomes ``c * tanh(s / c)`` before
+  the mask and the softmax; ``lse`` is over the capped scores. ``None``: no cap.
 """
 
 from __future__ import annotations
@@ -35,13 +42,15 @@ from . import kv_quant
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax attention in fp32. q [L, H, D], k/v [S, Hkv, D], visible bool [L, S]."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     k = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
     v = v.float().repeat_interleave(group, dim=1)  # (S, H, D)
     scores = torch.einsum("lhd,shd->hls", q.float(), k) * scale  # (H, L, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (H, L)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # rows with no key -> 0
@@ -50,8 +59,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
 
 
 def causal_visibility(q_len: int, ctx_len: int, tree_mask: torch.Tensor | None = None,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool [q_len, ctx_len]: which keys each new token sees (bottom-right causal or tree)."""
+                      device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
+    """Bool [q_len, ctx_len]: which keys each new token sees (bottom-right causal or tree,
+    within ``window`` positions when one is given; see the module's conventions)."""
     if q_len > ctx_len:
         raise ValueError(f"q_len {q_len} exceeds context length {ctx_len}")
     num_cached = ctx_len - q_len
@@ -64,21 +74,48 @@ def causal_visibility(q_len: int, ctx_len: int, tree_mask: torch.Tensor | None =
         bits = (tree_mask.to(device).long()[:, None] >> torch.arange(q_len, device=device)) & 1
         visible = visible.clone()
         visible[:, num_cached:] = bits.bool()
+    if window is not None:
+        check_window(window)
+        positions = token_positions(q_len, ctx_len, tree_mask, device)
+        visible = visible & (positions[num_cached:, None] - positions[None, :] < window)
     return visible
 
 
+def check_window(window: int) -> None:
+    """A sliding window is a positive number of positions (ValueError otherwise)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"a sliding window is a positive number of tokens, got {window!r}")
+
+
+def token_positions(q_len: int, ctx_len: int, tree_mask: torch.Tensor | None = None,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """Int64 [ctx_len]: each token's position: cached tokens in order, new token i at
+    ``num_cached + i``, or its depth in the draft tree past ``num_cached`` under a tree mask."""
+    num_cached = ctx_len - q_len
+    positions = torch.arange(ctx_len, device=device)
+    if tree_mask is not None:
+        words = tree_mask.to(device).long()
+        bits = (words[:, None] >> torch.arange(q_len, device=device)) & 1
+        positions[num_cached:] = num_cached + bits.sum(dim=1) - 1
+    return positions
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float | None = None, window: int | None = None,
+              softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, contiguous K/V. q [L, H, D], k/v [S, Hkv, D] with L <= S when causal.
 
-    Causal is bottom-right aligned: query i sees keys 0 .. S - L + i.
+    Causal is bottom-right aligned: query i sees keys 0 .. S - L + i (and with ``window``
+    only the last ``window`` of them).
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if causal:
-        visible = causal_visibility(q.shape[0], k.shape[0], device=q.device)
+        visible = causal_visibility(q.shape[0], k.shape[0], device=q.device, window=window)
     else:
+        if window is not None:
+            raise ValueError("a sliding window needs causal attention")
         visible = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
-    return _attend(q, k, v, visible, scale)
+    return _attend(q, k, v, visible, scale, softcap)
 
 
 def gather_pages(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -94,8 +131,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     tree_mask: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, step_cache: dict | None = None,
-                    extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    extents: tuple[int, int] | None = None, window: int | None = None,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
+    ``window`` / ``softcap``: a sliding window and a score cap (the module's conventions).
     ``step_cache`` and ``extents``: what a kernels module may reuse within a step (a memo,
     the host's max query and context lengths); every module takes them, this one needs neither.
 
@@ -119,8 +158,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = gather_pages(k_cache, block_table[b], ctx_len)  # (S, Hkv, D)
         v = gather_pages(v_cache, block_table[b], ctx_len)  # (S, Hkv, D)
         seq_tree = tree_mask[start:end] if tree_mask is not None else None
-        visible = causal_visibility(end - start, ctx_len, seq_tree, device=q.device)
-        out[start:end], lse[start:end] = _attend(q[start:end], k, v, visible, scale)
+        visible = causal_visibility(end - start, ctx_len, seq_tree, device=q.device, window=window)
+        out[start:end], lse[start:end] = _attend(q[start:end], k, v, visible, scale, softcap)
     return out, lse
 
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build, cpu_decode, cpu_flash, kv_quant
-from .reference import causal_visibility
+from .reference import causal_visibility, check_window
 from .reference import merge_attn_states as merge_attn_states  # same math; exported here
 
 __all__ = ["paged_attention", "write_kv", "merge_attn_states", "sequence_kv", "dequantized_kv"]
@@ -285,13 +285,15 @@ class _StepPlan:
         self.kernel_tables: cpu_decode.Tables | None = None
         self.routes: dict[tuple, tuple] = {}
 
-    def route(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool) -> tuple:
+    def route(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool, window: int | None = None) -> tuple:
         """(decode seqs, flash seqs with their splits, torch seqs) for this layout: the decode
         kernel up to CPU_KERNEL_MAX_ROWS query rows per KV head (it takes causal masks as
-        ancestor words), the flash kernel above, the torch forms for the rest. A tree step with
-        more than 63 new tokens in a sequence is refused (ValueError) here, once per step."""
+        ancestor words), the flash kernel above, the torch forms for the rest (and a draft
+        tree under a window of fewer than 64 positions, which the kernels do not take). A tree
+        step with more than 63 new tokens in a sequence is refused (ValueError) here, once per
+        step."""
         group = q.shape[1] // k_cache.shape[2]
-        key = (group, q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree)
+        key = (group, q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree, window)
         found = self.routes.get(key)
         if found is not None:
             return found
@@ -299,7 +301,8 @@ class _StepPlan:
         if tree and max(q_lens, default=0) > 63:
             raise ValueError(f"tree masks support at most 63 new tokens per sequence, got {max(q_lens)}")
         decode, flash, splits, rest = [], [], [], []
-        compiled = USE_CPU_KERNEL and cpu_build.vectorized()  # plain C loops lose to torch here
+        compiled = (USE_CPU_KERNEL and cpu_build.vectorized()  # plain C loops lose to torch here
+                    and not (tree and window is not None and window < 64))
         threads = torch.get_num_threads()
         for b, (ctx_len, q_len) in enumerate(zip(self.ctx_lens, q_lens)):
             if q_len == 0:
@@ -329,8 +332,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tree_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     step_cache: dict | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    extents: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``reference.paged_attention`` (``out`` may be given to fill).
+                    extents: tuple[int, int] | None = None, window: int | None = None,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.paged_attention`` (``out`` may be given to fill; ``window``
+    and ``softcap`` as there).
     ``step_cache``: a dict that lives for one step (the same metadata in every call), where
     the per-step plan is kept between layers; ``extents`` unused (the host lists in the
     step cache give the same). int8 caches need ``k_scale``/``v_scale``
@@ -340,6 +345,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``torch.ops.longctx.paged_decode`` / ``paged_flash``, a varlen batch each); the torch forms
     below take the rest one sequence at a time."""
     cpu_decode.check_scales(k_cache, k_scale, v_scale)
+    if window is not None:
+        check_window(window)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number, got {softcap!r}")
     quantized = k_cache.dtype == torch.int8
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q) if out is None else out
@@ -351,13 +360,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if step_cache is not None:
             step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu
-    decode, flash, rest = plan.route(q, k_cache, tree_mask is not None)
+    decode, flash, rest = plan.route(q, k_cache, tree_mask is not None, window)
     if decode is not None or flash is not None:
         direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernels write into it
         target = out if direct else torch.empty(q.shape, dtype=torch.float32)
         qf = q.float().contiguous()
         words = None if tree_mask is None else tree_mask.to(torch.int64).contiguous()
         scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
+        scales.update(window=window, softcap=softcap)
         if decode is not None:
             cpu_decode.attend_batch(qf, k_cache, v_cache, plan.kernel_tables, decode, scale, words,
                                     out=target, lse=lse, **scales)
@@ -375,6 +385,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_len = end - start
         seq_tree = tree_mask[start:end] if tree_mask is not None else None
         blocks = tables[b][:(ctx_len + k_cache.shape[1] - 1) // k_cache.shape[1]]
+        if window is not None or softcap is not None:  # masked matmuls over the window's keys
+            out[start:end], lse[start:end] = _attend_masked(
+                q[start:end], k_cache, v_cache, blocks, ctx_len, seq_tree, scale, window, softcap,
+                (k_scale, v_scale) if quantized else None)
+            continue
         if quantized:  # the sequence's pages, dequantised (a gathered copy, so no runs)
             k = dequantized_kv(k_cache, k_scale, blocks, ctx_len, q.dtype)  # (S, Hkv, D)
             v = dequantized_kv(v_cache, v_scale, blocks, ctx_len, q.dtype)
@@ -401,6 +416,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[start:end] = o
         lse[start:end] = l
     return out, lse
+
+
+def _attend_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int],
+                   ctx_len: int, tree: torch.Tensor | None, scale: float, window: int | None,
+                   softcap: float | None, scales: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence with a sliding window or a score cap, when the compiled kernels do not take
+    it: the keys from the first one its window lets any query see (a gathered copy), grouped
+    matmuls, the cap and the full mask of ``causal_visibility``."""
+    q_len = q.shape[0]
+    lo = 0 if window is None else max(0, ctx_len - q_len - window + 1)
+    if scales is not None:
+        k = dequantized_kv(k_cache, scales[0], blocks, ctx_len, torch.float32)[lo:]
+        v = dequantized_kv(v_cache, scales[1], blocks, ctx_len, torch.float32)[lo:]
+    else:
+        k = sequence_kv(k_cache, blocks, ctx_len)[lo:].float()
+        v = sequence_kv(v_cache, blocks, ctx_len)[lo:].float()
+    visible = causal_visibility(q_len, ctx_len, tree, device=q.device, window=window)[:, lo:]  # (L, S')
+    num_kv = k.shape[1]
+    group = q.shape[1] // num_kv
+    qg = q.float().view(q_len, num_kv, group, -1).permute(1, 2, 0, 3)  # (Hkv, G, L, D)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)[:, None]) * scale  # (Hkv, G, L, S')
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (Hkv, G, L)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.matmul(probs, v.permute(1, 0, 2)[:, None])  # (Hkv, G, L, D)
+    return (out.permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype),
+            lse.permute(2, 0, 1).reshape(q_len, -1))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -19,6 +19,11 @@
  *   blocks the sequence's block ids (int32); token t lives in block blocks[t / block_size]
  *   the new tokens are the last L of ctx_len; query i sees every earlier token, and among the
  *   new tokens token j iff bit j of tail_words[i] (NULL: sees all of them)
+ *   window > 0 (a sliding window): query i, at position first_new + popcount(tail_words[i]) - 1
+ *   (first_new with no words), also sees only keys at positions > its position - window; a
+ *   key's position is its index (exact for cached keys and causal new ones; for a draft tree
+ *   the caller keeps window >= 64, so every new key a word allows is inside the window)
+ *   softcap > 0: every scaled score s becomes softcap * tanh(s / softcap) (Gemma 2)
  *   out    [L, H, D] float32, lse [L, H] float32 (natural log, of the scaled scores)
  * Query head hq reads KV head hq / (H / Hkv).
  *
@@ -548,10 +553,20 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
                          const float *k_scale, const float *v_scale, int dtype,
                          const int32_t *blocks, int block_size, int ctx_len, int q_len,
                          int num_heads, int num_kv, int d, const uint64_t *tail_words,
+                         int window, float softcap,
                          int t0, int t1, float *m, float *l, float *acc_out, float *wide) {
     const int group = num_heads / num_kv;
     const int rows = q_len * group;
     const int first_new = ctx_len - q_len;
+    int lowest[MAX_ROWS]; /* window: each row's first visible key */
+    int top_lowest = 0;   /* the largest of them: keys from here on need no window mask */
+    if (window > 0)
+        for (int r = 0; r < rows; r++) {
+            const int i = r / group;
+            const int pos = first_new + (tail_words ? __builtin_popcountll(tail_words[i]) - 1 : i);
+            lowest[r] = pos - window + 1;
+            top_lowest = lowest[r] > top_lowest ? lowest[r] : top_lowest;
+        }
     const int elem = dtype == 0 ? 4 : dtype == 1 ? 2 : 1;
     const int row_bytes = num_kv * d * elem;
     const int regs = dtype == 2 || FLOAT_IN_REGS(d); /* products on the page rows (tile_scores) */
@@ -600,6 +615,15 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
                 else
                     tile_rows(k_cache, dtype, slots, n, num_kv, kvh, d, kbuf, krows);
                 for (int r = 0; r < rows; r++) row_scores(qh + r * d, krows, n, d, scores[r]);
+            }
+            if (softcap > 0.0f) {
+                const float inv = 1.0f / softcap;
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < n; j++) scores[r][j] = softcap * tanhf(scores[r][j] * inv);
+            }
+            if (window > 0 && base < top_lowest) {
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < n && base + j < lowest[r]; j++) scores[r][j] = -INFINITY;
             }
             if (tail_words && base + n > first_new) {
                 for (int j = first_new > base ? first_new - base : 0; j < n; j++) {
@@ -669,12 +693,12 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
                                int num_blocks, const int32_t *ctx_lens, const int32_t *cu_q,
                                int total_q, const int32_t *seqs,
                                int num_seqs, int block_size, int num_heads, int num_kv, int d,
-                               float scale, const uint64_t *words, int split_tokens, int threads,
-                               float *out, float *lse) {
+                               float scale, const uint64_t *words, int window, float softcap,
+                               int split_tokens, int threads, float *out, float *lse) {
     if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
     if (dtype == 2 && (!k_scale || !v_scale)) return -1;
     if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D) return -2;
-    if (split_tokens < 1 || threads < 1 || block_size < 1 || num_seqs < 0) return -3;
+    if (split_tokens < 1 || threads < 1 || block_size < 1 || num_seqs < 0 || window < 0 || softcap < 0.0f) return -3;
     if (num_seqs == 0) return 0;
     const int group = num_heads / num_kv;
     uint64_t causal[63]; /* new token i sees new tokens 0..i */
@@ -703,7 +727,8 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
             free(first_item);
             return -3;
         }
-        const int splits = (ctx_len + split_tokens - 1) / split_tokens;
+        const int lo = key_start(ctx_len, q_len, window);
+        const int splits = (ctx_len - lo + split_tokens - 1) / split_tokens;
         q_at[i] = floats;
         state_at[i] = floats + (int64_t)all_rows * d;
         floats = state_at[i] + (int64_t)splits * all_rows * (d + 2);
@@ -750,13 +775,14 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
         }
         const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], ctx_len = ctx_lens[s];
         const int all_rows = num_kv * q_len * group, split = item - first_item[i];
-        const int t0 = split * split_tokens;
+        const int t0 = key_start(ctx_len, q_len, window) + split * split_tokens;
         const int t1 = (t0 + split_tokens < ctx_len) ? t0 + split_tokens : ctx_len;
         const uint64_t *tail = words ? words + cu_q[s] : q_len > 1 ? causal : NULL;
         float *state = work + state_at[i] + (int64_t)split * all_rows * (d + 2);
         attend_split(work + q_at[i], k_cache, v_cache, k_scale, v_scale, dtype,
                      block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
-                     num_kv, d, tail, t0, t1, state, state + all_rows, state + 2 * all_rows, wide);
+                     num_kv, d, tail, window, softcap, t0, t1, state, state + all_rows, state + 2 * all_rows,
+                     wide);
     }
     free(wide_pool);
     /* merge: one flat loop over every sequence's rows */

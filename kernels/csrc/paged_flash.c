@@ -26,6 +26,12 @@
  *   blocks the sequence's block ids (int32); token t lives in block blocks[t / block_size]
  *   the new tokens are the last L of ctx_len; query i sees every earlier token, and among the
  *   new tokens: tokens 0..i (tail_words NULL: causal), or token j iff bit j of tail_words[i]
+ *   window > 0 (a sliding window): query i, at position first_new + i (with tail_words:
+ *   first_new + popcount(tail_words[i]) - 1), also sees only keys at positions > its position
+ *   - window; a key's position is its index (the caller keeps window >= 64 for draft trees,
+ *   so every new key a word allows is inside the window). Key tiles below every row's window
+ *   are never computed.
+ *   softcap > 0: every scaled score s becomes softcap * tanh(s / softcap) (Gemma 2)
  *   out    [L, H, D] float32, lse [L, H] float32 (natural log, of the scaled scores)
  * Query head hq reads KV head hq / (H / Hkv).
  *
@@ -576,6 +582,9 @@ typedef struct {
     int block_size, ctx_len, q_len, num_heads, num_kv, d;
     float scale;
     const uint64_t *tail_words;
+    int window;    /* 0: none */
+    float softcap; /* 0: none */
+    int key_lo;    /* the first key any row may see (key_start) */
 } Args;
 
 /* Per-thread buffers, 64-byte aligned (a 16-row strip of Q^T, S^T or O^T is one cache line). */
@@ -586,6 +595,12 @@ typedef struct {
     const float *krow[KT + 6], *vrow[KT];
     const uint16_t *vrow16[KT]; /* bfloat16 V rows for the vdpbf16ps P.V */
 } Scratch;
+
+/* The first key new token t may see under the window (a->window > 0). */
+static inline int window_low(const Args *a, int t) {
+    const int first_new = a->ctx_len - a->q_len;
+    return first_new + (a->tail_words ? __builtin_popcountll(a->tail_words[t]) - 1 : t) - a->window + 1;
+}
 
 /* One work item: rows [r0, r1) of KV head kvh against keys [k0, k1). Leaves the block's
  * running max (log2 units), sum and unnormalised O^T in s. */
@@ -622,7 +637,20 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
     const int t_first = r0 / group, t_last = (r1 - 1) / group;
     int end = k1;
     if (!a->tail_words && first_new + t_last + 1 < end) end = first_new + t_last + 1;
-    for (int base = k0; base < end; base += KT) {
+    /* window: the rows' first visible keys; tiles before the lowest are skipped, tiles before
+     * the highest are masked */
+    int begin = k0, low_min = 0, low_max = 0;
+    if (a->window > 0) {
+        low_min = INT32_MAX;
+        for (int t = t_first; t <= t_last; t++) {
+            const int low = window_low(a, t);
+            low_min = low < low_min ? low : low_min;
+            low_max = low > low_max ? low : low_max;
+        }
+        if (low_min > begin) begin = low_min;
+    }
+    const float cap = a->softcap * 1.44269504088896341f, inv_cap = a->softcap > 0.0f ? 1.0f / cap : 0.0f;
+    for (int base = begin; base < end; base += KT) {
         const int n = end - base < KT ? end - base : KT;
         if (base + n < end) {
             const int next = end - base - n < KT ? end - base - n : KT;
@@ -630,7 +658,8 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
-        const int meets_mask = base + n > first_new + (a->tail_words ? 0 : t_first + 1);
+        const int meets_window = a->window > 0 && base < low_max;
+        const int meets_mask = base + n > first_new + (a->tail_words ? 0 : t_first + 1) || meets_window;
         int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
         /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
@@ -646,6 +675,17 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
                       s->kbuf, s->krow);
             for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
             tile_scores(s->qt, rbp, s->krow, n, d, s->st);
+        }
+        if (a->softcap > 0.0f) /* in log2 units: cap = softcap * log2 e */
+            for (int j = 0; j < n; j++) {
+                float *col = s->st + (int64_t)j * rbp;
+                for (int r = 0; r < rbp; r++) col[r] = cap * tanhf(col[r] * inv_cap);
+            }
+        if (meets_window) {
+            for (int r = 0; r < rows; r++) {
+                const int low = window_low(a, (r0 + r) / group);
+                for (int j = 0; j < n && base + j < low; j++) s->st[(int64_t)j * rbp + r] = -INFINITY;
+            }
         }
         if (meets_mask) {
             for (int j = 0; j < n; j++) {
@@ -715,12 +755,12 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
                               int num_blocks, const int32_t *ctx_lens, const int32_t *cu_q,
                               int total_q, const int32_t *seqs,
                               const int32_t *splits, int num_seqs, int block_size, int num_heads,
-                              int num_kv, int d, float scale, const uint64_t *words, int threads,
-                              float *out, float *lse) {
+                              int num_kv, int d, float scale, const uint64_t *words, int window, float softcap,
+                              int threads, float *out, float *lse) {
     if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
     if (dtype == 2 && (!k_scale || !v_scale)) return -1;
     if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D) return -2;
-    if (block_size < 1 || threads < 1 || num_seqs < 0) return -3;
+    if (block_size < 1 || threads < 1 || num_seqs < 0 || window < 0 || softcap < 0.0f) return -3;
     if (num_seqs == 0) return 0;
     const int group = num_heads / num_kv;
     /* per sequence: its arguments, where its split states start, and its first item */
@@ -746,7 +786,8 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
         }
         const Args one = {q + (int64_t)cu_q[s] * num_heads * d, k_cache, v_cache, k_scale, v_scale, dtype,
                           block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
-                          num_kv, d, scale, words ? words + cu_q[s] : NULL};
+                          num_kv, d, scale, words ? words + cu_q[s] : NULL, window, softcap,
+                          key_start(ctx_len, q_len, window)};
         args[i] = one;
         const int num_rb = (q_len * group + RB - 1) / RB;
         state_at[i] = floats;
@@ -786,9 +827,10 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
             const int split = local % num_splits;
             const int rb = num_rb - 1 - (local / num_splits) % num_rb;
             const int kvh = local / (num_splits * num_rb);
-            const int split_len = (ctx_len + num_splits - 1) / num_splits;
+            const int split_len = (ctx_len - a->key_lo + num_splits - 1) / num_splits;
             const int r0 = rb * RB, r1 = r0 + RB < rows ? r0 + RB : rows;
-            const int k0 = split * split_len, k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
+            const int k0 = a->key_lo + split * split_len;
+            const int k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
             attend_item(a, kvh, r0, r1, k0, k1, &sc);
             const int rbp = (r1 - r0 + 7) / 8 * 8, all_rows = num_kv * rows;
             float *o_seq = out + (int64_t)cu_q[seqs[i]] * num_heads * d;

@@ -32,6 +32,13 @@ static inline int batch_seq_ok(int s, int table_rows, const int32_t *block_table
     return 1;
 }
 
+/* The first key any new token of a sequence may see: 0, or with a sliding window the first
+ * one inside the window of its first new token (every new token sits at or past first_new). */
+static inline int key_start(int ctx_len, int q_len, int window) {
+    const int lo = ctx_len - q_len - window + 1;
+    return window > 0 && lo > 0 ? lo : 0;
+}
+
 /* Merge one row (at) of the states into out / lse. */
 static void merge_row(const float *states, int num_splits, int64_t split_floats, int all_rows, int at,
                       int rows, int group, int num_heads, int d, int log2_units, float *out, float *lse) {
