@@ -8,8 +8,9 @@ KV tensors it is handed.
 A backend is used in two calls (FlashInfer's plan/run shape): ``plan(meta)`` once per step
 builds a typed ``AttentionPlan`` (what every layer shares: the KV format's step plan, the
 kernels' per-step memo, the host extents), and the model calls ``run(layer_idx, q, k, v,
-plan)`` per layer with the step's new tokens, flattened over the batch (q [T, H, D], k/v
-[T, Hkv, D]). With ``meta.kv_caches`` set, the new K/V rows are first written to their slots
+plan, **layer.options)`` per layer with the step's new tokens, flattened over the batch (q
+[T, H, D], k/v [T, Hkv, D]) and the layer's own attention (``LayerAttention``: its scale, its
+sliding window, its score cap; none of them for a plain Llama layer). With ``meta.kv_caches`` set, the new K/V rows are first written to their slots
 and attention runs over each sequence's pages (the prefix plus the new tokens); without it (a
 plain full-sequence forward, as in the HF parity tests) each sequence attends causally to its
 own new tokens only. The KV format (``longctx.kv.formats``) prepares q/k/v and the kernels'
@@ -26,8 +27,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longctx.kernels import torch_paged
+from longctx.kernels import reference, torch_paged
 from longctx.kv.formats import FloatPages, KVStepPlan
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention is besides q, k, v: the score scale (None: 1 / sqrt(head
+    dim)), a sliding window (None: every earlier token) and a score cap (None: none), with
+    ``kernels/reference.py``'s conventions."""
+
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def options(self) -> dict:
+        """The keywords ``backend.run`` takes for this layer (none for a plain layer)."""
+        return {k: v for k, v in (("scale", self.scale), ("window", self.window), ("softcap", self.softcap))
+                if v is not None}
 
 
 @dataclass
@@ -94,19 +112,26 @@ class PagedAttentionBackend:
         return plan
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            plan: AttentionPlan) -> torch.Tensor:
+            plan: AttentionPlan, scale: float | None = None, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+        """One layer's attention; ``scale``/``window``/``softcap``: the layer's own
+        (``LayerAttention``). int8 pages' exact tail is not applied under a window or a cap
+        (its exchange assumes every first-page key is visible and uncapped scores)."""
         meta = plan.meta
+        scale = self.scale if scale is None else scale
+        masked = {} if window is None and softcap is None else {"window": window, "softcap": softcap}
         if meta.kv_caches is None:
-            return dense_causal(q, k, v, meta.query_lens, self.scale)
+            return dense_causal(q, k, v, meta.query_lens, scale, **masked)
         layer = meta.kv_caches[layer_idx]
         q, k, v, pages, writing = meta.kv_format.enter(q, k, v, layer, plan.kv)
         self.kernels.write_kv(layer[0], layer[1], k, v, meta.slot_mapping, step_cache=plan.kernel_cache,
                               **pages, **writing)
         out, lse = self.kernels.paged_attention(
             q, layer[0], layer[1], meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
-            scale=self.scale, tree_mask=meta.tree_mask, step_cache=plan.kernel_cache, extents=plan.extents,
-            **pages)
-        return meta.kv_format.leave(layer_idx, out, lse, q, k, v, layer, self.scale, meta.tail, plan.kv)
+            scale=scale, tree_mask=meta.tree_mask, step_cache=plan.kernel_cache, extents=plan.extents,
+            **pages, **masked)
+        tail = None if masked else meta.tail
+        return meta.kv_format.leave(layer_idx, out, lse, q, k, v, layer, scale, tail, plan.kv)
 
 
 class FlashAttnBackend(PagedAttentionBackend):
@@ -122,32 +147,42 @@ class FlashAttnBackend(PagedAttentionBackend):
         self.flash_attn = flash_attn
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            plan: AttentionPlan) -> torch.Tensor:
+            plan: AttentionPlan, scale: float | None = None, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
         meta = plan.meta
         usable = (meta.kv_caches is not None and meta.tree_mask is None and q.dtype != torch.float32
                   and meta.kv_format.storage_dtype == q.dtype  # other page formats: the Triton kernels
                   and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
         if not usable:
-            return super().run(layer_idx, q, k, v, plan)
+            return super().run(layer_idx, q, k, v, plan, scale=scale, window=window, softcap=softcap)
         k_cache, v_cache = meta.kv_caches[layer_idx]
         self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        # flash-attn's window counts the keys left of the query's own: (W - 1, 0), as HF passes it
+        options = {"softmax_scale": self.scale if scale is None else scale, "causal": True,
+                   "window_size": (-1, -1) if window is None else (window - 1, 0), "softcap": softcap or 0.0}
         if meta.max_query_len == 1:
             out = self.flash_attn.flash_attn_with_kvcache(
                 q[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens_t,
-                block_table=meta.block_table, softmax_scale=self.scale, causal=True)
+                block_table=meta.block_table, **options)
             return out[:, 0]
         return self.flash_attn.flash_attn_varlen_func(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_query_len,
-            meta.max_context_len, softmax_scale=self.scale, causal=True, block_table=meta.block_table)
+            meta.max_context_len, block_table=meta.block_table, **options)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
-                 scale: float) -> torch.Tensor:
-    """Cache-free attention: each sequence attends causally to its own tokens only."""
+                 scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Cache-free attention: each sequence attends causally to its own tokens only (within
+    ``window``, scores capped by ``softcap``: then through ``kernels/reference.py``)."""
     out = torch.empty_like(q)
     start = 0
     for q_len in query_lens:
         end = start + q_len
+        if window is not None or softcap is not None:
+            out[start:end] = reference.attention(q[start:end], k[start:end], v[start:end], scale=scale,
+                                                 window=window, softcap=softcap)[0]
+            start = end
+            continue
         qh, kh, vh = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # (1, H, L, D)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_len > 1, scale=scale,
                                            enable_gqa=q.shape[1] != k.shape[1])

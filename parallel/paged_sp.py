@@ -323,7 +323,16 @@ class PagedSPAttention:
         return step
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            step: ShardedStep) -> torch.Tensor:
+            step: ShardedStep, scale: float | None = None, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
+        """The backend's ``run`` (``longctx.attention``); a layer's own ``scale`` scales q
+        (the same scores). Sliding windows and score caps are refused: the ranks' pages hold
+        positions the local kernels do not see (not built yet)."""
+        if window is not None or softcap is not None:
+            raise ValueError("sequence parallelism does not take sliding-window or soft-capped attention "
+                             f"layers yet (layer {layer_idx}: window {window}, softcap {softcap})")
+        if scale is not None and scale != self.scale:
+            q = q * (scale / self.scale)
         return self.forward(layer_idx, q, k, v, step)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longctx.attention import AttentionMetadata, select_backend
-from longctx.model.config import UnsupportedModelError
+from longctx.model.config import ModelConfig, UnsupportedModelError
 from longctx.model.loader import load_model
 from tiny_models import KINDS, make_checkpoint, write_gguf
 
@@ -127,11 +127,25 @@ def test_unsupported_architecture_names_model_type(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_sliding_window_checkpoint_is_rejected(tmp_path):
-    from transformers import MistralConfig
+def test_windows_are_read_as_hf_reads_them():
+    """sliding_window / use_sliding_window / max_window_layers / layer_types / Gemma's patterns
+    give each layer the window HF gives it (and the parity tests in test_families.py run them)."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
-    MistralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=50, max_position_embeddings=128,
-                  sliding_window=32).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        load_model(str(tmp_path))
+    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=50, max_position_embeddings=128)
+
+    def windows(cfg):
+        config = ModelConfig.from_hf_dict(cfg.to_dict())
+        return [config.layer_window(i) for i in range(config.num_hidden_layers)]
+
+    assert windows(MistralConfig(**small, sliding_window=32)) == [32] * 4
+    assert windows(MistralConfig(**small, sliding_window=None)) == [None] * 4
+    assert windows(Qwen2Config(**small, sliding_window=32, use_sliding_window=False)) == [None] * 4
+    assert windows(Qwen2Config(**small, sliding_window=32, use_sliding_window=True, max_window_layers=2)) == [
+        None, None, 32, 32]
+    assert windows(Gemma2Config(**small, sliding_window=32)) == [32, None, 32, None]
+    assert windows(Gemma3TextConfig(**{**small, "num_hidden_layers": 7}, sliding_window=32)) == [32] * 5 + [None, 32]
+    with pytest.raises(UnsupportedModelError, match="layer type\\(s\\) chunked_attention"):
+        ModelConfig.from_hf_dict({**MistralConfig(**small, sliding_window=32).to_dict(),
+                                  "layer_types": ["chunked_attention"] * 4})

@@ -26,13 +26,32 @@ ROPE = {
 }
 
 KINDS = [f"llama-{r}" for r in ROPE] + ["llama-tied", "mistral", "qwen2", "llama-mha", "llama-bias",
-                                        "qwen3", "qwen3-tied"]
+                                        "qwen3", "qwen3-tied", "mistral-window", "qwen2-window", "gemma2",
+                                        "gemma3"]
+WINDOW = 40  # the sliding window of the windowed kinds: shorter than the parity prompts
+EAGER = ("gemma2", "gemma3")  # HF's eager attention: the one that caps scores (Gemma 2)
 
 
 def hf_config(kind: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     kwargs = {**BASE, **overrides}
+    if kind == "mistral-window":
+        return MistralConfig(**kwargs, sliding_window=WINDOW, rope_theta=10000.0)
+    if kind == "qwen2-window":  # layers from max_window_layers on slide (HF's Qwen2 reading)
+        return Qwen2Config(**kwargs, rope_theta=10000.0, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1)
+    if kind == "gemma2":  # every other layer slides; scores and logits capped low enough to bite
+        return Gemma2Config(**kwargs, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                            attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    if kind == "gemma3":  # one sliding layer to one global; local and global RoPE bases, linear scaling
+        kwargs["num_hidden_layers"] = max(kwargs["num_hidden_layers"], 3)
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+        return Gemma3TextConfig(**kwargs, head_dim=24, query_pre_attn_scalar=20, sliding_window=WINDOW,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"][
+                                    :kwargs["num_hidden_layers"]] + ["full_attention"] * (kwargs["num_hidden_layers"] - 3),
+                                rope_parameters=rope)
     if kind.startswith("qwen3"):  # head_dim 24 != hidden / heads, as Qwen3's own sizes differ
         return Qwen3Config(**kwargs, head_dim=24, rope_theta=10000.0, tie_word_embeddings=kind == "qwen3-tied")
     if kind == "mistral":
@@ -56,11 +75,15 @@ def make_checkpoint(folder: Path, kind: str, seed: int = 0, max_shard_size: str 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(kind, **overrides), dtype=torch.float32)
-    with torch.no_grad():  # give norms and biases non-trivial values
+    extra = {"attn_implementation": "eager"} if kind in EAGER else {}
+    model = AutoModelForCausalLM.from_config(hf_config(kind, **overrides), dtype=torch.float32, **extra)
+    # give norms and biases non-trivial values: every norm multiplies by about 1 +- 0.1 (Gemma's
+    # norms multiply by 1 + w, so their w is about 0 +- 0.1, as in real Gemma checkpoints)
+    norm_base = 0.0 if kind in EAGER else 1.0
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+                p.copy_(norm_base + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)

@@ -54,6 +54,11 @@ class LLMEngine:
         path = resolve_model(load.model)
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
+        masked = self.model_config.has_windows or self.model_config.attn_logit_softcapping is not None
+        if parallel.sequence_parallel_size > 1 and masked:
+            raise ValueError(f"sequence_parallel_size {parallel.sequence_parallel_size}: sequence parallelism does "
+                             f"not take sliding-window or soft-capped attention yet ({self.model_config.model_type} "
+                             "has them); use sequence_parallel_size=1")
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or model_window(self.model_config)
         check_window(max_len, self.model_config, sched.allow_long_context)

@@ -362,12 +362,14 @@ class _FirstPageCapture:
     def plan(self, meta):
         return self.attention_plan(meta)
 
-    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, scale: float | None = None,
+            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         sk, sv = self.store.layers[layer]
         kr, vr = (k, v) if self.rotation is None else ((x.float() @ self.rotation) for x in (k, v))
         sk.index_copy_(0, self.rows, kr.to(sk.dtype))
         sv.index_copy_(0, self.rows, vr.to(sv.dtype))
-        return self.dense_causal(q, k, v, plan.meta.query_lens, self.scale)
+        return self.dense_causal(q, k, v, plan.meta.query_lens, self.scale if scale is None else scale,
+                                 window=window, softcap=softcap)
 
 
 def fill_first_pages(model, store: TailStore, seqs: list[tuple[int, tuple[int, ...]]],

@@ -7,11 +7,15 @@ Never: weights, devices, or serving knobs (those live in ``longctx.config``).
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # the ``{arch}.*`` GGUF keys the loader reads (or knows to change nothing); any other is refused
 # by name, since it may change the math (a sliding window, soft-capping, experts, ...)
@@ -22,6 +26,30 @@ GGUF_KEYS = frozenset({
     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
     "rope.scaling.finetuned", "tensor_data_layout", "expert_count", "expert_used_count"})
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding window, per-layer types) as HF reads a config.json: ``layer_types`` when given;
+    else Qwen2/3's ``use_sliding_window`` from ``max_window_layers`` on, Gemma 2's every other
+    layer and Gemma 3's ``sliding_window_pattern``, Mistral's every layer. A window that
+    ``use_sliding_window: false`` turns off is none."""
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", True):
+        return None, None
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None:
+        return int(window), tuple(types)
+    if model_type in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", layers)
+        return int(window), tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    if model_type == "gemma2":
+        return int(window), tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
+    if model_type == "gemma3_text":
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return int(window), tuple("sliding_attention" if (i + 1) % every else "full_attention"
+                                  for i in range(layers))
+    return int(window), None  # Mistral: every layer
 
 
 class UnsupportedModelError(ValueError):
@@ -98,6 +126,22 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # sliding windows: ``sliding_window`` tokens (HF's meaning: a query sees the last W
+    # positions, itself included) on the layers ``layer_types`` marks "sliding_attention"
+    # (None: every layer, as Mistral's config means it)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 2/3: GELU-tanh gate, norms before and after attention and MLP, embeddings times
+    # sqrt(hidden), scores scaled by query_pre_attn_scalar ** -0.5 and capped, logits capped;
+    # RMSNorm's (1 + w) is folded into the weights by the loader. Gemma 3's sliding layers use
+    # their own RoPE base without scaling (``local_rope_theta``).
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -114,6 +158,36 @@ class ModelConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise UnsupportedModelError(f"layer type(s) {', '.join(unknown)} are not supported "
+                                            f"({', '.join(LAYER_TYPES)})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding layers but no sliding_window is given")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None when it sees every earlier token."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The score scale when it is not 1 / sqrt(head_dim) (Gemma's query_pre_attn_scalar)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
 
     @property
     def context_cost_tokens(self) -> float:
@@ -136,15 +210,21 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; longctx runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
-        window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", True) and window < cfg.get("max_position_embeddings", 0):
-            raise UnsupportedModelError(
-                f"{model_type} checkpoint uses sliding-window attention ({window} tokens), which "
-                "longctx does not implement")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        local_theta = None
+        if "full_attention" in rope or "sliding_attention" in rope:  # per layer type (Gemma 3)
+            local = rope.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"RoPE type {local.get('rope_type')!r} on sliding layers is not supported")
+            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+            rope = rope.get("full_attention") or {}
+        elif model_type == "gemma3_text" and cfg.get("rope_local_base_freq") is not None:
+            local_theta = float(cfg["rope_local_base_freq"])
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        window, layer_types = _windows(cfg, model_type)
+        gemma = model_type in GEMMA_TYPES
         if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
         eos = cfg.get("eos_token_id")
@@ -165,11 +245,27 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_proj_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=window,
+            layer_types=layer_types,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            sandwich_norms=gemma,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            local_rope_theta=local_theta,
         )
+
+    def rope_for_layer(self, layer: int) -> "ModelConfig":
+        """The config whose RoPE layer ``layer`` uses: itself, or for Gemma 3's sliding
+        layers one with their base and no scaling."""
+        if self.local_rope_theta is None or self.layer_window(layer) is None:
+            return self
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=RopeScaling())
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> "ModelConfig":

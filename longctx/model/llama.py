@@ -1,6 +1,10 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) in plain torch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3, SmolLM) in plain torch:
+one Transformer with switches (gpt-fast's shape), read from ``ModelConfig``.
 
-Owns: the layer math (RMSNorm, fused QKV + RoPE, attention call, SwiGLU MLP, LM head).
+Owns: the layer math (RMSNorm, fused QKV + RoPE, attention call, SwiGLU MLP, LM head) and the
+switches other families need: per-head q/k norms (Qwen3, Gemma 3), sliding-window layers
+(Mistral, Gemma), GELU-tanh MLPs, norms after attention and MLP too, scaled embeddings,
+a score scale and caps and a capped LM head (Gemma; ``LayerAttention``).
 Never: KV bytes, scheduling or serving. Attention goes through an ``AttentionBackend``
 (``longctx.attention``) with per-step metadata passed in as an argument, so the same model
 runs contiguous, paged, Triton or ring attention.
@@ -34,6 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
+from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
@@ -54,6 +61,8 @@ class RMSNorm(nn.Module):
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype == torch.float32:  # Gemma's norm: the product in fp32 too, then x's dtype
+            return (self.weight * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -72,6 +81,10 @@ class Attention(nn.Module):
         # Qwen3: an RMSNorm over each head's q and k before RoPE
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # the layer's scale, window and cap (none of them: a plain Llama layer)
+        self.spec = LayerAttention(config.attention_scale, config.layer_window(layer_idx),
+                                   config.attn_logit_softcapping)
+        self.options = self.spec.options
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                plan: Any) -> torch.Tensor:
@@ -90,7 +103,7 @@ class Attention(nn.Module):
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.run(self.layer_idx, q, k, v, plan)  # (T, H, D)
+        out = backend.run(self.layer_idx, q, k, v, plan, **self.options)  # (T, H, D)
         return out.reshape(num_tokens, self.q_size)
 
 
@@ -101,6 +114,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                    bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else SwiGLU (fused into down_proj)
+
+    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None, product: Any) -> torch.Tensor:
+        """down(act(gate) * up) (+ residual)."""
+        if not self.gelu:
+            return self.down_proj(gate_up, swiglu=True, residual=residual, product=product)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up, residual=residual, product=product)
 
 
 class DecoderLayer(nn.Module):
@@ -110,6 +131,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms  # Gemma: a norm after attention and after the MLP too
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                 plan: Any) -> torch.Tensor:
@@ -121,9 +146,13 @@ class DecoderLayer(nn.Module):
         attn, mlp, product = self.self_attn, self.mlp, plan.split_linear
         qkv = attn.qkv_proj(x, norm=self.input_layernorm, product=product)  # (T, (H + 2 Hkv) D)
         out = attn.attend(qkv, cos, sin, backend, plan)  # (T, H D)
+        if self.sandwich:  # x + norm(attention), x + norm(MLP), each MLP input normed before
+            x = x + self.post_attention_layernorm(attn.o_proj(out, product=product))
+            gate_up = mlp.gate_up_proj(x, norm=self.pre_feedforward_layernorm, product=product)
+            return x + self.post_feedforward_layernorm(mlp.down(gate_up, None, product))
         x = attn.o_proj(out, residual=x, product=product)
         gate_up = mlp.gate_up_proj(x, norm=self.post_attention_layernorm, product=product)  # (T, 2F)
-        return mlp.down_proj(gate_up, swiglu=True, residual=x, product=product)
+        return mlp.down(gate_up, x, product)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         # LM head, transposed [E, V]; for tied embeddings the loader fills it from the embedding
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.rotary_local: RotaryEmbedding | None = None  # Gemma 3's sliding layers: their own base
         self.act_dtype: torch.dtype | None = None  # set by use_row_kernel: activations' dtype
 
     def pack_linears_onednn(self, rows_hint: int = PACK_ROWS_HINT) -> None:
@@ -243,21 +273,39 @@ class LlamaForCausalLM(nn.Module):
             self.rotary = RotaryEmbedding(self.config, device)
         return self.rotary
 
+    def _local_rotary_for(self, device: torch.device) -> RotaryEmbedding:
+        if self.rotary_local is None or self.rotary_local.cos.device != device:
+            first = next(i for i in range(self.config.num_hidden_layers) if self.config.layer_window(i) is not None)
+            self.rotary_local = RotaryEmbedding(self.config.rope_for_layer(first), device)
+        return self.rotary_local
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any,
                 attn_meta: Any) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, E] (after the last norm).
         ``backend.plan(attn_meta)`` once, then every layer runs attention with that plan."""
         cos, sin = self.rotary_for(input_ids.device).cos_sin(positions, attn_meta.max_position)  # (T, D/2) each
+        local = None
+        if self.config.local_rope_theta is not None:
+            local = self._local_rotary_for(input_ids.device).cos_sin(positions, attn_meta.max_position)
         plan = backend.plan(attn_meta)
         x = self.embed_tokens(input_ids)  # (T, E)
+        if self.config.embed_scale is not None:  # Gemma: times sqrt(hidden), in the embedding's dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self.act_dtype is not None and x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)  # bf16 weights on the row kernel: fp32 activations
         for layer in self.layers:
-            x = layer(x, cos, sin, backend, plan)
+            if local is not None and layer.self_attn.spec.window is not None:
+                x = layer(x, *local, backend, plan)
+            else:
+                x = layer(x, cos, sin, backend, plan)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, E] -> logits [N, V] in fp32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, E] -> logits [N, V] in fp32 (Gemma 2: capped, cap * tanh(logits / cap))."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from longctx import settings
 
-from .config import ModelConfig, RopeScaling, UnsupportedModelError
+from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,19 @@ _FUSED = {  # HF per-layer name -> (our fused name, part index)
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _RENAME = {"self_attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj"}
-_KEPT = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+_KEPT = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+         "pre_feedforward_layernorm", "post_feedforward_layernorm")  # (the last two: Gemma)
 
 
 def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> the ``LlamaForCausalLM`` state dict (fused, transposed)."""
+    """HF-named tensors -> the ``LlamaForCausalLM`` state dict (fused, transposed). Gemma's
+    RMSNorm weights w become 1 + w (computed in fp32, as its norm does), so one norm serves."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
+    gemma = config.model_type in GEMMA_TYPES
     for name, tensor in tensors:
+        if gemma and name.endswith("norm.weight"):
+            tensor = 1.0 + tensor.float()
         if name == "model.embed_tokens.weight":
             state["embed_tokens.weight"] = tensor
         elif name == "model.norm.weight":
@@ -249,6 +254,8 @@ def _config_from_json(data: dict) -> ModelConfig:
         rope["freq_factors"] = tuple(rope["freq_factors"])
     data["rope_scaling"] = RopeScaling(**rope)
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    if data.get("layer_types") is not None:
+        data["layer_types"] = tuple(data["layer_types"])
     return ModelConfig(**data)
 
 
@@ -352,7 +359,9 @@ def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype
     config = with_rope_scaling(config, rope_scaling)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = {k: v.to(dtype=dtype) for k, v in state.items()}
+    # Gemma's norms multiply by 1 + w in fp32 (its RMSNorm): those weights stay fp32, unrounded
+    keep = (lambda k: k.endswith("norm.weight")) if config.model_type in GEMMA_TYPES else (lambda k: False)
+    state = {k: v.to(dtype=torch.float32 if keep(k) else dtype) for k, v in state.items()}
     if config.tie_word_embeddings and "lm_head.weight_t" in state:
         state["lm_head.weight_t"] = state["lm_head.weight_t"].contiguous()
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
