@@ -69,6 +69,7 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor | None = None  # [B + 1] int32: context offsets (flash-attn varlen)
     host_block_table: list[list[int]] | None = None
     tail: Any = None  # a format with an exact tail: ``exact_tail.TailStep``, or None
+    rope_long: torch.Tensor | None = None  # [T] bool: LongRoPE's tokens on its long table (Phi-3)
 
     @classmethod
     def dense(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":

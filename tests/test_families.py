@@ -23,9 +23,10 @@ from longctx import LLM, SamplingParams
 from longctx.kernels import cpu_linear
 from tiny_models import hf_greedy, make_checkpoint, random_tokens, write_char_tokenizer
 
-FAMILIES = ["llama-bias", "qwen3", "qwen3-tied", "mistral-window", "qwen2-window", "gemma2", "gemma3"]
+FAMILIES = ["llama-bias", "qwen3", "qwen3-tied", "mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3",
+            "phi3-longrope"]
 SEEDS = {"gemma3": 1}  # (seed 0's Gemma 3 repeats one token from the third on; seed 1: 10 distinct tokens, top-2 logit margins >= 3.5e-3)
-MASKED = ("mistral-window", "qwen2-window", "gemma2", "gemma3")  # windows or capped scores
+MASKED = ("mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3")  # windows or capped scores
 NEW_TOKENS = 24
 PROMPT = random_tokens(150, seed=11)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -40,7 +41,19 @@ def family(request, tmp_path_factory):
     write_char_tokenizer(folder)
     with torch.no_grad():
         logprobs = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
-    return str(folder), hf, hf_greedy(hf, PROMPT, NEW_TOKENS), logprobs
+    return str(folder), hf, reference_greedy(hf, PROMPT), logprobs
+
+
+def reference_greedy(hf, prompt: list[int]) -> list[int]:
+    """HF's greedy tokens: a full forward per token; for LongRoPE ``generate`` with its KV
+    cache, whose rotations the engine follows (a forward past the original window turns only
+    its own tokens by the long table; a full forward would turn every token by it)."""
+    if hf.config.rope_parameters.get("rope_type") != "longrope":
+        return hf_greedy(hf, prompt, NEW_TOKENS)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def _llm(folder: str, **kw) -> LLM:
@@ -68,7 +81,7 @@ def test_lookahead_and_a_prefix_hit_keep_the_tokens(family):
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected
         again = llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids
         assert llm.cache_stats().hit_tokens["device"] >= 128
-    assert again == hf_greedy(hf, follow, NEW_TOKENS)
+    assert again == reference_greedy(hf, follow)
 
 
 def test_two_sequence_parallel_ranks_keep_the_tokens(family, request):
@@ -100,3 +113,51 @@ def test_bfloat16_follows_hf_on_the_rounded_weights(family):
     with _llm(folder, dtype="bfloat16", lookahead=False) as llm:
         got = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
     assert got == hf_greedy(rounded, PROMPT, NEW_TOKENS)
+
+
+def test_longrope_prompts_past_the_original_window(tmp_path):
+    """Phi-3's LongRoPE: a prompt past original_max_position_embeddings (160 here) turns every
+    token by the long table, as HF's generate does, through chunked prefill (64-token chunks,
+    the first ones wholly inside the original window); after a shorter prompt's request the
+    longer one must not reuse its short-table pages (a salt keeps them apart), and its tokens
+    still equal HF's."""
+    from tiny_models import ORIGINAL
+
+    hf = make_checkpoint(tmp_path, "phi3-longrope")
+    write_char_tokenizer(tmp_path)
+    short, long = PROMPT[:ORIGINAL - 20], PROMPT + random_tokens(60, seed=13)
+    assert len(long) > ORIGINAL
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([long])).logits[0].float(), dim=-1)
+    with _llm(str(tmp_path), lookahead=True) as llm:
+        got_short = llm.generate({"prompt_token_ids": short}, GREEDY)[0].outputs[0].token_ids
+        out = llm.generate({"prompt_token_ids": long}, SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1))[0]
+        got_long = out.outputs[0].token_ids
+        worst = max(abs(out.prompt_logprobs[p][long[p]] - float(ref[p - 1, long[p]])) for p in range(1, len(long)))
+        assert worst < 1e-4  # every prompt token on the long table, chunk by chunk
+        assert llm.cache_stats().hit_tokens["device"] == 0  # the long prompt shares 140 tokens but not their table
+        again = llm.generate({"prompt_token_ids": long}, GREEDY)[0].outputs[0].token_ids
+        assert llm.cache_stats().hit_tokens["device"] >= len(long) // 16 * 16 - 16  # long with long: a hit
+    assert got_short == reference_greedy(hf, short)
+    assert got_long == again == reference_greedy(hf, long)
+
+
+def test_longrope_generation_crossing_the_original_window(tmp_path):
+    """A 150-token prompt (short table) whose generation passes position 160: from there each
+    new token turns by the long table and the cached ones keep theirs, as in HF's generate; the
+    chosen tokens' log-probs follow HF's scores within 1e-4 at every step, with lookahead too."""
+    hf = make_checkpoint(tmp_path, "phi3-longrope")
+    write_char_tokenizer(tmp_path)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = ref.sequences[0, len(PROMPT):].tolist()  # (raw logits: min_new_tokens masks EOS in the scores)
+    ref_logprobs = [float(torch.log_softmax(logits[0].float(), -1)[t]) for logits, t in zip(ref.logits, tokens)]
+    for lookahead in (False, True):
+        with _llm(str(tmp_path), lookahead=lookahead) as llm:
+            out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+                temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1))[0].outputs[0]
+        assert out.token_ids == tokens
+        worst = max(abs(entry[t] - want) for entry, t, want in zip(out.logprobs, tokens, ref_logprobs))
+        assert worst < 1e-4

@@ -27,15 +27,28 @@ ROPE = {
 
 KINDS = [f"llama-{r}" for r in ROPE] + ["llama-tied", "mistral", "qwen2", "llama-mha", "llama-bias",
                                         "qwen3", "qwen3-tied", "mistral-window", "qwen2-window", "gemma2",
-                                        "gemma3"]
+                                        "gemma3", "phi3", "phi3-longrope"]
 WINDOW = 40  # the sliding window of the windowed kinds: shorter than the parity prompts
+ORIGINAL = 160  # phi3-longrope's original window: prompts longer than it use the long factors
 EAGER = ("gemma2", "gemma3")  # HF's eager attention: the one that caps scores (Gemma 2)
 
 
 def hf_config(kind: str, **overrides):
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     kwargs = {**BASE, **overrides}
+    if kind == "phi3":  # fused qkv and gate_up weights, a sliding window (Phi-3-mini-4k's shape)
+        return Phi3Config(**kwargs, sliding_window=WINDOW, rope_theta=10000.0)
+    if kind == "phi3-longrope":  # Phi-4-mini's shape: partial rotary (3/4 of 16 dims), LongRoPE, tied
+        dims = int(16 * 0.75) // 2
+        short = [1.0 + 0.05 * i for i in range(dims)]
+        long = [1.5 + 0.5 * i for i in range(dims)]
+        return Phi3Config(**{**kwargs, "max_position_embeddings": 4 * ORIGINAL}, original_max_position_embeddings=ORIGINAL,
+                          partial_rotary_factor=0.75, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short,
+                                           "long_factor": long, "partial_rotary_factor": 0.75,
+                                           "original_max_position_embeddings": ORIGINAL})
     if kind == "mistral-window":
         return MistralConfig(**kwargs, sliding_window=WINDOW, rope_theta=10000.0)
     if kind == "qwen2-window":  # layers from max_window_layers on slide (HF's Qwen2 reading)

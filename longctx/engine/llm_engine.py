@@ -31,6 +31,7 @@ from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCacheStats
 from longctx.kv.setup import build_prefix_cache, fit_window, size_kv_pool
 from longctx.lookahead.controller import LookaheadController
+from longctx.model.config import ModelConfig
 from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
 from longctx.model.prepare import check_window, model_window, prepare_model
 from longctx.model.tokenizer import load_tokenizer
@@ -40,6 +41,16 @@ from longctx.sampling_params import SamplingParams
 from longctx.engine.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
+
+def check_parallel_model(model: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
+    """``model``, unless sequence parallelism is asked for a model with sliding windows or
+    capped scores, which it does not take yet: then a ValueError in one line."""
+    if parallel.sequence_parallel_size > 1 and (model.has_windows or model.attn_logit_softcapping is not None):
+        raise ValueError(f"sequence_parallel_size {parallel.sequence_parallel_size}: sequence parallelism does "
+                         f"not take sliding-window or soft-capped attention yet ({model.model_type} has them); "
+                         "use sequence_parallel_size=1")
+    return model
+
 
 class LLMEngine:
     def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
@@ -53,12 +64,7 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
-        self.model_config = self.model.config
-        masked = self.model_config.has_windows or self.model_config.attn_logit_softcapping is not None
-        if parallel.sequence_parallel_size > 1 and masked:
-            raise ValueError(f"sequence_parallel_size {parallel.sequence_parallel_size}: sequence parallelism does "
-                             f"not take sliding-window or soft-capped attention yet ({self.model_config.model_type} "
-                             "has them); use sequence_parallel_size=1")
+        self.model_config = check_parallel_model(self.model.config, parallel)
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or model_window(self.model_config)
         check_window(max_len, self.model_config, sched.allow_long_context)
@@ -91,16 +97,16 @@ class LLMEngine:
                 self.runner.kv_mover = self.kv_mover
             self.max_model_len = fit_window(max_len, self.pool.num_blocks, cache.block_size,
                                             bool(sched.max_model_len), pool_note)
+            mc = self.model_config
             self.scheduler = Scheduler(sched, self.pool, cache.block_size, self.max_model_len, self.prefix_cache,
-                                       context_cost=self.model_config.context_cost_tokens,
-                                       drafter=self.lookahead)
+                                       mc.context_cost_tokens, self.lookahead, mc.long_rope_after)
             if self.max_model_len < max_len:
                 self.scheduler.window_name = f"the context window the KV pool holds (the model's is {max_len})"
         except BaseException:
             self.runner.shutdown()  # sequence-parallel ranks already started: no orphans
             raise
         if (self.device.type == "cuda" and not load.enforce_eager and parallel.sequence_parallel_size == 1
-                and self.model_config.rope_scaling.rope_type != "dynamic"):  # dynamic RoPE: tables per length
+                and self.model_config.rope_scaling.rope_type not in ("dynamic", "longrope")):  # tables per length
             self.capture_step_graphs(sched.max_num_seqs, capture=True,
                                      max_draft=lookahead.lookahead_max_tokens if lookahead.lookahead else 0)
         self.eos_ids = frozenset(self.model_config.eos_token_ids) | frozenset(

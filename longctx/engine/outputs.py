@@ -37,6 +37,7 @@ class ScheduledSeq:
     # its first step on that slot past its first page (a prefix hit): the first page's tokens,
     # whose exact K/V the runner recomputes (``exact_tail.fill_first_pages``)
     sink_token_ids: tuple[int, ...] = ()
+    rope_long: bool = False  # LongRoPE (Phi-3): its tokens turn by the long table
 
     @property
     def num_draft(self) -> int:

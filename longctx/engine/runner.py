@@ -217,7 +217,7 @@ class ModelRunner(SamplingRunner):
             tree_mask=t["tree_mask"], cu_seqlens_k=t["cu_seqlens_k"],
             kv_caches=self.kv.caches, kv_format=self.kv.format, max_query_len=max(step.query_lens),
             max_context_len=max(step.context_lens), max_position=max(step.positions) + 1,
-            host_block_table=table)
+            host_block_table=table, rope_long=step.rope_long(self.model.config, self.device))
         if plan is not None:
             meta.tail = TailStep(plan, t["tail"], self.kv.tail, t["positions"], t["tree_mask"], t["block_table"])
         return t["ids"], t["positions"], meta, (step.sample_rows, t["rows"])

@@ -109,6 +109,7 @@ class Request:
     tail_slot: int = -1  # while it has pages: its exact-tail slot (``longctx.kv.exact_tail``)
     stop_token_ids: frozenset[int] = frozenset()  # sampling one of these ends the request
     announced: bool = False  # the runner has its ``NewRequest``
+    rope_long: bool = False  # LongRoPE: past the original window, every token on the long table
 
     @property
     def num_tokens(self) -> int:
@@ -183,12 +184,21 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
                  max_model_len: int, prefix_cache: Any = None, context_cost: float = 0.0,
-                 drafter: Any = None) -> None:
+                 drafter: Any = None, long_rope_after: int | None = None) -> None:
         """``prefix_cache``: a ``longctx.kv.prefix_cache.PrefixCache`` over the same ``pool``,
         or None for no prefix caching. ``context_cost``: the context length at which a token's
         attention costs as much as its linear layers (``context_cost_tokens`` of the model
         config; used by ``prefill_step_cost``). ``drafter``: a lookahead controller (``add``,
-        ``propose``, ``commit``, ``finish``), or None for no drafts."""
+        ``propose``, ``commit``, ``finish``), or None for no drafts. ``long_rope_after``: a
+        LongRoPE model's original window (``original_max_position_embeddings``), else None.
+
+        LongRoPE, as HF's generate runs Phi-3: a sequence longer than that window turns every
+        token by the long table, so a request whose prompt is longer starts so, and one that
+        grows past it during decoding is recomputed from its first token on the long table (HF
+        drops its cache at that token); a verification step keeps its drafts inside the window
+        while the request is short. Long requests' pages carry their own salt in the prefix
+        store, apart from short ones'."""
+        self.long_rope_after = long_rope_after
         self.config = config
         self.drafter = drafter
         self.context_cost = context_cost
@@ -216,6 +226,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_fits(len(request.prompt_token_ids), request.params.max_tokens)
+        if self._passes_rope_window(request):
+            self._set_long_rope(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
@@ -337,11 +349,17 @@ class Scheduler:
     def _schedule_running(self, req: Request, step: "_Step") -> None:
         if step.budget == 0 or req.status != RequestStatus.RUNNING:  # none left / preempted
             return
+        if self._passes_rope_window(req):  # LongRoPE: recomputed from its first token, long
+            self._free_blocks(req)
+            req.num_computed_tokens = 0
+            self._set_long_rope(req)
         num_new = step.chunk(req.num_pending, req.num_computed_tokens)
         if num_new == 0:  # latency mode: this step's prefill work is spent
             return
         num_draft = min(len(req.draft_token_ids), step.budget - 1, MAX_VERIFY_TOKENS - 1,
                         self.max_model_len - req.num_tokens - 1) if req.num_pending == 1 else 0
+        if self.long_rope_after is not None and not req.rope_long:  # drafts stay inside the window
+            num_draft = min(num_draft, self.long_rope_after - req.num_tokens)
         num_draft = max(num_draft, 0)
         while not self._grow(req, req.num_computed_tokens + num_new + num_draft):
             if num_draft:  # drafts are the first thing to give up
@@ -542,7 +560,7 @@ class Scheduler:
                             start_pos=start, block_ids=list(req.block_ids),
                             sample=start + num_new == req.num_tokens,
                             draft_parents=tuple(req.draft_parents[:num_draft]), logprob_targets=targets,
-                            tail_slot=req.tail_slot, sink_token_ids=sink)
+                            tail_slot=req.tail_slot, sink_token_ids=sink, rope_long=req.rope_long)
 
     @staticmethod
     def _without_draft(seq: ScheduledSeq) -> ScheduledSeq:
@@ -550,7 +568,7 @@ class Scheduler:
             return seq
         return ScheduledSeq(seq.request_id, seq.token_ids[:len(seq.token_ids) - seq.num_draft],
                             seq.start_pos, seq.block_ids, seq.sample, tail_slot=seq.tail_slot,
-                            sink_token_ids=seq.sink_token_ids)
+                            sink_token_ids=seq.sink_token_ids, rope_long=seq.rope_long)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens; False if the pool is short."""
@@ -563,6 +581,13 @@ class Scheduler:
             return False
         req.block_ids.extend(self.pool.allocate(missing))
         return True
+
+    def _passes_rope_window(self, req: Request) -> bool:
+        return self.long_rope_after is not None and not req.rope_long and req.num_tokens > self.long_rope_after
+
+    def _set_long_rope(self, req: Request) -> None:
+        req.rope_long = True
+        req.cache_salt = f"{req.cache_salt or ''}\x00longrope-long"
 
     def _pick_victim(self, exclude: dict[str, ScheduledSeq]) -> Request:
         for req in reversed(self.running):  # most recently admitted first

@@ -121,6 +121,8 @@ class RankExecutor:
         step.tail = self._tail(batch, flat, owned[self.rank])
         mine = owned[self.rank]
         c = self.config
+        long = flat.rope_long(c, self.device)
+        step.rope_long = None if long is None else long[torch.tensor(mine, dtype=torch.long, device=self.device)]
         if mine:
             ids = torch.tensor([flat.token_ids[t] for t in mine], dtype=torch.long, device=self.device)
             pos = torch.tensor([flat.positions[t] for t in mine], dtype=torch.long, device=self.device)
@@ -165,6 +167,7 @@ class RankExecutor:
         step = ShardedStep(self._seqs(batch, flat), None, flat.slots, self.rank, self.world,
                            self.kv.block_size, self.device, split_linear=self.column_split)
         step.tail = self._tail(batch, flat, None)
+        step.rope_long = flat.rope_long(self.config, self.device)
         ids = torch.tensor(flat.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(flat.positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.attention, step)  # (T, E), the same on every rank

@@ -20,6 +20,7 @@ from itertools import accumulate
 import torch
 
 from longctx.lookahead.tree import tree_ancestor_words, tree_depths
+from longctx.model.rope import long_rope_tokens
 from longctx.engine.outputs import SchedulerOutput
 
 
@@ -34,6 +35,12 @@ class StepInputs:
     context_lens: list[int]
     tree_words: list[int] | None  # per token (kernels' tree mask), None when no seq drafts
     sample_rows: list[int]  # tokens whose hidden state gets logits, in order
+    seq_rope_long: list[bool] | None = None  # per sequence: LongRoPE's long table
+
+    def rope_long(self, config, device: torch.device) -> torch.Tensor | None:
+        """LongRoPE's per-token table choice on ``device`` (``rope.long_rope_tokens``), or None."""
+        flags = long_rope_tokens(config, self.seq_rope_long or [], self.query_lens)
+        return None if flags is None else torch.tensor(flags, dtype=torch.bool).to(device)
 
 
 def flatten_batch(batch: SchedulerOutput, block_size: int) -> StepInputs:
@@ -62,7 +69,8 @@ def flatten_batch(batch: SchedulerOutput, block_size: int) -> StepInputs:
             else:  # causal within the sequence's new tokens
                 words.extend((1 << (i + 1)) - 1 for i in range(len(seq.token_ids)))
     return StepInputs(ids, positions, slots, [len(s.token_ids) for s in batch.seqs],
-                      [s.start_pos + len(s.token_ids) for s in batch.seqs], words, rows)
+                      [s.start_pos + len(s.token_ids) for s in batch.seqs], words, rows,
+                      [s.rope_long for s in batch.seqs])
 
 
 class InputPacker:

@@ -374,7 +374,8 @@ class _FirstPageCapture:
 
 def fill_first_pages(model, store: TailStore, seqs: list[tuple[int, tuple[int, ...]]],
                      rotation: torch.Tensor | None) -> None:
-    """Put the exact K/V of the first pages of ``seqs`` ((slot, that page's token ids)) in the
+    """Put the exact K/V of the first pages of ``seqs`` ((slot, that page's token ids, LongRoPE's
+    long table)) in the
     store: a prefix hit brings a sequence's int8 pages, not the exact rows its first page's
     queries computed. The first page's tokens see only each other, and every key they see is
     exact (their own page), so a causal forward over them alone gives those rows (to float32
@@ -384,20 +385,23 @@ def fill_first_pages(model, store: TailStore, seqs: list[tuple[int, tuple[int, .
         return
     from longctx.attention import AttentionMetadata
 
-    store.reserve(1 + max(slot for slot, _ in seqs))
+    store.reserve(1 + max(slot for slot, *_ in seqs))
     dev = store.layers[0][0].device
-    lens = [len(ids) for _, ids in seqs]
-    ids = torch.tensor([t for _, x in seqs for t in x], dtype=torch.long, device=dev)
+    lens = [len(ids) for _, ids, _ in seqs]
+    ids = torch.tensor([t for _, x, _ in seqs for t in x], dtype=torch.long, device=dev)
     pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=dev)
-    rows = torch.tensor([store.row(slot, p) for slot, x in seqs for p in range(len(x))], dtype=torch.long,
+    rows = torch.tensor([store.row(slot, p) for slot, x, _ in seqs for p in range(len(x))], dtype=torch.long,
                         device=dev)
     backend = _FirstPageCapture(store, rows, rotation, model.config.head_dim)
     meta = AttentionMetadata.dense(lens, dev)
     meta.max_position = max(lens)
+    if model.config.long_rope_after is not None:  # LongRoPE: each sequence's table
+        meta.rope_long = torch.tensor([bool(long) for _, x, long in seqs for _ in x], dtype=torch.bool, device=dev)
     model(ids, pos, backend, meta)
 
 
-def first_pages_to_fill(batch_seqs) -> list[tuple[int, tuple[int, ...]]]:
-    """(slot, first page's token ids) of the step's sequences that bring them (``ScheduledSeq.
-    sink_token_ids``: a prefix hit's first step on its slot)."""
-    return [(s.tail_slot, tuple(s.sink_token_ids)) for s in batch_seqs if s.sink_token_ids and s.tail_slot >= 0]
+def first_pages_to_fill(batch_seqs) -> list[tuple[int, tuple[int, ...], bool]]:
+    """(slot, first page's token ids, LongRoPE's long table) of the step's sequences that
+    bring them (``ScheduledSeq.sink_token_ids``: a prefix hit's first step on its slot)."""
+    return [(s.tail_slot, tuple(s.sink_token_ids), s.rope_long) for s in batch_seqs
+            if s.sink_token_ids and s.tail_slot >= 0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -25,7 +25,7 @@ GGUF_KEYS = frozenset({
     "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
     "rope.scaling.finetuned", "tensor_data_layout", "expert_count", "expert_used_count"})
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -71,6 +71,10 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    # longrope (Phi-3): frequencies divided by the short factors, or by the long ones for a
+    # sequence past original_max_position_embeddings (the choice is per request, as HF makes it)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
     # llama.cpp's ``rope_freqs.weight`` (a GGUF's Llama 3.1 scaling): each base frequency is
     # divided by its factor; only with rope_type "default" (the GGUF has no scaling keys then)
     freq_factors: tuple[float, ...] | None = None
@@ -84,22 +88,34 @@ class RopeScaling:
                 f"RoPE type {self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         if self.rope_type != "default" and self.factor <= 0:
             raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None
+                                             or self.original_max_position_embeddings is None):
+            raise ValueError("longrope needs short_factor, long_factor and original_max_position_embeddings")
         if self.rope_type == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None
                                            or self.original_max_position_embeddings is None):
             raise ValueError("llama3 RoPE needs low_freq_factor, high_freq_factor and "
                              "original_max_position_embeddings")
 
     @classmethod
-    def from_hf(cls, params: dict[str, Any] | None, max_position_embeddings: int) -> "RopeScaling":
+    def from_hf(cls, params: dict[str, Any] | None, max_position_embeddings: int,
+                original_max_position_embeddings: int | None = None) -> "RopeScaling":
         if not params:
             return cls()
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "su":  # Phi-3's early name for longrope
+            rope_type = "longrope"
         fields = {k: params[k] for k in (
             "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
             if params.get(k) is not None}
-        if rope_type == "yarn":
-            fields.setdefault("original_max_position_embeddings", max_position_embeddings)
+        for name in ("short_factor", "long_factor"):
+            if params.get(name) is not None:
+                fields[name] = tuple(float(x) for x in params[name])
+        if rope_type in ("yarn", "longrope"):
+            fields.setdefault("original_max_position_embeddings",
+                              original_max_position_embeddings or max_position_embeddings)
+        if rope_type == "longrope" and "factor" not in fields:  # HF: the window's ratio, for the attention factor
+            fields["factor"] = max_position_embeddings / fields["original_max_position_embeddings"]
         return cls(rope_type=rope_type, **fields)
 
 
@@ -142,6 +158,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
+    rotary_dim: int | None = None  # partial rotary embeddings (Phi-4-mini): the first dims only
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -158,6 +175,8 @@ class ModelConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -183,6 +202,12 @@ class ModelConfig:
     @property
     def has_windows(self) -> bool:
         return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original window (past it a sequence turns by the long table), or None."""
+        rs = self.rope_scaling
+        return rs.original_max_position_embeddings if rs.rope_type == "longrope" else None
 
     @property
     def attention_scale(self) -> float | None:
@@ -225,8 +250,8 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         window, layer_types = _windows(cfg, model_type)
         gemma = model_type in GEMMA_TYPES
-        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        rotary_dim = int(head_dim * partial) if partial != 1.0 else None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(
@@ -241,7 +266,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=RopeScaling.from_hf(rope, cfg.get("max_position_embeddings", 2048)),
+            rope_scaling=RopeScaling.from_hf(rope, cfg.get("max_position_embeddings", 2048),
+                                             cfg.get("original_max_position_embeddings")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_proj_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
@@ -258,6 +284,7 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             local_rope_theta=local_theta,
+            rotary_dim=rotary_dim,
         )
 
     def rope_for_layer(self, layer: int) -> "ModelConfig":

@@ -85,6 +85,7 @@ class Attention(nn.Module):
         self.spec = LayerAttention(config.attention_scale, config.layer_window(layer_idx),
                                    config.attn_logit_softcapping)
         self.options = self.spec.options
+        self.rotary_dim = config.rotary_dim  # partial rotary (Phi-4-mini): the first dims only; None: all
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                plan: Any) -> torch.Tensor:
@@ -97,7 +98,9 @@ class Attention(nn.Module):
                                                       self.head_dim)
         if self.q_norm is not None:  # a fresh contiguous tensor: still rotated in place below
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        if self.qkv_proj.method.name == ROW_KERNEL.name:  # qkv_proj's fresh fp32 output: rotated in place
+        if self.rotary_dim is not None and self.rotary_dim < self.head_dim:  # partial: the rest pass through
+            qk = torch.cat([apply_rotary(qk[..., :self.rotary_dim], cos, sin), qk[..., self.rotary_dim:]], dim=-1)
+        elif self.qkv_proj.method.name == ROW_KERNEL.name:  # qkv_proj's fresh fp32 output: rotated in place
             qk = cpu_linear.rope_(qk, cos, sin)
         else:
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
@@ -284,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
                 attn_meta: Any) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, E] (after the last norm).
         ``backend.plan(attn_meta)`` once, then every layer runs attention with that plan."""
-        cos, sin = self.rotary_for(input_ids.device).cos_sin(positions, attn_meta.max_position)  # (T, D/2) each
+        long = getattr(attn_meta, "rope_long", None)  # LongRoPE: the tokens on its long table
+        cos, sin = self.rotary_for(input_ids.device).cos_sin(positions, attn_meta.max_position, long)  # (T, D/2) each
         local = None
         if self.config.local_rope_theta is not None:
             local = self._local_rotary_for(input_ids.device).cos_sin(positions, attn_meta.max_position)

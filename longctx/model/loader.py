@@ -79,7 +79,9 @@ _FUSED = {  # HF per-layer name -> (our fused name, part index)
     "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_RENAME = {"self_attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj"}
+# already fused in the checkpoint (Phi-3: q, k, v rows and gate, up rows, in our order)
+_RENAME = {"self_attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj",
+           "self_attn.qkv_proj": "self_attn.qkv_proj", "mlp.gate_up_proj": "mlp.gate_up_proj"}
 _KEPT = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
          "pre_feedforward_layernorm", "post_feedforward_layernorm")  # (the last two: Gemma)
 
@@ -252,6 +254,9 @@ def _config_from_json(data: dict) -> ModelConfig:
     rope = dict(data["rope_scaling"])
     if rope.get("freq_factors") is not None:
         rope["freq_factors"] = tuple(rope["freq_factors"])
+    for name in ("short_factor", "long_factor"):
+        if rope.get(name) is not None:
+            rope[name] = tuple(rope[name])
     data["rope_scaling"] = RopeScaling(**rope)
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
     if data.get("layer_types") is not None:

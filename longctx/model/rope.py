@@ -1,4 +1,5 @@
-"""Rotary position embeddings: default, linear, dynamic-NTK, llama3 and YaRN frequencies.
+"""Rotary position embeddings: default, linear, dynamic-NTK, llama3, YaRN and LongRoPE
+frequencies, over the whole head or its first ``rotary_dim`` dims (partial rotary).
 
 Owns: inverse frequencies per RoPE variant (the formulas real checkpoints were trained with, as
 HF transformers defines them) and applying the rotation to q/k.
@@ -7,6 +8,13 @@ Never: attention, caching of K/V.
 Dynamic NTK follows HF: the base is stretched by the longest position in the current forward
 once it passes ``max_position_embeddings``. (Keys cached by earlier, shorter forwards keep
 their old rotation; HF behaves the same way.)
+
+LongRoPE (Phi-3) has two tables, short and long factors; HF's ``generate`` turns every token of a
+sequence longer than ``original_max_position_embeddings`` by the long one (a prompt past it from
+the start; a sequence that grows past it is recomputed, as HF drops its cache there: the
+scheduler does both, ``Scheduler.long_rope_after``). The runner marks each sequence's tokens
+(``AttentionMetadata.rope_long``; ``long_rope_tokens``), so chunked prefill and batching give
+HF's rotations.
 """
 
 from __future__ import annotations
@@ -65,10 +73,30 @@ def _yarn_inv_freq(base: float, dim: int, rs: RopeScaling) -> tuple[torch.Tensor
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
-def inv_freq_for(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [D / 2] and the cos/sin scale for ``config`` (and, for dynamic NTK,
-    the current sequence length)."""
-    rs, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+def _longrope_inv_freq(base: float, dim: int, rs: RopeScaling, long: bool) -> tuple[torch.Tensor, float]:
+    factor = rs.factor
+    attention_factor = rs.attention_factor
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0 else
+                            math.sqrt(1 + math.log(factor) / math.log(rs.original_max_position_embeddings)))
+    factors = torch.tensor(rs.long_factor if long else rs.short_factor, dtype=torch.float32)
+    if factors.numel() != dim // 2:
+        raise ValueError(f"longrope factors have {factors.numel()} entries; the rotary dims need {dim // 2}")
+    return 1.0 / (factors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), float(attention_factor)
+
+
+def long_rope_tokens(config: ModelConfig, seq_long: list[bool], query_lens: list[int]) -> list[bool] | None:
+    """Per token, whether LongRoPE's long table rotates it (its sequence's flag, set by the
+    scheduler), or None for a model without LongRoPE."""
+    if getattr(config, "long_rope_after", None) is None:
+        return None
+    return [flag for flag, q_len in zip(seq_long, query_lens) for _ in range(q_len)]
+
+
+def inv_freq_for(config: ModelConfig, seq_len: int | None = None, long: bool = False) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary dims / 2] and the cos/sin scale for ``config`` (and, for
+    dynamic NTK, the current sequence length; for LongRoPE, ``long``: the long factors)."""
+    rs, dim, base = config.rope_scaling, config.rotary_dim or config.head_dim, config.rope_theta
     if rs.freq_factors is not None:  # a GGUF's rope_freqs tensor: one divisor per frequency
         return _base_inv_freq(base, dim) / torch.tensor(rs.freq_factors, dtype=torch.float32), 1.0
     if rs.rope_type == "default":
@@ -79,6 +107,8 @@ def inv_freq_for(config: ModelConfig, seq_len: int | None = None) -> tuple[torch
         return _llama3_inv_freq(_base_inv_freq(base, dim), rs), 1.0
     if rs.rope_type == "yarn":
         return _yarn_inv_freq(base, dim, rs)
+    if rs.rope_type == "longrope":
+        return _longrope_inv_freq(base, dim, rs, long)
     # dynamic NTK
     max_pos = config.max_position_embeddings
     seq_len = max(seq_len or max_pos, max_pos)
@@ -96,6 +126,10 @@ class RotaryEmbedding:
         inv_freq, self.scale = inv_freq_for(config)
         self.table_len = config.max_position_embeddings
         self.cos, self.sin = self._tables(inv_freq, torch.arange(self.table_len), self.scale, device)
+        self.long = None  # LongRoPE's long table: (cos, sin)
+        if config.rope_scaling.rope_type == "longrope":
+            long_freq, _ = inv_freq_for(config, long=True)
+            self.long = self._tables(long_freq, torch.arange(self.table_len), self.scale, device)
 
     @staticmethod
     def _tables(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -103,11 +137,25 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * inv_freq[None, :]  # (P, D/2), fp32 as in HF
         return (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
-    def cos_sin(self, positions: torch.Tensor, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, max_pos: int | None = None,
+                long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D/2] (fp32) for positions [T]. ``max_pos`` (1 + the largest position),
-        when the caller knows it on the host, saves reading it from the device."""
+        when the caller knows it on the host, saves reading it from the device. ``long`` [T]
+        bool: LongRoPE's tokens on the long table (``long_rope_tokens``); None: short."""
         if max_pos is None:
             max_pos = int(positions.max()) + 1 if positions.numel() else 0
+        if self.long is not None:
+            if max_pos > self.table_len:
+                self.table_len = max(max_pos, 2 * self.table_len)
+                short_freq, _ = inv_freq_for(self.config)
+                long_freq, _ = inv_freq_for(self.config, long=True)
+                self.cos, self.sin = self._tables(short_freq, torch.arange(self.table_len), self.scale, self.cos.device)
+                self.long = self._tables(long_freq, torch.arange(self.table_len), self.scale, self.cos.device)
+            cos, sin = self.cos[positions], self.sin[positions]
+            if long is None:
+                return cos, sin
+            pick = long[:, None]
+            return torch.where(pick, self.long[0][positions], cos), torch.where(pick, self.long[1][positions], sin)
         if self.dynamic and max_pos > self.config.max_position_embeddings:
             inv_freq, scale = inv_freq_for(self.config, max_pos)
             return self._tables(inv_freq, positions.cpu(), scale, positions.device)
