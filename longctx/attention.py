@@ -70,6 +70,9 @@ class AttentionMetadata:
     host_block_table: list[list[int]] | None = None
     tail: Any = None  # a format with an exact tail: ``exact_tail.TailStep``, or None
     rope_long: torch.Tensor | None = None  # [T] bool: LongRoPE's tokens on its long table (Phi-3)
+    # windowed layers that keep only their windows (``longctx.kv.window_ring``): their block
+    # table [B, max_blocks] int32, slots [T] and host table, in place of the pool's
+    ring: tuple[torch.Tensor, torch.Tensor, list[list[int]]] | None = None
 
     @classmethod
     def dense(cls, query_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
@@ -91,6 +94,15 @@ class AttentionPlan:
     kernel_cache: dict = field(default_factory=dict)
     split_linear: Any = None  # the model's products as they are (sequence parallelism brings its own)
     extents: tuple[int, int] | None = None  # (max query length, max context length), when the host knows them
+    ring_cache: dict = field(default_factory=dict)  # the kernels' memo for the windowed layers' ring table
+
+    def tables(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(block table, slot mapping, kernels' memo) a layer reads and writes: the pool's, or
+        for a windowed layer whose pages are a ring the ring's."""
+        meta = self.meta
+        if window is not None and meta.ring is not None:
+            return meta.ring[0], meta.ring[1], self.ring_cache
+        return meta.block_table, meta.slot_mapping, self.kernel_cache
 
 
 class PagedAttentionBackend:
@@ -110,6 +122,8 @@ class PagedAttentionBackend:
         plan = AttentionPlan(meta, meta.kv_format.plan(meta, meta.cu_seqlens_q.device), extents=extents)
         if meta.host_block_table is not None:
             plan.kernel_cache["host"] = (meta.host_block_table, meta.context_lens, meta.query_lens)
+        if meta.ring is not None:
+            plan.ring_cache["host"] = (meta.ring[2], meta.context_lens, meta.query_lens)
         return plan
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -124,12 +138,12 @@ class PagedAttentionBackend:
         if meta.kv_caches is None:
             return dense_causal(q, k, v, meta.query_lens, scale, **masked)
         layer = meta.kv_caches[layer_idx]
+        table, slots, memo = plan.tables(window)
         q, k, v, pages, writing = meta.kv_format.enter(q, k, v, layer, plan.kv)
-        self.kernels.write_kv(layer[0], layer[1], k, v, meta.slot_mapping, step_cache=plan.kernel_cache,
-                              **pages, **writing)
+        self.kernels.write_kv(layer[0], layer[1], k, v, slots, step_cache=memo, **pages, **writing)
         out, lse = self.kernels.paged_attention(
-            q, layer[0], layer[1], meta.block_table, meta.context_lens_t, meta.cu_seqlens_q,
-            scale=scale, tree_mask=meta.tree_mask, step_cache=plan.kernel_cache, extents=plan.extents,
+            q, layer[0], layer[1], table, meta.context_lens_t, meta.cu_seqlens_q,
+            scale=scale, tree_mask=meta.tree_mask, step_cache=memo, extents=plan.extents,
             **pages, **masked)
         tail = None if masked else meta.tail
         return meta.kv_format.leave(layer_idx, out, lse, q, k, v, layer, scale, tail, plan.kv)
@@ -157,18 +171,19 @@ class FlashAttnBackend(PagedAttentionBackend):
         if not usable:
             return super().run(layer_idx, q, k, v, plan, scale=scale, window=window, softcap=softcap)
         k_cache, v_cache = meta.kv_caches[layer_idx]
-        self.kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        table, slots, _ = plan.tables(window)
+        self.kernels.write_kv(k_cache, v_cache, k, v, slots)
         # flash-attn's window counts the keys left of the query's own: (W - 1, 0), as HF passes it
         options = {"softmax_scale": self.scale if scale is None else scale, "causal": True,
                    "window_size": (-1, -1) if window is None else (window - 1, 0), "softcap": softcap or 0.0}
         if meta.max_query_len == 1:
             out = self.flash_attn.flash_attn_with_kvcache(
                 q[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens_t,
-                block_table=meta.block_table, **options)
+                block_table=table, **options)
             return out[:, 0]
         return self.flash_attn.flash_attn_varlen_func(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_query_len,
-            meta.max_context_len, block_table=meta.block_table, **options)
+            meta.max_context_len, block_table=table, **options)
 
 
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],

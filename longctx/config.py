@@ -159,6 +159,17 @@ class CacheConfig:
                                         "page and its own page at the model's precision (three pages "
                                         "per running request outside the budget); off: every key as stored"})
 
+    window_kv: str = field(
+        default="auto", metadata={"help": "sliding-window layers' KV: 'free' keeps only each running "
+                                          "sequence's window (a ring of pages; no prefix caching), 'keep' "
+                                          "the whole context like every other layer, 'auto' frees unless "
+                                          "prefix caching is on"})
+
+    def frees_window_kv(self) -> bool:
+        """Whether windowed layers keep only their window (``window_kv``; 'auto': unless the
+        prefix store needs their pages)."""
+        return self.window_kv == "free" or (self.window_kv == "auto" and not self.enable_prefix_caching)
+
     def host_tier_gb(self, device_type: str) -> float:
         """The host tier's budget: as given, else 2 GiB beside a GPU and none when the KV pool
         is itself in CPU memory (a second copy in the same RAM buys nothing; an explicit size
@@ -190,6 +201,11 @@ class CacheConfig:
                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         _check(not self.disk_cache_dir or self.enable_prefix_caching,
                "disk_cache_dir needs enable_prefix_caching")
+        _check(self.window_kv in ("auto", "free", "keep"),
+               f"window_kv must be 'auto', 'free' or 'keep', got {self.window_kv!r}")
+        _check(not (self.window_kv == "free" and self.enable_prefix_caching),
+               "window_kv='free' drops the windowed layers' pages a prefix hit needs: use "
+               "enable_prefix_caching=False with it, or window_kv='keep'")
 
 
 @dataclass(frozen=True)

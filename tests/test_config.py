@@ -370,9 +370,14 @@ def test_rope_parameters_default_type():
 def test_unknown_rope_type_is_unsupported():
     with pytest.raises(UnsupportedModelError) as info:
         ModelConfig.from_hf_dict({**SMOLLM2_135M,
-                                  "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
-    assert str(info.value) == ("RoPE type 'longrope' is not supported; supported: default, "
-                               "linear, dynamic, llama3, yarn")
+                                  "rope_scaling": {"rope_type": "ntk-by-parts", "factor": 4.0}})
+    assert str(info.value) == ("RoPE type 'ntk-by-parts' is not supported; supported: default, "
+                               "linear, dynamic, llama3, yarn, longrope")
+
+
+def test_longrope_needs_its_factors():
+    with pytest.raises(ValueError, match="^longrope needs short_factor, long_factor"):
+        ModelConfig.from_hf_dict({**SMOLLM2_135M, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_llama3_rope_without_its_parameters_raises():
@@ -390,17 +395,19 @@ def test_rope_factor_must_be_positive(factor):
                                   "rope_scaling": {"type": "linear", "factor": factor}})
 
 
-def test_partial_rotary_is_unsupported():
-    with pytest.raises(UnsupportedModelError, match="partial rotary embeddings"):
-        ModelConfig.from_hf_dict({**SMOLLM2_135M, "partial_rotary_factor": 0.5})
+def test_partial_rotary_rotates_the_first_dims():
+    assert ModelConfig.from_hf_dict({**SMOLLM2_135M, "partial_rotary_factor": 0.5}).rotary_dim == 32
+    assert ModelConfig.from_hf_dict(SMOLLM2_135M).rotary_dim is None
+    with pytest.raises(ValueError, match="^rotary_dim must be even"):
+        ModelConfig.from_hf_dict({**SMOLLM2_135M, "partial_rotary_factor": 0.3})  # 19.2 -> 19 dims
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gemma", "phi3", ""])
+@pytest.mark.parametrize("model_type", ["gpt2", "gemma", "phimoe", ""])
 def test_unsupported_model_type_names_it(model_type):
     with pytest.raises(UnsupportedModelError) as info:
         ModelConfig.from_hf_dict({**SMOLLM2_135M, "model_type": model_type})
     assert str(info.value) == (f"model_type {model_type!r} is not supported; longctx runs "
-                               "llama, mistral, qwen2, qwen3 (Llama-family decoders)")
+                               "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3 (Llama-family decoders)")
 
 
 def test_missing_model_type_is_unsupported():
@@ -450,13 +457,11 @@ def test_eos_token_id_forms():
     assert ModelConfig.from_hf_dict({**base, "eos_token_id": None}).eos_token_ids == ()
 
 
-def test_sliding_window_shorter_than_context_is_unsupported():
+def test_sliding_window_shorter_than_context_applies_to_every_layer():
     mistral_v01 = {**MISTRAL_NEMO, "head_dim": None, "hidden_size": 4096,
                    "max_position_embeddings": 32768, "sliding_window": 4096}
-    with pytest.raises(UnsupportedModelError) as info:
-        ModelConfig.from_hf_dict(mistral_v01)
-    assert str(info.value) == ("mistral checkpoint uses sliding-window attention (4096 tokens), "
-                               "which longctx does not implement")
+    cfg = ModelConfig.from_hf_dict(mistral_v01)
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [4096] * cfg.num_hidden_layers
 
 
 @pytest.mark.parametrize("extra", [
@@ -467,6 +472,7 @@ def test_sliding_window_shorter_than_context_is_unsupported():
 def test_sliding_window_that_never_applies_is_accepted(extra):
     cfg = ModelConfig.from_hf_dict({**QWEN25_7B, **extra})
     assert cfg.max_position_embeddings == 32768
+    assert not cfg.has_windows  # (one that covers the whole context is none)
 
 
 def test_from_hf_folder(tmp_path):

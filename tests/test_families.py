@@ -161,3 +161,30 @@ def test_longrope_generation_crossing_the_original_window(tmp_path):
         assert out.token_ids == tokens
         worst = max(abs(entry[t] - want) for entry, t, want in zip(out.logprobs, tokens, ref_logprobs))
         assert worst < 1e-4
+
+
+WINDOWED = ("mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3")
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_freed_window_kv_keeps_the_tokens(family, request, kv):
+    """``window_kv="free"``: the windowed layers keep a ring of 8 pages (128 tokens: window 40 +
+    a 64-token chunk) per sequence instead of the 174-token context; greedy tokens and prompt
+    log-probs as with every page kept (and as HF), with lookahead, for three requests at once
+    in different rings; int8 pages as with int8 pages kept."""
+    if request.node.callspec.params["family"] not in WINDOWED:
+        pytest.skip("no sliding window")
+    folder, hf, expected, ref = family
+    others = [random_tokens(150, seed=20 + i) for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    runs = {}
+    for window_kv in ("free", "keep"):
+        with _llm(folder, kv_cache_dtype=kv, lookahead=True, enable_prefix_caching=False, window_kv=window_kv) as llm:
+            assert (llm.engine.kv.ring is not None) == (window_kv == "free")
+            runs[window_kv] = llm.generate([{"prompt_token_ids": p} for p in [PROMPT, *others]], params)
+    free, keep = runs["free"], runs["keep"]
+    assert [o.outputs[0].token_ids for o in free] == [o.outputs[0].token_ids for o in keep]
+    if kv == "auto":
+        assert free[0].outputs[0].token_ids == expected
+        got = free[0].prompt_logprobs
+        assert max(abs(got[p][PROMPT[p]] - float(ref[p - 1, PROMPT[p]])) for p in range(1, len(PROMPT))) < 1e-4

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from longctx.kv.formats import kv_format
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCacheStats
 from longctx.kv.setup import build_prefix_cache, fit_window, size_kv_pool
+from longctx.kv.window_ring import WindowRing
 from longctx.lookahead.controller import LookaheadController
 from longctx.model.config import ModelConfig
 from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
@@ -71,20 +73,7 @@ class LLMEngine:
         backend = select_backend(self.device, self.model_config.head_dim, load.attention_backend,
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
-        cache, pool_note = size_kv_pool(cache, sched, max_len, self.kv_format, self.model, backend, self.device)
-        self.cache_config = cache
-        num_blocks = num_blocks_for(cache, self.kv_format)  # per rank
-        self.sequence_parallel_size = parallel.sequence_parallel_size
-        self.runner: Runner
-        if parallel.sequence_parallel_size > 1:
-            from longctx.engine import sp
-
-            self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device,
-                                   sched.max_num_batched_tokens)
-        else:
-            self.runner = ModelRunner(self.model, DeviceKVPool(self.kv_format, num_blocks, cache.block_size,
-                                                               self.device, tail_slots=sched.max_num_seqs),
-                                      backend, self.device)
+        cache, pool_note, ring = self._start_runner(load, cache, sched, parallel, max_len, backend)
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         try:
             self.kv = self.runner.kv
@@ -99,13 +88,15 @@ class LLMEngine:
                                             bool(sched.max_model_len), pool_note)
             mc = self.model_config
             self.scheduler = Scheduler(sched, self.pool, cache.block_size, self.max_model_len, self.prefix_cache,
-                                       mc.context_cost_tokens, self.lookahead, mc.long_rope_after)
+                                       mc.context_cost_tokens, self.lookahead, mc.long_rope_after,
+                                       seq_chunk=ring.chunk if ring is not None else None)
             if self.max_model_len < max_len:
                 self.scheduler.window_name = f"the context window the KV pool holds (the model's is {max_len})"
         except BaseException:
             self.runner.shutdown()  # sequence-parallel ranks already started: no orphans
             raise
         if (self.device.type == "cuda" and not load.enforce_eager and parallel.sequence_parallel_size == 1
+                and ring is None  # (the graphs' static inputs hold the pool's table only)
                 and self.model_config.rope_scaling.rope_type not in ("dynamic", "longrope")):  # tables per length
             self.capture_step_graphs(sched.max_num_seqs, capture=True,
                                      max_draft=lookahead.lookahead_max_tokens if lookahead.lookahead else 0)
@@ -113,6 +104,33 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self._ids = itertools.count()
+
+    def _start_runner(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
+                      parallel: ParallelConfig, max_len: int, backend: Any) -> tuple[CacheConfig, str, Any]:
+        """Size the KV pool (and the windowed layers' rings when they keep only their windows),
+        start the runner; returns the settled cache config, how the pool was sized, the ring."""
+        ring = None
+        if cache.frees_window_kv() and parallel.sequence_parallel_size == 1:
+            ring = WindowRing.for_model(self.model_config, cache.block_size, sched.max_num_seqs,
+                                        sched.max_num_batched_tokens)
+        cache, pool_note = size_kv_pool(cache, sched, max_len, self.kv_format, self.model, backend, self.device, ring)
+        if ring is not None:
+            pool_note += (f"; {len(ring.layers)} sliding-window layers keep {ring.pages_per_seq} pages per "
+                          f"sequence (window_kv='free')")
+        self.cache_config = cache
+        num_blocks = num_blocks_for(cache, self.kv_format, ring)  # per rank
+        self.sequence_parallel_size = parallel.sequence_parallel_size
+        self.runner: Runner
+        if parallel.sequence_parallel_size > 1:
+            from longctx.engine import sp
+
+            self.runner = sp.start(self.model, load, cache, parallel, num_blocks, backend.kernels, self.device,
+                                   sched.max_num_batched_tokens)
+        else:
+            self.runner = ModelRunner(self.model, DeviceKVPool(self.kv_format, num_blocks, cache.block_size,
+                                                               self.device, tail_slots=sched.max_num_seqs, ring=ring),
+                                      backend, self.device)
+        return cache, pool_note, ring
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -210,7 +210,12 @@ class ModelRunner(SamplingRunner):
         plan = None
         if self.kv.tail is not None:  # an exact tail: each query's own page exact
             plan = TailPlan(tail_seqs(batch.seqs, step.query_lens), self.kv.tail, len(step.token_ids))
-        t = self.packer.pack(step, table, plan.ints if plan else None)
+        ring = None
+        if self.kv.ring is not None:  # the windowed layers' rows in their sequences' rings
+            r = self.kv.ring
+            ring = ([x for s in batch.seqs for x in r.slots(s.tail_slot, range(s.start_pos, s.start_pos + len(s.token_ids)))],
+                    [r.table_row(s.tail_slot, width) for s in batch.seqs])
+        t = self.packer.pack(step, table, plan.ints if plan else None, ring)
         meta = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, cu_seqlens_q=t["cu_seqlens_q"],
             context_lens_t=t["context_lens"], block_table=t["block_table"], slot_mapping=t["slots"],
@@ -218,6 +223,8 @@ class ModelRunner(SamplingRunner):
             kv_caches=self.kv.caches, kv_format=self.kv.format, max_query_len=max(step.query_lens),
             max_context_len=max(step.context_lens), max_position=max(step.positions) + 1,
             host_block_table=table, rope_long=step.rope_long(self.model.config, self.device))
+        if ring is not None:
+            meta.ring = (t["ring_table"], t["ring_slots"], ring[1])
         if plan is not None:
             meta.tail = TailStep(plan, t["tail"], self.kv.tail, t["positions"], t["tree_mask"], t["block_table"])
         return t["ids"], t["positions"], meta, (step.sample_rows, t["rows"])
@@ -271,7 +278,10 @@ class ModelRunner(SamplingRunner):
         return found
 
     def move_draft_kv(self, move: DraftMove) -> None:
-        self.kv.move_slots(*draft_slot_moves(move.block_ids, move.start_pos, move.accepted, self.block_size))
+        ring = None
+        if self.kv.ring is not None:  # the windowed layers' rows move in their ring
+            ring = tuple(self.kv.ring.slots(move.tail_slot, p) for p in draft_position_moves(move.start_pos, move.accepted))
+        self.kv.move_slots(*draft_slot_moves(move.block_ids, move.start_pos, move.accepted, self.block_size), ring)
         if self.kv.tail is not None:  # the exact rows of the newest pages move alike
             self.kv.tail.move(move.tail_slot, *draft_position_moves(move.start_pos, move.accepted))
 

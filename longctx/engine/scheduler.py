@@ -154,6 +154,7 @@ class _Step:
     busy: bool = False  # some seq of this step samples a token
     cost_left: float | None = None  # latency mode: prefill work (not decodes) this step may still take
     context_cost: float = 0.0  # see ``chunk_cost``
+    seq_cap: int = 0  # most new tokens of one sequence (a window ring's chunk; 0: no cap)
     prefilling: bool = False  # latency mode: some prefill chunk is in this step
     scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
@@ -172,6 +173,8 @@ class _Step:
         beside other requests' tokens, a prefill chunk is capped; in latency mode every
         prefill chunk is also cut to the step's work left (0 when none is left)."""
         num_new = min(num_pending, self.budget)
+        if self.seq_cap:
+            num_new = min(num_new, self.seq_cap)
         if self.busy and self.busy_chunk:
             num_new = min(num_new, self.busy_chunk)
         if self.cost_left is not None and num_pending > 1:
@@ -184,7 +187,7 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int,
                  max_model_len: int, prefix_cache: Any = None, context_cost: float = 0.0,
-                 drafter: Any = None, long_rope_after: int | None = None) -> None:
+                 drafter: Any = None, long_rope_after: int | None = None, seq_chunk: int | None = None) -> None:
         """``prefix_cache``: a ``longctx.kv.prefix_cache.PrefixCache`` over the same ``pool``,
         or None for no prefix caching. ``context_cost``: the context length at which a token's
         attention costs as much as its linear layers (``context_cost_tokens`` of the model
@@ -197,8 +200,9 @@ class Scheduler:
         grows past it during decoding is recomputed from its first token on the long table (HF
         drops its cache at that token); a verification step keeps its drafts inside the window
         while the request is short. Long requests' pages carry their own salt in the prefix
-        store, apart from short ones'."""
-        self.long_rope_after = long_rope_after
+        store, apart from short ones'. ``seq_chunk``: the most new tokens one sequence may
+        compute per step (windowed layers' rings are sized for it), or None."""
+        self.long_rope_after, self.seq_chunk = long_rope_after, seq_chunk
         self.config = config
         self.drafter = drafter
         self.context_cost = context_cost
@@ -294,7 +298,7 @@ class Scheduler:
         latency = self.config.prefill_step_cost > 0
         step = _Step(self.config.max_num_batched_tokens, self.config.busy_prefill_chunk,
                      cost_left=float(self.config.prefill_step_cost) if latency else None,
-                     context_cost=self.context_cost)
+                     context_cost=self.context_cost, seq_cap=self.seq_chunk or 0)
         ordered = sorted(self.running, key=lambda r: (r.num_pending, r.arrival_order))
         # latency mode: only decodes here, so a prefill's last chunk does not go before newcomers
         finishing = [r for r in ordered if r.num_pending <= (1 if latency else step.budget)]

@@ -100,10 +100,12 @@ class InputPacker:
         return values.tolist()
 
     def pack(self, step: StepInputs, table: list[list[int]],
-             tail: list[int] | None = None) -> dict[str, torch.Tensor | None]:
+             tail: list[int] | None = None,
+             ring: tuple[list[int], list[list[int]]] | None = None) -> dict[str, torch.Tensor | None]:
         """The device tensors of ``step``: ids, positions, slots, cu_seqlens_q, context_lens,
         block_table (int32 [B, W]), tree_mask (or None), rows (the tokens to sample) and, when
-        given, ``tail`` (an exact-tail plan's ints) in the same upload."""
+        given, ``tail`` (an exact-tail plan's ints) and ``ring`` (a window ring's slots and
+        table: ``ring_slots``, ``ring_table`` int32 [B, W]) in the same upload."""
         num_seqs = len(step.query_lens)
         width = len(table[0]) if table else 0
         parts = {"ids": step.token_ids, "positions": step.positions, "slots": step.slots,
@@ -115,11 +117,15 @@ class InputPacker:
             parts["tree_mask"] = step.tree_words
         if tail is not None:
             parts["tail"] = tail
+        if ring is not None:
+            parts["ring_slots"], parts["ring_table"] = ring[0], [b for row in ring[1] for b in row]
         sizes = [len(p) for p in parts.values()]
         dev = self.upload_ints([x for part in parts.values() for x in part])
         out: dict[str, torch.Tensor | None] = dict(zip(parts, torch.split(dev, sizes)))
         for name in ("cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_table"):  # int32 inputs
             out[name] = out[name].to(torch.int32)
         out["block_table"] = out["block_table"].view(num_seqs, width)
+        if ring is not None:
+            out["ring_table"] = out["ring_table"].to(torch.int32).view(num_seqs, width)
         out.setdefault("tree_mask", None)
         return out

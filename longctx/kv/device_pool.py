@@ -21,6 +21,7 @@ import torch
 
 from longctx.config import CPU_KV_SHARE, CacheConfig
 from longctx.kv.formats import FloatPages
+from longctx.kv.window_ring import WindowRing
 
 
 class KVPages(Protocol):
@@ -43,11 +44,33 @@ class KVPages(Protocol):
     def release(self) -> None: ...
 
 
-def num_blocks_for(cache: CacheConfig, kv_format: FloatPages) -> int:
-    """Pages in the pool: ``num_blocks``, else as many as ``kv_cache_gb`` holds."""
+def num_blocks_for(cache: CacheConfig, kv_format: FloatPages, ring: WindowRing | None = None) -> int:
+    """Pages in the pool: ``num_blocks``, else as many as ``kv_cache_gb`` holds (with a window
+    ring, after the ring's pages, each pool page then holding the global layers only)."""
     if cache.num_blocks:
         return cache.num_blocks
-    return max(1, int(cache.kv_cache_gb * (1 << 30)) // kv_format.page_bytes(cache.block_size))
+    budget = int(cache.kv_cache_gb * (1 << 30)) - ring_bytes(kv_format, ring)
+    if budget <= 0:
+        raise ValueError(f"kv_cache_gb {cache.kv_cache_gb:g} does not hold the windowed layers' rings "
+                         f"({ring_bytes(kv_format, ring) / (1 << 30):.3f} GiB); raise it")
+    return max(1, budget // pool_page_bytes(kv_format, cache.block_size, ring))
+
+
+def pool_page_bytes(kv_format: FloatPages, block_size: int, ring: WindowRing | None = None) -> int:
+    """One pool page's bytes: every layer's, or with a window ring the global layers' only (a
+    model whose every layer slides still counts one: its pool's pages, which then hold no
+    bytes, keep the scheduler's account of each request's context)."""
+    layers = kv_format.model.num_hidden_layers
+    held = max(1, layers - (len(ring.layers) if ring is not None else 0))
+    return kv_format.page_bytes(block_size) * held // layers
+
+
+def ring_bytes(kv_format: FloatPages, ring: WindowRing | None) -> int:
+    """What a window ring's pages take (0 without one)."""
+    if ring is None:
+        return 0
+    layers = kv_format.model.num_hidden_layers
+    return kv_format.page_bytes(ring.block_size) * len(ring.layers) // layers * ring.num_pages
 
 
 def available_memory_bytes() -> int:
@@ -120,17 +143,28 @@ class DeviceKVPool:
     spans_ranks = False  # its pages are tensors of this process (``ShardedKVPool``'s are not)
 
     def __init__(self, kv_format: FloatPages, num_blocks: int, block_size: int, device: torch.device | str,
-                 tail_slots: int = 8) -> None:
+                 tail_slots: int = 8, ring: WindowRing | None = None) -> None:
+        """``ring``: the windowed layers keep only their windows (``longctx.kv.window_ring``):
+        their caches hold ``ring.num_pages`` pages, the rest ``num_blocks``; the tiers (which
+        copy whole pages of every layer) are not served then."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.format = kv_format
+        self.format, self.ring = kv_format, ring
         self.dtype, self.device = kv_format.dtype, torch.device(device)
-        self.caches: list[tuple[torch.Tensor, ...]] = kv_format.allocate(num_blocks, block_size, self.device)
+        if ring is None:
+            self.caches: list[tuple[torch.Tensor, ...]] = kv_format.allocate(num_blocks, block_size, self.device)
+        else:
+            n = kv_format.model.num_hidden_layers
+            pooled = iter(kv_format.allocate(num_blocks, block_size, self.device, n - len(ring.layers)))
+            ringed = iter(kv_format.allocate(ring.num_pages, block_size, self.device, len(ring.layers)))
+            self.caches = [next(ringed) if i in ring.layers else next(pooled) for i in range(n)]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [c[:2] for c in self.caches]
         self.tail = kv_format.tail_store(tail_slots, block_size, self.device)
         self.page_shape, self.page_dtype = kv_format.page_layout(block_size)
 
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
         """The bytes of pages ``block_ids`` on the CPU, ``[P, *page_shape]``."""
+        if self.ring is not None:
+            raise RuntimeError("a pool whose windowed layers keep only their windows has no whole pages to copy")
         return self.format.read_pages(self.caches, torch.tensor(block_ids, dtype=torch.long, device=self.device))
 
     def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
@@ -138,11 +172,19 @@ class DeviceKVPool:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.format.write_pages(self.caches, idx, pages.to(self.device, non_blocking=True))
 
-    def move_slots(self, src: list[int], dst: list[int]) -> None:
+    def move_slots(self, src: list[int], dst: list[int],
+                   ring_moves: tuple[list[int], list[int]] | None = None) -> None:
         """Copy the K/V of token slots ``src`` to slots ``dst`` in every layer (slot = block *
-        BS + offset); all sources are read before any destination is written."""
-        if src:
+        BS + offset); all sources are read before any destination is written. With a window
+        ring, ``src``/``dst`` are the pool layers' slots and ``ring_moves`` the ring's."""
+        if not src:
+            return
+        if self.ring is None:
             self.format.move_slots(self.caches, src, dst)
+            return
+        ringed = set(self.ring.layers)
+        self.format.move_slots([c for i, c in enumerate(self.caches) if i not in ringed], src, dst)
+        self.format.move_slots([self.caches[i] for i in self.ring.layers], *ring_moves)
 
     def release(self) -> None:
         """Drop the tensors (a closed engine hands CUDA memory back)."""

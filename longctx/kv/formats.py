@@ -73,12 +73,14 @@ class FloatPages:
         m = self.model
         return (m.num_hidden_layers, 2, block_size, m.num_key_value_heads, m.head_dim), self.dtype
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer the caches attention reads (``torch.empty``: untouched pages stay unmapped)."""
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device,
+                 num_layers: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (every layer, or ``num_layers``) the caches attention reads
+        (``torch.empty``: untouched pages stay unmapped)."""
         m = self.model
         shape = (num_blocks, block_size, m.num_key_value_heads, m.head_dim)
         return [tuple(torch.empty(shape, dtype=self.storage_dtype, device=device) for _ in range(2))
-                for _ in range(m.num_hidden_layers)]
+                for _ in range(m.num_hidden_layers if num_layers is None else num_layers)]
 
     def read_pages(self, caches: list[tuple[torch.Tensor, ...]], idx: torch.Tensor) -> torch.Tensor:
         """Pages ``idx`` of every layer, ``[P, *page shape]``, on the CPU."""
@@ -170,10 +172,11 @@ class Int8Pages(FloatPages):
         m = self.model
         return (m.num_hidden_layers, 2, self._data_bytes(block_size) + 4 * m.num_key_value_heads), torch.uint8
 
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device,
+                 num_layers: int | None = None) -> list[tuple[torch.Tensor, ...]]:
         heads = self.model.num_key_value_heads
         return [(*values, torch.zeros(num_blocks, heads, device=device), torch.zeros(num_blocks, heads, device=device))
-                for values in super().allocate(num_blocks, block_size, device)]
+                for values in super().allocate(num_blocks, block_size, device, num_layers)]
 
     def read_pages(self, caches: list[tuple[torch.Tensor, ...]], idx: torch.Tensor) -> torch.Tensor:
         n = len(idx)

@@ -18,19 +18,22 @@ import torch
 
 from longctx.cache.radix_tree import RadixTree
 from longctx.config import CacheConfig, ConfigError, SchedulerConfig
-from longctx.kv.device_pool import cpu_kv_budget_gb, profile_kv_cache_gb
+from longctx.kv.device_pool import cpu_kv_budget_gb, pool_page_bytes, profile_kv_cache_gb, ring_bytes
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.formats import FloatPages
 from longctx.kv.host_pool import HostKVPool
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCache, host_tier_pages
+from longctx.kv.window_ring import WindowRing
 
 log = logging.getLogger(__name__)
 
 
 def size_kv_pool(cache: CacheConfig, sched: SchedulerConfig, max_len: int, fmt: FloatPages, model: Any,
-                 backend: Any, device: torch.device) -> tuple[CacheConfig, str]:
-    """The cache config with its pool's size settled, and how it was chosen (for the log)."""
+                 backend: Any, device: torch.device, ring: WindowRing | None = None) -> tuple[CacheConfig, str]:
+    """The cache config with its pool's size settled, and how it was chosen (for the log).
+    ``ring``: the windowed layers' rings (``longctx.kv.window_ring``), which the budget holds
+    beside the pool's pages of the other layers."""
     if cache.num_blocks:
         return cache, f"num_blocks={cache.num_blocks}"
     if cache.kv_cache_gb is not None:
@@ -42,8 +45,8 @@ def size_kv_pool(cache: CacheConfig, sched: SchedulerConfig, max_len: int, fmt: 
         budget -= fmt.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
         note = f"auto: {budget:.2f} GiB of gpu_memory_utilization {cache.gpu_memory_utilization:g}"
     else:  # the CPU: a share of what the weights leave, at most what the requests can use
-        need = max_len * sched.max_num_seqs * fmt.page_bytes(cache.block_size) / cache.block_size
-        budget, note = cpu_kv_budget_gb(need / (1 << 30))
+        need = max_len * sched.max_num_seqs * pool_page_bytes(fmt, cache.block_size, ring) / cache.block_size
+        budget, note = cpu_kv_budget_gb((need + ring_bytes(fmt, ring)) / (1 << 30))
     return dataclasses.replace(cache, kv_cache_gb=budget), note
 
 

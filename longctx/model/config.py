@@ -32,10 +32,10 @@ def _windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, tuple[st
     """(sliding window, per-layer types) as HF reads a config.json: ``layer_types`` when given;
     else Qwen2/3's ``use_sliding_window`` from ``max_window_layers`` on, Gemma 2's every other
     layer and Gemma 3's ``sliding_window_pattern``, Mistral's every layer. A window that
-    ``use_sliding_window: false`` turns off is none."""
+    ``use_sliding_window: false`` turns off, or one as long as the context, is none."""
     window = cfg.get("sliding_window")
-    if not window or not cfg.get("use_sliding_window", True):
-        return None, None
+    if not window or not cfg.get("use_sliding_window", True) or window >= cfg.get("max_position_embeddings", 2048):
+        return None, None  # (a window over the whole context is none)
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is not None:
