@@ -521,8 +521,9 @@ def test_gguf_linear_rope_scaling():
 
 def test_gguf_unsupported_architecture_names_it():
     with pytest.raises(UnsupportedModelError) as info:
-        ModelConfig.from_gguf_fields({**GGUF_LLAMA, "general.architecture": "gemma2"}, True)
-    assert str(info.value) == "GGUF architecture 'gemma2' is not supported (llama, qwen2, qwen3)"
+        ModelConfig.from_gguf_fields({**GGUF_LLAMA, "general.architecture": "gemma3n"}, True)
+    assert str(info.value) == ("GGUF architecture 'gemma3n' is not supported "
+                               "(llama, qwen2, qwen3, gemma2, gemma3, phi3)")
 
 
 def test_lookahead_takes_a_bool_or_a_config_object():

@@ -3,6 +3,8 @@ RoPE variant, at sequence lengths past the RoPE scaling threshold (fp32, 1e-4 re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,6 +60,44 @@ def test_gguf_file_matches_hf_folder(tmp_path, monkeypatch, kind):
     assert model.config.num_key_value_heads == 2
     assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
     assert model.config.model_type == hf.config.model_type
+    assert _relative_error(_our_logits(model, ids), expected) < 1e-5
+
+
+GGUF_FAMILIES = {  # kind -> overrides that keep it inside what llama.cpp's GGUF describes
+    "gemma2": {"query_pre_attn_scalar": 16},  # (llama.cpp takes the head dim for it)
+    "gemma3": {"num_hidden_layers": 6, "query_pre_attn_scalar": 24,  # llama.cpp's 5 sliding : 1 global
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    "phi3": {},
+    "phi3-longrope": {},
+}
+
+
+@pytest.mark.parametrize("kind", list(GGUF_FAMILIES))
+def test_gguf_families_match_hf_folder(tmp_path, monkeypatch, kind):
+    """Gemma 2/3 and Phi-3 GGUFs as llama.cpp's converter writes them (norms stored as 1 + w,
+    Gemma's post-norms, no query_pre_attn_scalar or Gemma 3 layer pattern keys, Phi-3's fused
+    attn_qkv / ffn_up, partial rope.dimension_count, LongRoPE factors as tensors) load to the HF
+    folder's config and logits over 120 tokens, past every sliding window (40)."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    hf = make_checkpoint(tmp_path / "hf", kind, max_position_embeddings=1024, **GGUF_FAMILIES[kind])
+    gguf_path = tmp_path / "tiny.gguf"
+    write_gguf(gguf_path, hf)
+    ids = torch.randint(0, hf.config.vocab_size, (120,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    model = load_model(str(gguf_path))
+    folder = load_model(str(tmp_path / "hf")).config
+    for name in ("model_type", "sliding_window", "layer_types", "rotary_dim", "rope_scaling", "local_rope_theta",
+                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings"):
+        got, want = getattr(model.config, name), getattr(folder, name)
+        if name == "rope_scaling" and want.rope_type == "longrope":
+            # the GGUF states the attention factor the folder implies, and holds the factors as
+            # float32 (as llama.cpp writes them; the tables are computed in float32 either way)
+            f32 = lambda xs: tuple(float(torch.tensor(x, dtype=torch.float32)) for x in xs)  # noqa: E731
+            want = dataclasses.replace(want, short_factor=f32(want.short_factor), long_factor=f32(want.long_factor))
+            if want.attention_factor is None:
+                got = dataclasses.replace(got, attention_factor=None)
+        assert got == want, name
     assert _relative_error(_our_logits(model, ids), expected) < 1e-5
 
 

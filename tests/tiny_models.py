@@ -7,6 +7,7 @@ rows the way llama.cpp's converter does, so the GGUF loader's un-permutation is 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,12 @@ def hf_config(kind: str, **overrides):
                               Qwen3Config)
 
     kwargs = {**BASE, **overrides}
+
+    def make(cls, **defaults):  # the kind's settings, then the caller's overrides
+        return cls(**{**BASE, **defaults, **overrides})
+
     if kind == "phi3":  # fused qkv and gate_up weights, a sliding window (Phi-3-mini-4k's shape)
-        return Phi3Config(**kwargs, sliding_window=WINDOW, rope_theta=10000.0)
+        return make(Phi3Config, sliding_window=WINDOW, rope_theta=10000.0)
     if kind == "phi3-longrope":  # Phi-4-mini's shape: partial rotary (3/4 of 16 dims), LongRoPE, tied
         dims = int(16 * 0.75) // 2
         short = [1.0 + 0.05 * i for i in range(dims)]
@@ -55,16 +60,14 @@ def hf_config(kind: str, **overrides):
         return Qwen2Config(**kwargs, rope_theta=10000.0, use_sliding_window=True, sliding_window=WINDOW,
                            max_window_layers=1)
     if kind == "gemma2":  # every other layer slides; scores and logits capped low enough to bite
-        return Gemma2Config(**kwargs, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                            attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
-    if kind == "gemma3":  # one sliding layer to one global; local and global RoPE bases, linear scaling
-        kwargs["num_hidden_layers"] = max(kwargs["num_hidden_layers"], 3)
+        return make(Gemma2Config, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                    attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    if kind == "gemma3":  # sliding, global, sliding; local and global RoPE bases, linear scaling
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
-        return Gemma3TextConfig(**kwargs, head_dim=24, query_pre_attn_scalar=20, sliding_window=WINDOW,
-                                layer_types=["sliding_attention", "full_attention", "sliding_attention"][
-                                    :kwargs["num_hidden_layers"]] + ["full_attention"] * (kwargs["num_hidden_layers"] - 3),
-                                rope_parameters=rope)
+        return make(Gemma3TextConfig, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
+                    sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters=rope)
     if kind.startswith("qwen3"):  # head_dim 24 != hidden / heads, as Qwen3's own sizes differ
         return Qwen3Config(**kwargs, head_dim=24, rope_theta=10000.0, tie_word_embeddings=kind == "qwen3-tied")
     if kind == "mistral":
@@ -129,14 +132,59 @@ def llama3_rope_freqs(rope: dict, theta: float, dim: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+
+def _gguf_arch_keys(writer, cfg, arch: str, head_dim: int) -> None:
+    """The keys llama.cpp's converter writes for Gemma 2/3 and Phi-3 (convert_hf_to_gguf)."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch in ("qwen3", "gemma2", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        if cfg.final_logit_softcapping:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+        full = rope.get("full_attention", rope)
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf_scaling("linear"))
+            writer.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        writer.add_sliding_window(cfg.sliding_window or 0)
+
+
+def gguf_scaling(name: str):
+    import gguf
+
+    return {"linear": gguf.RopeScalingType.LINEAR, "yarn": gguf.RopeScalingType.YARN}[name]
+
+
+def _gemma_checks(cfg, arch: str, head_dim: int) -> None:
+    """llama.cpp stores no query_pre_attn_scalar (it takes the head dim) nor Gemma 3's layer
+    pattern (5 sliding, 1 global): a model it cannot describe is refused, not written wrong."""
+    if arch in ("gemma2", "gemma3") and cfg.query_pre_attn_scalar != head_dim:
+        raise ValueError("write_gguf: llama.cpp takes query_pre_attn_scalar = head_dim for this size")
+    if arch == "gemma3":
+        want = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(cfg.num_hidden_layers)]
+        if list(cfg.layer_types) != want:
+            raise ValueError("write_gguf: llama.cpp's Gemma 3 slides on 5 layers of 6")
+
+
 def write_gguf(path: Path, model, extra: dict | None = None) -> None:
-    """Write an HF Llama model's weights (fp32) and config as a GGUF file; a ``llama3`` RoPE
-    becomes a ``rope_freqs.weight`` tensor, as llama.cpp writes Llama 3.1-3.3. ``extra``: more
-    keys (int or float values), replacing written ones of the same name."""
+    """Write an HF model's weights (fp32) and config as a GGUF file as llama.cpp's converter
+    does: Llama (q/k rows permuted; a ``llama3`` RoPE as a ``rope_freqs.weight`` tensor),
+    Qwen2/3, Gemma 2/3 (norm weights stored as 1 + w, Gemma's post-norms), Phi-3 (fused qkv and
+    gate_up, LongRoPE factors as tensors). ``extra``: more keys (int or float values),
+    replacing written ones of the same name."""
     import gguf
 
     cfg = model.config
-    arch = cfg.model_type if cfg.model_type in ("qwen2", "qwen3") else "llama"
+    arch = GGUF_ARCH.get(cfg.model_type, "llama")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -144,32 +192,43 @@ def write_gguf(path: Path, model, extra: dict | None = None) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))
+    _gemma_checks(cfg, arch, head_dim)
+    _gguf_arch_keys(writer, cfg, arch, head_dim)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     for key, value in (extra or {}).items():
         writer.kv_data[0].pop(key, None)
         (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(key, value)
-    rope = getattr(cfg, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
         dim = cfg.hidden_size // cfg.num_attention_heads
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], dim))
-    elif rope.get("rope_type", "default") != "default":
+    elif rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, the attention factor a key
+        scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    elif rope.get("rope_type", "default") != "default" and arch != "gemma3":
         raise ValueError(f"write_gguf: no GGUF form for rope_type {rope['rope_type']!r} here")
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm"}
+             "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    if arch in ("gemma2", "gemma3"):
+        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy().copy()
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp stores what Gemma's norm multiplies by
         if name == "model.embed_tokens.weight":
             out = "token_embd.weight"
         elif name == "model.norm.weight":

@@ -16,7 +16,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # llama.cpp's architecture -> HF's model_type, where they differ
+# Gemma sizes whose query_pre_attn_scalar is hidden / heads rather than the head dim: llama.cpp
+# knows them by their layer count (Gemma 2 27B: 46, Gemma 3 27B: 62) and writes no key for it
+GEMMA_HIDDEN_PER_HEAD_SCALE = {"gemma2": 46, "gemma3": 62}
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's (5 sliding layers, then a global one), absent a key
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # the sliding layers' base, which llama.cpp does not store
 # the ``{arch}.*`` GGUF keys the loader reads (or knows to change nothing); any other is refused
 # by name, since it may change the math (a sliding window, soft-capping, experts, ...)
 GGUF_KEYS = frozenset({
@@ -25,7 +31,43 @@ GGUF_KEYS = frozenset({
     "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
     "rope.scaling.finetuned", "tensor_data_layout", "expert_count", "expert_used_count"})
+GGUF_ARCH_KEYS = {  # and those only these architectures' models use (a window on a llama GGUF is refused)
+    "gemma2": frozenset({"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"}),
+    "gemma3": frozenset({"attention.sliding_window", "attention.sliding_window_pattern", "final_logit_softcapping"}),
+    "phi3": frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
+}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def _gguf_windows(arch: str, get: Any) -> dict[str, Any]:
+    """sliding_window and layer_types from a GGUF's keys, as llama.cpp reads them: Gemma 2
+    slides on every other layer from the first, Gemma 3 on 5 of 6 (or its pattern key), Phi-3
+    on every layer (a window of 0: none, Phi-4)."""
+    window = int(get("attention.sliding_window", 0) or 0)
+    layers = int(get("block_count"))
+    if not window or window >= int(get("context_length", 2048)):
+        return {}
+    if arch == "gemma2":
+        every: Any = 2
+    elif arch == "gemma3":
+        every = get("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    else:
+        return {"sliding_window": window}
+    if isinstance(every, (list, tuple)):  # one flag per layer
+        types = tuple("sliding_attention" if flag else "full_attention" for flag in every)
+    else:
+        types = tuple("sliding_attention" if (i + 1) % int(every) else "full_attention" for i in range(layers))
+    return {"sliding_window": window, "layer_types": types}
+
+
+def _gguf_gemma(arch: str, get: Any, hidden: int, num_heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma's switches from a GGUF (llama.cpp's defaults where it writes no key)."""
+    wide = int(get("block_count")) == GEMMA_HIDDEN_PER_HEAD_SCALE[arch]
+    return {"hidden_act": "gelu_pytorch_tanh", "sandwich_norms": True, "embed_scale": hidden ** 0.5,
+            "query_pre_attn_scalar": hidden / num_heads if wide else head_dim,
+            "attn_logit_softcapping": get("attn_logit_softcapping"),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+            "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None}
 
 
 def _windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -308,7 +350,8 @@ class ModelConfig:
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported "
                                         f"({', '.join(GGUF_ARCHITECTURES)})")
-        unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in GGUF_KEYS)
+        known = GGUF_KEYS | GGUF_ARCH_KEYS.get(arch, frozenset())
+        unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k[len(arch) + 1:] not in known)
         if unknown:
             raise UnsupportedModelError(f"GGUF key(s) {', '.join(unknown)} ({arch}) are not ones longctx "
                                         "understands; refusing rather than running without them")
@@ -321,16 +364,18 @@ class ModelConfig:
 
         num_heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
-        head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
-        if int(get("rope.dimension_count", head_dim)) != head_dim:  # partial rotary embeddings
-            raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count {get('rope.dimension_count')} is less "
-                                        f"than the head dim {head_dim}: partial rotary embeddings are not supported")
+        head_dim = int(get("attention.key_length", hidden // num_heads if arch == "phi3" else
+                           get("rope.dimension_count", hidden // num_heads)))
+        rotary = int(get("rope.dimension_count", head_dim))
+        if rotary > head_dim or (rotary < head_dim and arch != "phi3"):
+            raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count {rotary} with head dim {head_dim}: "
+                                        "partial rotary embeddings are only read for phi3")
         rope: dict[str, Any] = {}
         if get("rope.scaling.type") not in (None, "none"):
             rope = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor", 1.0),
                     "original_max_position_embeddings": get("rope.scaling.original_context_length")}
         return cls(
-            model_type=arch,
+            model_type=GGUF_MODEL_TYPES.get(arch, arch),
             vocab_size=int(get("vocab_size", 0)),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -344,7 +389,10 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope, int(get("context_length", 2048))),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(x for x in (meta.get("tokenizer.ggml.eos_token_id"),) if x is not None),
+            rotary_dim=rotary if rotary < head_dim else None,
+            **_gguf_windows(arch, get),
+            **(_gguf_gemma(arch, get, hidden, num_heads, head_dim) if arch in GEMMA_HIDDEN_PER_HEAD_SCALE else {}),
         )

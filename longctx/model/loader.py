@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -147,6 +147,46 @@ _GGUF_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+_GGUF_ARCH_NAMES = {  # where an architecture's tensors mean something else
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as the checkpoint is
+}
+_GGUF_ARCH_NAMES["gemma3"] = _GGUF_ARCH_NAMES["gemma2"]
+_GGUF_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _gguf_vector(reader: Any, name: str) -> tuple[float, ...] | None:
+    """A GGUF tensor's values as floats, or None when the file has no such tensor."""
+    from gguf.quants import dequantize
+
+    t = next((t for t in reader.tensors if t.name == name), None)
+    return None if t is None else tuple(float(x) for x in dequantize(t.data, t.tensor_type).astype("float64").ravel())
+
+
+def _gguf_rope(reader: Any, config: ModelConfig, meta: dict) -> ModelConfig:
+    """RoPE the file carries as tensors: Llama 3.1's ``rope_freqs`` (divisors of the base
+    frequencies), Phi-3's LongRoPE ``rope_factors_long``/``_short``."""
+    arch = meta.get("general.architecture")
+    dims = (config.rotary_dim or config.head_dim) // 2
+    freqs = _gguf_vector(reader, "rope_freqs.weight")
+    if freqs is not None:  # Llama 3.1-3.3 as llama.cpp converts them: the scaling is this tensor
+        if len(freqs) != dims:
+            raise UnsupportedModelError(f"GGUF rope_freqs.weight has {len(freqs)} factors; the "
+                                        f"model's head_dim {config.head_dim} needs {dims}")
+        return replace(config, rope_scaling=replace(config.rope_scaling, freq_factors=freqs))
+    long, short = _gguf_vector(reader, "rope_factors_long.weight"), _gguf_vector(reader, "rope_factors_short.weight")
+    if long is None and short is None:
+        return config
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if long is None or short is None or original is None or len(long) != dims or len(short) != dims:
+        raise UnsupportedModelError(f"GGUF {arch}: LongRoPE needs rope_factors_long and rope_factors_short of "
+                                    f"{dims} factors and rope.scaling.original_context_length")
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    return replace(config, rope_scaling=RopeScaling(
+        rope_type="longrope", factor=config.max_position_embeddings / int(original),
+        original_max_position_embeddings=int(original), short_factor=short, long_factor=long,
+        attention_factor=float(attn) if attn is not None else None))
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -177,7 +217,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
         meta[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in names)
-    q = next((t for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)
+    q = next((t for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)  # (phi3: fused attn_qkv)
     if q is not None and int(q.shape[-1]) != config.num_attention_heads * config.head_dim:
         raise UnsupportedModelError(  # (ne[1] is the output rows) e.g. rope.dimension_count < head dim
             f"GGUF {arch}: attn_q has {int(q.shape[-1])} rows, but {config.num_attention_heads} heads of "
@@ -186,14 +226,9 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
     # biases as the file holds them (llama.cpp writes a Llama's q/k/v/o and MLP biases when it has them)
     config = replace(config, attention_bias=config.attention_bias or "blk.0.attn_q.bias" in names,
                      o_proj_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names)
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:  # Llama 3.1-3.3 as llama.cpp converts them: the scaling is this tensor
-        factors = dequantize(freqs.data, freqs.tensor_type).astype("float64").ravel()
-        if len(factors) != config.head_dim // 2:
-            raise UnsupportedModelError(f"GGUF rope_freqs.weight has {len(factors)} factors; the "
-                                        f"model's head_dim {config.head_dim} needs {config.head_dim // 2}")
-        config = replace(config, rope_scaling=replace(config.rope_scaling,
-                                                      freq_factors=tuple(float(f) for f in factors)))
+    config = _gguf_rope(reader, config, meta)
+    names_here = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
+    gemma = arch in ("gemma2", "gemma3")
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
@@ -201,19 +236,21 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
             if t.name == "token_embd.weight":
                 yield "model.embed_tokens.weight", weight
             elif t.name == "output_norm.weight":
-                yield "model.norm.weight", weight
+                yield "model.norm.weight", weight - 1.0 if gemma else weight
             elif t.name == "output.weight":
                 yield "lm_head.weight", weight
             elif t.name.startswith("blk."):
                 _, layer, kind, suffix = t.name.split(".", 3)
-                if kind not in _GGUF_NAMES or (kind in ("attn_q_norm", "attn_k_norm") and not config.qk_norm):
+                if kind not in names_here or (kind in ("attn_q_norm", "attn_k_norm") and not config.qk_norm):
                     raise UnsupportedModelError(f"GGUF tensor {t.name} ({arch}) is not one longctx "
                                                 "understands; refusing rather than running without it")
                 if arch == "llama" and kind in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                     weight = _unpermute_rope_rows(weight, heads)
-                yield f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", weight
-            elif t.name != "rope_freqs.weight":  # (read into the config above)
+                if gemma and kind.endswith("norm"):  # llama.cpp stores Gemma's 1 + w; HF's w is what packing takes
+                    weight = weight - 1.0
+                yield f"model.layers.{layer}.{names_here[kind]}.{suffix}", weight
+            elif t.name not in _GGUF_CONFIG_TENSORS:  # (read into the config above)
                 raise UnsupportedModelError(f"GGUF tensor {t.name} ({arch}) is not one longctx "
                                             "understands; refusing rather than running without it")
 
