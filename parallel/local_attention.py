@@ -104,14 +104,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
 
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [L, H, D], k/v [S, Hkv, D], visible bool [L, S] -> out fp32 [L, H, D], lse [L, H].
-    Plain fp32 math: meant for small L and S."""
+                  scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [L, H, D], k/v [S, Hkv, D], visible bool [L, S] -> out fp32 [L, H, D], lse [L, H];
+    ``softcap``: scores capped to c * tanh(s / c) first. Plain fp32 math: meant for small L
+    and S (``attend_masked_blocks`` cuts a large L)."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,shd->hls", q.float(), kf) * scale  # (H, L, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (H, L)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     return torch.einsum("hls,shd->lhd", probs, vf), lse.transpose(0, 1).contiguous()
+
+
+def attend_masked_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                         scale: float, softcap: float | None = None,
+                         rows: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend_masked`` over blocks of ``rows`` queries, so the scores stay [H, rows, S]."""
+    if q.shape[0] <= rows:
+        return attend_masked(q, k, v, visible, scale, softcap)
+    parts = [attend_masked(q[i:i + rows], k, v, visible[i:i + rows], scale, softcap) for i in range(0, q.shape[0], rows)]
+    return torch.cat([o for o, _ in parts]), torch.cat([l for _, l in parts])

@@ -46,7 +46,7 @@ from longctx.kernels import kv_quant
 from longctx.kernels.cpu_build import set_cpu_threads
 
 from .comm import RingComm
-from .local_attention import attend, attend_masked, empty_state, merge_into
+from .local_attention import attend, attend_masked, attend_masked_blocks, empty_state, merge_into
 from .sharded_kv import pack_state, unpack_state
 
 MAX_TREE_QUERIES = 63  # the kernels' tree masks cover this many new tokens per sequence
@@ -201,6 +201,25 @@ class ShardedStep:
             tokens -= num_pages * block_size - end
         return pages, tokens
 
+    def local_window_pages(self, seq: StepSeq, block_size: int, window: int | None) -> tuple[list[int], list[int]]:
+        """This rank's local pages of the sequence's keys before the step (and a lone new
+        token) that a query of the step may see under ``window`` (None: all of them), in order,
+        with each held token's position: a window keeps the pages from the one holding its
+        first new token's first visible key. Derived once per step and window."""
+        key = ("window_pages", seq.start, window)
+        found = self.kernel_cache.get(key)
+        if found is None:
+            end = seq.start_pos + (seq.num_new == 1)
+            first = 0 if window is None else max(0, seq.start_pos - window + 1)
+            pages, positions = [], []
+            for i, b in enumerate(seq.block_ids[:-(-end // block_size)]):
+                if b % self.world != self.rank or (i + 1) * block_size <= first:
+                    continue
+                pages.append(b // self.world)
+                positions.extend(range(i * block_size, min((i + 1) * block_size, end)))
+            found = self.kernel_cache[key] = (pages, positions)
+        return found
+
     def _plan_cached_part(self, block_size: int, device: torch.device) -> None:
         """(a): small sequences go to one paged-kernel call, the rest to dense calls."""
         paged: list[tuple[StepSeq, list[int], int]] = []
@@ -249,6 +268,15 @@ class ShardedStep:
                 if seq.num_new > 1:
                     self.runs.append((seq, i, j, at[seq.start + i]))
                 i = j
+
+
+def _query_positions(seq: StepSeq, i0: int, i1: int, device: torch.device) -> torch.Tensor:
+    """Positions of the sequence's new tokens i0..i1-1: after the cached ones in order, or
+    under a draft tree at their depth (``reference.token_positions``)."""
+    if seq.tree_words:
+        depth = [bin(w).count("1") - 1 for w in seq.tree_words[i0:i1]]
+        return torch.tensor([seq.start_pos + d for d in depth], dtype=torch.long, device=device)
+    return torch.arange(seq.start_pos + i0, seq.start_pos + i1, device=device)
 
 
 def _visible(seq: StepSeq, i0: int, i1: int, device: torch.device) -> torch.Tensor:
@@ -326,28 +354,28 @@ class PagedSPAttention:
             step: ShardedStep, scale: float | None = None, window: int | None = None,
             softcap: float | None = None) -> torch.Tensor:
         """The backend's ``run`` (``longctx.attention``); a layer's own ``scale`` scales q
-        (the same scores). Sliding windows and score caps are refused: the ranks' pages hold
-        positions the local kernels do not see (not built yet)."""
-        if window is not None or softcap is not None:
-            raise ValueError("sequence parallelism does not take sliding-window or soft-capped attention "
-                             f"layers yet (layer {layer_idx}: window {window}, softcap {softcap})")
+        (the same scores). A sliding window or a score cap (``masked``) takes masked products
+        over the keys each query can see, found by their positions in the sequence: a rank's
+        pages hold every ``N``-th page, so the window is not a run of its local keys."""
         if scale is not None and scale != self.scale:
             q = q * (scale / self.scale)
-        return self.forward(layer_idx, q, k, v, step)
+        masked = None if window is None and softcap is None else (window, softcap)
+        return self.forward(layer_idx, q, k, v, step, masked)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                step: ShardedStep) -> torch.Tensor:
-        """q [T_r, H, D], k/v [T_r, Hkv, D]: this rank's tokens -> out [T_r, H, D]."""
+                step: ShardedStep, masked: tuple | None = None) -> torch.Tensor:
+        """q [T_r, H, D], k/v [T_r, Hkv, D]: this rank's tokens -> out [T_r, H, D].
+        ``masked``: the layer's (window, softcap), or None."""
         if step.threads is None:
-            return self._forward(layer_idx, q, k, v, step)
+            return self._forward(layer_idx, q, k, v, step, masked)
         set_cpu_threads(step.threads[1])
         try:
-            return self._forward(layer_idx, q, k, v, step)
+            return self._forward(layer_idx, q, k, v, step, masked)
         finally:
             set_cpu_threads(step.threads[0])
 
     def _forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 step: ShardedStep) -> torch.Tensor:
+                 step: ShardedStep, masked: tuple | None = None) -> torch.Tensor:
         num_heads, num_kv = q.shape[1], k.shape[1]
         k_cache, v_cache, *scales = self.kv_layers[layer_idx]
         quant = {"k_scale": scales[0], "v_scale": scales[1]} if scales else {}
@@ -365,7 +393,10 @@ class PagedSPAttention:
         if step.write_rows.numel():  # int8: write_kv finds the rows that enter a page holding values
             self.kernels.write_kv(k_cache, v_cache, k_all[step.write_rows], v_all[step.write_rows],
                                   step.write_slots, **quant, **self._extra(step))
-        cached_out, cached_lse = self._cached_part(q_all, k_cache, v_cache, step, quant)
+        if masked is None:
+            cached_out, cached_lse = self._cached_part(q_all, k_cache, v_cache, step, quant)
+        else:
+            cached_out, cached_lse = self._cached_part_masked(q_all, k_cache, v_cache, step, quant, *masked)
         if quant and step.has_own_part:  # (b) reads the new K/V as the pages hold them now
             k_all, v_all = self._stored_rows(k_cache, v_cache, quant, step, q_all.dtype)
         if step.replicated:  # every rank needs every token's result
@@ -375,13 +406,13 @@ class PagedSPAttention:
             received = self.comm.all_to_all(sent.view(self.comm.world_size, step.max_owned, num_heads, -1))
         parts_out, parts_lse = unpack_state(received[:, :q.shape[0]])  # (N, T_r, H, D), (N, T_r, H)
         if step.runs:
-            out, lse = self._own_part(q_all, k_all, v_all, q.shape[0], step)
+            out, lse = self._own_part(q_all, k_all, v_all, q.shape[0], step, masked)
             first = 0
         else:  # nothing of (b) here (decode): start from rank 0's partial
             out, lse, first = parts_out[0].clone(), parts_lse[0].clone(), 1
         for r in range(first, self.comm.world_size):
             merge_into(out, lse, parts_out[r], parts_lse[r])
-        tail = step.tail
+        tail = step.tail if masked is None else None  # (windows and caps: every key as stored, as in one process)
         if quant and tail is not None:  # each query's first and own page exact, as in one process
             old = self._tail_stored_rows(k_cache, v_cache, quant, step, tail)
             out = tail.apply(layer_idx, out.contiguous(), lse.contiguous(), q_all.contiguous(), exact_k.contiguous(),
@@ -454,15 +485,52 @@ class PagedSPAttention:
             out[rows], lse[rows] = o.float(), l
         return out, lse
 
+    def _cached_part_masked(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            step: ShardedStep, quant: dict, window: int | None,
+                            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a) for a windowed or capped layer: per sequence, this rank's pages that hold keys
+        some query of the step sees (a window's pages only), gathered, against a mask built
+        from the keys' and queries' positions (``reference.py``'s window convention)."""
+        out, lse = empty_state(q)
+        bs = k_cache.shape[1]
+        for seq in step.seqs:
+            pages, positions = step.local_window_pages(seq, bs, window)
+            if not pages:
+                continue
+            idx = torch.tensor(pages, dtype=torch.long, device=q.device)
+            keys, values = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
+            if quant:
+                keys = kv_quant.dequantize(keys, quant["k_scale"].index_select(0, idx), q.dtype)
+                values = kv_quant.dequantize(values, quant["v_scale"].index_select(0, idx), q.dtype)
+            n = len(positions)
+            keys, values = keys.flatten(0, 1)[:n], values.flatten(0, 1)[:n]
+            pos_k = torch.tensor(positions, dtype=torch.long, device=q.device)
+            pos_q = _query_positions(seq, 0, seq.num_new, q.device)
+            visible = pos_k[None, :] <= pos_q[:, None]
+            if window is not None:
+                visible &= pos_q[:, None] - pos_k[None, :] < window
+            rows = slice(seq.start, seq.start + seq.num_new)
+            o, l = attend_masked_blocks(q[rows], keys, values, visible, self.scale, softcap)
+            out[rows], lse[rows] = o, l
+        return out, lse
+
     def _own_part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_own: int,
-                  step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """(b): this rank's queries over the new tokens of their own sequence."""
+                  step: ShardedStep, masked: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b): this rank's queries over the new tokens of their own sequence (``masked``:
+        the layer's window and cap, through masked products)."""
         out = torch.zeros((num_own, *q.shape[1:]), dtype=torch.float32, device=q.device)
         lse = torch.full((num_own, q.shape[1]), float("-inf"), device=q.device)
         for seq, i0, i1, at in step.runs:
             base = seq.start
             qs, ks, vs = q[base + i0:base + i1], k[base:base + i1], v[base:base + i1]
-            if seq.tree_words or i1 - i0 <= MAX_TREE_QUERIES:
+            if masked is not None:
+                window, softcap = masked
+                visible = _visible(seq, i0, i1, q.device)
+                if window is not None:
+                    pos = _query_positions(seq, 0, i1, q.device)
+                    visible &= pos[i0:, None] - pos[None, :] < window
+                o, l = attend_masked_blocks(qs, ks, vs, visible, self.scale, softcap)
+            elif seq.tree_words or i1 - i0 <= MAX_TREE_QUERIES:
                 o, l = attend_masked(qs, ks, vs, _visible(seq, i0, i1, q.device), self.scale)
             else:  # earlier new tokens all visible, then the causal diagonal block
                 o, l = attend(qs, ks[i0:], vs[i0:], causal=True, scale=self.scale)

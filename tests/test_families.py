@@ -10,8 +10,7 @@ sliding window on every layer, Qwen2 with ``use_sliding_window`` from ``max_wind
 Gemma 2 (sliding and global layers in turn, GELU-tanh, norms after attention and MLP, scaled
 embeddings, ``query_pre_attn_scalar``, capped scores and logits) and Gemma 3 text (q/k norms,
 local and global RoPE bases, linear scaling on the global layers). Every window (40 tokens) is
-shorter than the prompt. Sequence parallelism refuses windows and caps (not built yet): the
-test says so. Plain Llama, Mistral without a window and Qwen2 are covered by test_engine.py,
+shorter than the prompt. Plain Llama, Mistral without a window and Qwen2 are covered by test_engine.py,
 test_logprobs.py and test_model_parity.py."""
 
 from __future__ import annotations
@@ -84,14 +83,18 @@ def test_lookahead_and_a_prefix_hit_keep_the_tokens(family):
     assert again == reference_greedy(hf, follow)
 
 
-def test_two_sequence_parallel_ranks_keep_the_tokens(family, request):
+def test_two_sequence_parallel_ranks_keep_the_tokens(family):
+    """Windows and caps too: each rank's pages in a window are found by their positions
+    (64-token chunks: longer than the 40-token windows, so the new tokens' own part windows too)."""
     folder, _, expected, _ = family
-    if request.node.callspec.params["family"] in MASKED:  # refused, in one line, before any rank starts
-        with pytest.raises(ValueError, match="sequence parallelism does not take sliding-window or soft-capped"):
-            _llm(folder, sequence_parallel_size=2, max_num_batched_tokens=32)
-        return
-    with _llm(folder, sequence_parallel_size=2, max_num_batched_tokens=32) as llm:
-        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outs = {}
+    for ranks in (1, 2):
+        with _llm(folder, sequence_parallel_size=ranks, max_num_batched_tokens=64) as llm:
+            outs[ranks] = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    assert outs[2].token_ids == outs[1].token_ids == expected
+    # each chosen token's log-prob as one process computes it (a tighter check than the tokens)
+    assert max(abs(a[t] - b[t]) for a, b, t in zip(outs[2].logprobs, outs[1].logprobs, expected)) < 1e-4
 
 
 def test_int8_pages_follow_hf(family):

@@ -189,3 +189,15 @@ def test_windows_are_read_as_hf_reads_them():
     with pytest.raises(UnsupportedModelError, match="layer type\\(s\\) chunked_attention"):
         ModelConfig.from_hf_dict({**MistralConfig(**small, sliding_window=32).to_dict(),
                                   "layer_types": ["chunked_attention"] * 4})
+
+
+def test_gemma3_with_every_layer_global_has_no_local_rope(tmp_path):
+    """transformers writes Gemma 3's per-layer-type RoPE even when no layer slides: that model
+    runs (it crashed looking for a sliding layer's RoPE) and matches HF."""
+    hf = make_checkpoint(tmp_path, "gemma3", layer_types=["full_attention"] * 3)
+    ids = torch.randint(0, hf.config.vocab_size, (60,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    model = load_model(str(tmp_path))
+    assert model.config.local_rope_theta is None and not model.config.has_windows
+    assert _relative_error(_our_logits(model, ids), expected) < 1e-4

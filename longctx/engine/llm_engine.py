@@ -33,7 +33,6 @@ from longctx.kv.prefix_cache import PrefixCacheStats
 from longctx.kv.setup import build_prefix_cache, fit_window, size_kv_pool
 from longctx.kv.window_ring import WindowRing
 from longctx.lookahead.controller import LookaheadController
-from longctx.model.config import ModelConfig
 from longctx.model.loader import TORCH_DTYPES, model_fingerprint, resolve_model
 from longctx.model.prepare import check_window, model_window, prepare_model
 from longctx.model.tokenizer import load_tokenizer
@@ -43,16 +42,6 @@ from longctx.sampling_params import SamplingParams
 from longctx.engine.scheduler import Request, Scheduler
 
 log = logging.getLogger(__name__)
-
-def check_parallel_model(model: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
-    """``model``, unless sequence parallelism is asked for a model with sliding windows or
-    capped scores, which it does not take yet: then a ValueError in one line."""
-    if parallel.sequence_parallel_size > 1 and (model.has_windows or model.attn_logit_softcapping is not None):
-        raise ValueError(f"sequence_parallel_size {parallel.sequence_parallel_size}: sequence parallelism does "
-                         f"not take sliding-window or soft-capped attention yet ({model.model_type} has them); "
-                         "use sequence_parallel_size=1")
-    return model
-
 
 class LLMEngine:
     def __init__(self, load: ModelLoadConfig, cache: CacheConfig, sched: SchedulerConfig,
@@ -66,7 +55,7 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
-        self.model_config = check_parallel_model(self.model.config, parallel)
+        self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or model_window(self.model_config)
         check_window(max_len, self.model_config, sched.allow_long_context)

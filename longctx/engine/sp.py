@@ -175,7 +175,7 @@ class RankExecutor:
             return torch.empty(0, self.config.vocab_size) if self.rank == 0 else None
         rows = hidden[torch.tensor(flat.sample_rows, device=self.device)]
         logits = self.column_split(rows, self.model.lm_head.weight)  # (rows, V)
-        return logits.float() if self.rank == 0 else None
+        return self.model.cap_logits(logits.float()) if self.rank == 0 else None
 
     def _logits(self, hidden: torch.Tensor, mine: list[int], owned: list[list[int]],
                 rows: list[int]) -> torch.Tensor | None:

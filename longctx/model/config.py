@@ -291,6 +291,8 @@ class ModelConfig:
             local_theta = float(cfg["rope_local_base_freq"])
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         window, layer_types = _windows(cfg, model_type)
+        if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+            local_theta = None  # no sliding layer: no local RoPE either
         gemma = model_type in GEMMA_TYPES
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
         rotary_dim = int(head_dim * partial) if partial != 1.0 else None

@@ -307,9 +307,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, E] -> logits [N, V] in fp32 (Gemma 2: capped, cap * tanh(logits / cap))."""
-        logits = self.lm_head(hidden).float()
+        """hidden [N, E] -> logits [N, V] in fp32 (Gemma 2: capped, ``cap_logits``)."""
+        return self.cap_logits(self.lm_head(hidden).float())
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output as the model ends: Gemma 2's cap * tanh(logits / cap), else as is."""
         cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
