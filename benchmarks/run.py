@@ -57,6 +57,7 @@ BENCHES = {  # name -> script taking --out FILE (the results folder's name too)
     "tasks-32k": "bench_32k_tasks.py",
     "step": "bench_step.py",
     "int8-error": "int8_error_study.py",
+    "window-kv": "bench_window_kv.py",
 }
 
 
