@@ -185,6 +185,10 @@ def test_freed_window_kv_keeps_the_tokens(family, request, kv):
         with _llm(folder, kv_cache_dtype=kv, lookahead=True, enable_prefix_caching=False, window_kv=window_kv) as llm:
             assert (llm.engine.kv.ring is not None) == (window_kv == "free")
             runs[window_kv] = llm.generate([{"prompt_token_ids": p} for p in [PROMPT, *others]], params)
+            usage = llm.engine.kv_usage()
+            assert ("window_ring" in usage) == (window_kv == "free")
+            if window_kv == "free":  # every ring handed back, 8 pages per sequence slot
+                assert usage["window_ring"]["in_use"] == 0 and usage["window_ring"]["total"] % 8 == 0
     free, keep = runs["free"], runs["keep"]
     assert [o.outputs[0].token_ids for o in free] == [o.outputs[0].token_ids for o in keep]
     if kv == "auto":

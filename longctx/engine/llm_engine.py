@@ -174,7 +174,9 @@ class LLMEngine:
         reading theirs from disk), ``cached`` (held by the prefix store only, free to evict),
         ``free``, and on the device ``reserved`` (taken for good: the CUDA graphs' scratch page)
         and ``total``; a page in none of them would be a leak. Host and disk appear when those
-        tiers exist."""
+        tiers exist; ``window_ring`` when the windowed layers keep only their windows
+        (``window_kv="free"``): its pages (of those layers only) ``in_use`` by the running
+        requests' rings and ``total``."""
         sched, pc = self.scheduler, self.prefix_cache
         in_use = {b for r in sched.requests.values() for b in r.block_ids}
         cached = 0
@@ -187,6 +189,10 @@ class LLMEngine:
                              "free": pc.tree.num_free_host_pages}
         if pc is not None and pc.disk is not None:
             usage["disk"] = {"in_use": 0, "cached": pc.disk.num_pages, "free": 0}
+        ring = getattr(self.kv, "ring", None)
+        if ring is not None:
+            rings = sum(r.tail_slot >= 0 for r in sched.requests.values())
+            usage["window_ring"] = {"in_use": rings * ring.pages_per_seq, "total": ring.num_pages}
         return usage
 
     def request_state(self, request_id: str) -> str | None:
