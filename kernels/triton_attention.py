@@ -25,6 +25,15 @@ softmax state (running max m, sum l, accumulator acc) in fp32. Keys every row of
 see (the cached prefix and, causally, the block's own diagonal start) are walked without a
 visibility mask; the remaining tiles apply the bottom-right causal mask or the tree mask.
 
+Sliding windows (``window=W``) and score caps (``softcap=c``) compile a third entry point,
+``_paged_attention_window_kernel``, from the same body (HAS_WINDOW / HAS_SOFTCAP); the two
+kernels without them are unchanged. With a window, a query block's keys start at the tile
+holding the lowest position any of its rows sees (the splits are laid from there, so keys out
+of every window are never loaded); the tiles from there up to the highest such position (the
+window's edge) are walked with the window mask as well as the causal or tree mask, the rest
+as before. The cap maps each score (kept in log2 units) to ``c' tanh(score / c')`` with
+``c' = c log2 e``, which is ``c tanh(s / c)`` in natural units, before the mask.
+
 Split-KV: when query blocks x kv heads cannot fill the GPU (decode of few long sequences), the
 key range is cut into ``num_splits`` equal, tile-aligned ranges; stage 1 writes one partial
 (out, lse) per split and stage 2 merges them with the same log-sum-exp helper that
@@ -48,7 +57,14 @@ Limits
   time, not half of it (32 x 4K keys: 232 vs 218 us in fp16), since these decode launches
   are bound by per-tile latency, not bandwidth; int8-specific tiles/splits are not tuned yet.
 * Head dim: any size up to 256; non-powers of two are padded with masks.
-* Tree masks: q_len <= 63 per sequence (bit j of an int64 word). Every query sees all cached keys.
+* Tree masks: q_len <= 63 per sequence (bit j of an int64 word). Every query sees all cached keys
+  (within its window, if any).
+* Sliding windows: an int >= 1 (``reference.py``'s positions: a draft token sits at its depth).
+  Under a tree mask the window must be >= 64 (ValueError below): then every new key a draft
+  token sees is inside its window and only cached keys are tested, with the query's position
+  from the popcount of its tree word. A window of at least the longest context is dropped
+  (the plain kernel is exact). Score caps: a finite float > 0; tanh is computed from exp2
+  (no tl.tanh), stable for any score.
 * The launcher reads the largest context and q_len back to the host (one sync) to size tiles
   and splits; CUDA-graph capture would need those passed in.
 * Launch configs are fixed heuristics (``plan_launch``), not autotuned. They compile for
@@ -71,6 +87,7 @@ from . import kv_quant
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: globals there must be constexpr
+LOG2E_K = tl.constexpr(LOG2E)  # LOG2E inside kernels
 MAX_TREE_TOKENS = 63
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -117,18 +134,46 @@ def _find_sequence(cu_seqlens_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _popcount(x):
+    """Set bits of each non-negative int64 (SWAR; tree words never set bit 63)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return x & 0x7F
+
+
+@triton.jit
+def _soft_cap(scores, cap):
+    """cap * tanh(scores / cap), scores and cap in log2 units (the same map as in natural
+    units: c tanh(s / c) log2 e = (c log2 e) tanh(s log2 e / (c log2 e))). tanh|x| is
+    (1 - t) / (1 + t) with t = exp(-2|x|) in (0, 1]: no overflow for any |x|, and its absolute
+    error (about one fp32 ulp of 1, times cap) is that of rounding a score of size cap."""
+    t = tl.exp2(tl.abs(scores) * (-2.0 * LOG2E_K / cap))
+    capped = cap * ((1.0 - t) / (1.0 + t))
+    return tl.where(scores < 0, -capped, capped)
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
-                  key_lo, key_hi, ctx_len, num_cached, tok, tree_words,
+                  key_lo, key_hi, ctx_len, num_cached, tok, tree_words, first_key, softcap,
                   stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
                   qk_scale, k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_vsb,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
+                  WINDOWED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Online-softmax update of (acc, m, l) over keys [key_lo, key_hi) of one sequence.
 
     Scores are in log2 units (qk_scale = scale * log2 e). K/V loads are masked to keys below
     ctx_len, so uninitialised pages (possibly NaN) are never read. MASKED adds the causal or
     tree visibility mask; without it every key in range must be visible to every row.
+    WINDOWED (with MASKED) also hides keys below ``first_key`` [BLOCK_M], each row's sliding
+    window start (a key's index is its position: under a tree only cached keys can fall
+    outside a window of >= 64, see ``launch_paged_attention``). HAS_SOFTCAP caps each score at
+    ``softcap`` (log2 units) by ``_soft_cap`` before the mask.
 
     INT8_KV: K/V tiles are int8 (exact in the dot dtype) and every key carries the scale of
     its page and kv head (a tile may straddle pages, so scales are per key, not per tile).
@@ -152,6 +197,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
                       * (k_sc * qk_scale)[None, :])
         else:
             scores = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            scores = _soft_cap(scores, softcap)
         if MASKED:
             if HAS_TREE:
                 bit = (pos - num_cached).to(tl.int64)
@@ -160,6 +207,8 @@ def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
                 visible = (pos[None, :] < num_cached) | (in_tree & key_ok[None, :])
             else:
                 visible = pos[None, :] <= num_cached + tok[:, None]
+            if WINDOWED:
+                visible = visible & (pos[None, :] >= first_key[:, None])
             scores = tl.where(visible & key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
@@ -192,7 +241,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr,
 def _paged_attention_program(
         q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
-        qk_scale, num_seqs, split_size,
+        qk_scale, num_seqs, split_size, window, softcap,
         stride_qt, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -203,9 +252,18 @@ def _paged_attention_program(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Stage 1: one (query block, kv head, split) -> partial out [rows, D] and lse [rows].
-    The body of both stage-1 kernels (float pages, and int8 pages with per-page scales)."""
+    The body of every stage-1 kernel (float pages, int8 pages with per-page scales, and either
+    with a sliding window (``window`` positions) and/or a score cap (``softcap``, log2 units)).
+
+    Without a window, split s covers keys [s * split_size, (s + 1) * split_size). With one,
+    the splits start at the block's window base instead (the tile holding the lowest position
+    any row of the block sees), so keys out of every row's window are never loaded and the
+    splits share only the keys in reach; a split past the block's last visible key is empty
+    (m = -inf, l = 0: stage 2 gives it no weight).
+    """
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -235,7 +293,8 @@ def _paged_attention_program(
         tree_words = tok
 
     # Keys [0, full_end) are visible to every row of this block; [full_end, causal_end) need
-    # the mask; nothing at or past causal_end is visible to any row.
+    # the mask; nothing at or past causal_end is visible to any row. A window also hides keys
+    # below each row's first_key (see HAS_WINDOW below).
     last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
     if HAS_TREE:
         full_end = num_cached
@@ -244,7 +303,25 @@ def _paged_attention_program(
         full_end = num_cached + first_tok + 1
         causal_end = num_cached + last_tok + 1
     key_lo = split * split_size
+    if HAS_WINDOW:
+        # Row r sees keys at positions >= first_key[r] (its position - window + 1; under a
+        # tree a new token sits at its depth, and only cached keys can leave a window of
+        # >= 64). Keys [win_lo, win_full) are seen by some rows, not all: the window's edge,
+        # walked with the mask; the splits start at the tile holding win_lo.
+        if HAS_TREE:
+            q_pos = num_cached + (_popcount(tree_words) - 1).to(tl.int32)
+        else:
+            q_pos = num_cached + tok
+        first_key = q_pos - window + 1  # (BLOCK_M,)
+        win_lo = tl.maximum(tl.min(tl.where(row_ok, first_key, ctx_len), 0), 0)
+        win_full = tl.max(tl.where(row_ok, first_key, 0), 0)
+        key_lo += win_lo // BLOCK_N * BLOCK_N
+    else:
+        first_key = tok  # placeholder: only WINDOWED passes read it
     key_hi = tl.minimum(key_lo + split_size, causal_end)
+    if HAS_WINDOW:
+        edge_lo = key_lo
+        key_lo = tl.maximum(key_lo, tl.minimum(key_hi, tl.cdiv(win_full, BLOCK_N) * BLOCK_N))
     key_mid = tl.maximum(key_lo, tl.minimum(key_hi, full_end // BLOCK_N * BLOCK_N))
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -255,18 +332,25 @@ def _paged_attention_program(
     table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_scale_head_ptr = k_scale_ptr + kv_head * stride_ksh
     v_scale_head_ptr = v_scale_ptr + kv_head * stride_vsh
+    if HAS_WINDOW:  # [edge_lo, key_lo): the window's edge; every key after it is in every window
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, edge_lo, key_lo, ctx_len,
+            num_cached, tok, tree_words, first_key, softcap, stride_kb, stride_ks, stride_kd,
+            stride_vb, stride_vs, stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr,
+            stride_ksb, stride_vsb, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, HAS_TREE,
+            DOT_DTYPE, DOT_PRECISION, INT8_KV, True, HAS_SOFTCAP)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, key_lo, key_mid, ctx_len,
-        num_cached, tok, tree_words, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-        stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_vsb,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, HAS_TREE, DOT_DTYPE, DOT_PRECISION,
-        INT8_KV)
+        num_cached, tok, tree_words, first_key, softcap, stride_kb, stride_ks, stride_kd,
+        stride_vb, stride_vs, stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr,
+        stride_ksb, stride_vsb, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION, INT8_KV, False, HAS_SOFTCAP)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_row_ptr, key_mid, key_hi, ctx_len,
-        num_cached, tok, tree_words, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-        stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr, stride_ksb, stride_vsb,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, HAS_TREE, DOT_DTYPE, DOT_PRECISION,
-        INT8_KV)
+        num_cached, tok, tree_words, first_key, softcap, stride_kb, stride_ks, stride_kd,
+        stride_vb, stride_vs, stride_vd, qk_scale, k_scale_head_ptr, v_scale_head_ptr,
+        stride_ksb, stride_vsb, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION, INT8_KV, False, HAS_SOFTCAP)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc = 0 -> out 0
@@ -298,7 +382,7 @@ def _paged_attention_kernel(
     _paged_attention_program(
         q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
         out_ptr, lse_ptr, k_ptr, v_ptr,
-        qk_scale, num_seqs, split_size,
+        qk_scale, num_seqs, split_size, 0, 1.0,
         stride_qt, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -307,7 +391,7 @@ def _paged_attention_kernel(
         stride_ls, stride_lt, stride_lh,
         0, 0, 0, 0,
         GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, HAS_TREE,
-        DOT_DTYPE, DOT_PRECISION, False)
+        DOT_DTYPE, DOT_PRECISION, False, False, False)
 
 
 @triton.jit
@@ -331,7 +415,7 @@ def _paged_attention_int8_kernel(
     _paged_attention_program(
         q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
         out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
-        qk_scale, num_seqs, split_size,
+        qk_scale, num_seqs, split_size, 0, 1.0,
         stride_qt, stride_qh, stride_qd,
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
@@ -340,7 +424,43 @@ def _paged_attention_int8_kernel(
         stride_ls, stride_lt, stride_lh,
         stride_ksb, stride_ksh, stride_vsb, stride_vsh,
         GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, HAS_TREE,
-        DOT_DTYPE, DOT_PRECISION, True)
+        DOT_DTYPE, DOT_PRECISION, True, False, False)
+
+
+@triton.jit
+def _paged_attention_window_kernel(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+        qk_scale, num_seqs, split_size, window, softcap,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HAS_TREE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Stage 1 with a sliding window (HAS_WINDOW: ``window`` positions) and/or a score cap
+    (HAS_SOFTCAP: ``softcap`` = c log2 e), over float pages (INT8_KV=False: the scale
+    arguments are placeholders) or int8 pages. The two kernels above stay as they were, so
+    layers without either compile and run exactly as before."""
+    _paged_attention_program(
+        q_ptr, k_ptr, v_ptr, block_table_ptr, context_lens_ptr, cu_seqlens_ptr, tree_ptr,
+        out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+        qk_scale, num_seqs, split_size, window, softcap,
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_os, stride_ot, stride_oh, stride_od,
+        stride_ls, stride_lt, stride_lh,
+        stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, HAS_TREE,
+        DOT_DTYPE, DOT_PRECISION, INT8_KV, HAS_WINDOW, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -638,7 +758,7 @@ def _num_sms(device: torch.device) -> int:
 
 def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
                 max_q_len: int, max_ctx_len: int, dtype: torch.dtype, device: torch.device,
-                num_splits: int | None = None) -> PagedLaunch:
+                num_splits: int | None = None, window: int | None = None) -> PagedLaunch:
     """Choose tiles and the KV split.
 
     Tiles: 16-bit inputs take up to 128 query rows and 64-key tiles (32 for D > 128); fp32
@@ -647,6 +767,9 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     Splits grow until (query programs x kv heads x splits) is about two waves of the GPU, but
     each split keeps at least ``min_keys`` keys: one long sequence then fills every SM, while a
     large batch or a prefill chunk (many query blocks) runs unsplit and needs no stage 2.
+    With a sliding ``window`` the splits cut only the keys a query block can reach (from the
+    tile of its lowest visible position to its last key: at most window + max_q_len - 1 keys
+    plus the alignment of the first tile, see ``_paged_attention_program``), not the context.
     """
     interpreting = _interpreting()
     wide = dtype != torch.float32 and not interpreting
@@ -655,13 +778,16 @@ def plan_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
                   triton.next_power_of_2(group))
     block_q = block_m // group
     block_n = 64 if wide and head_dim <= 128 else 32
+    span = max_ctx_len  # keys one query block may have to walk
+    if window is not None:
+        span = min(max_ctx_len, window + max_q_len - 1 + block_n - 1)
     if num_splits is None:
         num_programs = (num_tokens // block_q + num_seqs) * num_kv_heads
         min_keys = block_n if interpreting else 256
         wanted = triton.cdiv(2 * _num_sms(device), num_programs)
-        num_splits = max(1, min(wanted, triton.cdiv(max_ctx_len, min_keys), 128))
-    split_size = triton.cdiv(triton.cdiv(max(max_ctx_len, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_ctx_len, split_size))
+        num_splits = max(1, min(wanted, triton.cdiv(span, min_keys), 128))
+    split_size = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(span, split_size))
     num_warps = 8 if block_m >= 128 or dtype == torch.float32 else 4
     return PagedLaunch(block_m, block_q, block_n, num_splits, split_size, num_warps,
                        num_stages=1 if interpreting else 2)
@@ -743,18 +869,42 @@ def _sequence_extents(context_lens, cu_seqlens_q) -> tuple[int, int]:
     return max_q_len, max_ctx_len
 
 
+MIN_TREE_WINDOW = 64  # a tree's new keys are all within a window of this many positions
+
+
+def _check_window_and_cap(window, softcap, tree_mask) -> tuple[int | None, float | None]:
+    """Validate ``window`` (an int >= 1 or None) and ``softcap`` (a finite float > 0 or None);
+    ValueError for a tree mask under a window below ``MIN_TREE_WINDOW``."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"a sliding window is a positive number of tokens, got {window!r}")
+        if tree_mask is not None and window < MIN_TREE_WINDOW:
+            raise ValueError(f"tree masks need a sliding window of at least {MIN_TREE_WINDOW} "
+                             f"positions in the Triton kernel, got {window} (a draft token's "
+                             "window would depend on its depth; use the torch form)")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
+                or not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+        softcap = float(softcap)
+    return window, softcap
+
+
 def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, *,
                            scale: float | None = None, tree_mask: torch.Tensor | None = None,
                            num_splits: int | None = None,
                            extents: tuple[int, int] | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           v_scale: torch.Tensor | None = None, window: int | None = None,
+                           softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention with an optional forced split count (tests and benchmarks).
     ``extents``: (max query length, max context length) when the caller knows them on the
     host (the engine's runner does); else they are read from the device (one sync).
-    ``k_scale``/``v_scale``: fp32 [NB, Hkv] for int8 caches (``kv_quant.py``), else None."""
+    ``k_scale``/``v_scale``: fp32 [NB, Hkv] for int8 caches (``kv_quant.py``), else None.
+    ``window``/``softcap``: as in ``paged_attention``."""
     _check_paged_inputs(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q, tree_mask)
     int8 = _check_scales(k_cache, v_cache, k_scale, v_scale)
+    window, softcap = _check_window_and_cap(window, softcap, tree_mask)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = block_table.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -768,8 +918,10 @@ def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_se
     if tree_mask is not None and max_q_len > MAX_TREE_TOKENS:
         raise ValueError(f"tree masks support at most {MAX_TREE_TOKENS} new tokens per "
                          f"sequence, got {max_q_len}")
+    if window is not None and window >= max_ctx_len:
+        window = None  # every query sees its whole context: the plain kernel is exact
     plan = plan_launch(num_tokens, num_seqs, num_kv_heads, group, head_dim, max_q_len,
-                       max_ctx_len, q.dtype, q.device, num_splits)
+                       max_ctx_len, q.dtype, q.device, num_splits, window)
     if plan.num_splits == 1:
         part_out, part_lse = out[None], lse[None]  # stage 1 writes the result directly
     else:
@@ -780,7 +932,17 @@ def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_se
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     dot_dtype, dot_precision = _dot_config(q.dtype)
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
-    if int8:  # the same body with int8 tiles and per-page scales (INT8_KV=True)
+    features, feature_flags = (), {}
+    if window is not None or softcap is not None:
+        # one kernel for both page kinds; float pages pass placeholder scales (never read)
+        kernel = _paged_attention_window_kernel
+        scale_args = (k_scale, v_scale) if int8 else (k_cache, v_cache)
+        scale_strides = (*k_scale.stride(), *v_scale.stride()) if int8 else (0, 0, 0, 0)
+        features = (window if window is not None else 0,
+                    softcap * LOG2E if softcap is not None else 1.0)
+        feature_flags = dict(INT8_KV=int8, HAS_WINDOW=window is not None,
+                             HAS_SOFTCAP=softcap is not None)
+    elif int8:  # the same body with int8 tiles and per-page scales (INT8_KV=True)
         kernel = _paged_attention_int8_kernel
         scale_args = (k_scale, v_scale)
         scale_strides = (*k_scale.stride(), *v_scale.stride())
@@ -790,13 +952,13 @@ def launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_se
         q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
         tree_mask if tree_mask is not None else cu_seqlens_q,
         part_out, part_lse, *scale_args,
-        scale * LOG2E, num_seqs, plan.split_size,
+        scale * LOG2E, num_seqs, plan.split_size, *features,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *part_out.stride(), *part_lse.stride(), *scale_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
         PAGE_SIZE=k_cache.shape[1], HAS_TREE=tree_mask is not None,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, **feature_flags,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.num_splits > 1:
         _launch_merge_splits(part_out, part_lse, out, lse)
@@ -830,7 +992,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     extents: tuple[int, int] | None = None,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    step_cache: dict | None = None, window: int | None = None,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a flattened batch of new tokens over paged KV (which already holds them).
 
     q [T, H, D]; k_cache/v_cache [NB, BS, Hkv, D]; block_table int32 [B, max_blocks];
@@ -841,11 +1004,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [NB, Hkv]; a row's value is ``int8 * scale[block, kv head]``. The kernel loads int8 tiles,
     converts them to q's dtype in registers (exact) and applies each key's page scale (see
     ``_attend_tiles``); q may be fp16, bf16 or fp32.
+    ``window``: a sliding window of that many positions (int >= 1; reference.py's
+    conventions); with a ``tree_mask`` it must be >= 64 (ValueError otherwise: then every new
+    key a draft token sees lies inside its window, and only cached keys are tested).
+    ``softcap``: each scaled score s becomes ``softcap * tanh(s / softcap)`` before the mask
+    (float > 0). Either one runs ``_paged_attention_window_kernel``; without both the kernels
+    are those of before.
     Returns out [T, H, D] (dtype of q) and lse fp32 [T, H].
     """
     return launch_paged_attention(q, k_cache, v_cache, block_table, context_lens, cu_seqlens_q,
                                   scale=scale, tree_mask=tree_mask, extents=extents,
-                                  k_scale=k_scale, v_scale=v_scale)
+                                  k_scale=k_scale, v_scale=v_scale, window=window,
+                                  softcap=softcap)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
