@@ -227,7 +227,16 @@ class SchedulerConfig:
                                      "stays under this, and a step that gives a new request its "
                                      "first token runs no other prefill chunk (0: off)"})
 
+    max_stop_strings: int = field(
+        default=64, metadata={"help": "most stop strings one request may give (each costs its length "
+                                      "once at the request's start, not per token)"})
+    max_stop_length: int = field(
+        default=1024, metadata={"help": "most characters in one stop string"})
+
     def __post_init__(self) -> None:
+        _check(self.max_stop_strings >= 0 and self.max_stop_length >= 1,
+               f"max_stop_strings must be >= 0 and max_stop_length >= 1, got {self.max_stop_strings} "
+               f"and {self.max_stop_length}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

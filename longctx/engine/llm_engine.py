@@ -151,6 +151,18 @@ class LLMEngine:
         """Raise ``RequestTooLongError`` for a request that could never run here."""
         self.scheduler.check_fits(num_prompt_tokens, max_tokens)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for sampling parameters past this engine's limits (stop strings:
+        ``max_stop_strings``, ``max_stop_length``). Reads only settings fixed at start."""
+        config = self.scheduler.config
+        if len(params.stop) > config.max_stop_strings:
+            raise ValueError(f"stop has {len(params.stop)} strings; at most {config.max_stop_strings} are "
+                             "allowed (max_stop_strings)")
+        longest = max(params.stop, key=len, default="")
+        if len(longest) > config.max_stop_length:
+            raise ValueError(f"a stop string has {len(longest)} characters; at most {config.max_stop_length} "
+                             "are allowed (max_stop_length)")
+
     @property
     def max_num_seqs(self) -> int:
         """The most requests that run at once."""
@@ -276,6 +288,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if params.prompt_logprobs is not None and self.sequence_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with sequence_parallel_size > 1")
+        self.check_params(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         arrival = time.perf_counter()
         self.scheduler.add(Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from longctx.engine.stop_matcher import StopMatcher
 from longctx.engine.detokenizer import Detokenizer, make_detokenizer
 from longctx.engine.outputs import RequestUpdate, RunnerOutput, SchedulerOutput
 from longctx.sampling_params import SamplingParams
@@ -90,11 +91,13 @@ class Tracked:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    stops: StopMatcher | None = None  # the request's stop strings, fed as the text grows
 
 
 def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that is a proper start of some stop string: text a
-    later token may turn into a stop (and cut), so it is not handed out yet."""
+    later token may turn into a stop (and cut), so it is not handed out yet. (The plain form of
+    what ``StopMatcher.pending`` keeps as the text grows; tests compare the two.)"""
     best = 0
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), best, -1):
@@ -116,7 +119,8 @@ class OutputProcessor:
         self.tracked[request_id] = Tracked(
             request_id, prompt, list(prompt_token_ids), params, RequestMetrics(arrival_time),
             logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            stops=StopMatcher(params.stop) if params.stop else None)
 
     def abort(self, request_id: str) -> bool:
         """Forget the request; True if it was still unfinished."""
@@ -186,20 +190,29 @@ class OutputProcessor:
         # == tokenizer.decode(t.token_ids, skip_special_tokens=True), at a cost per token that
         # does not grow with the output
         text = t.detok.add(token)
-        for stop in params.stop:
-            at = text.find(stop, max(0, len(old_text) - len(stop)))
-            if at >= 0:
+        matcher, saved = t.stops, t.stops.state if t.stops is not None else 0
+        if matcher is not None:
+            if not text.startswith(old_text):  # (the text before changed: read it all again)
+                matcher.reset()
+                old_text_len = 0
+            else:
+                old_text_len = len(old_text)
+            hit = matcher.feed(text[old_text_len:])
+            if hit is not None:
+                stop = params.stop[hit[0]]
+                at = old_text_len + hit[1] - len(stop)
                 text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
                 reason = "stop"
-                break
         if reason is None and text.endswith("\ufffd"):
             text = old_text  # an incomplete UTF-8 sequence: wait for the next token
+            if matcher is not None:
+                matcher.state = saved  # (the matcher is where old_text left it)
         t.text = text
         if reason is not None:
             t.finish_reason = reason
             m.finished_time = now
             end = len(text)
         else:
-            end = max(t.num_sent, len(text) - partial_stop_len(text, params.stop))
+            end = max(t.num_sent, len(text) - (matcher.pending if matcher is not None else 0))
         new_text, t.num_sent = text[t.num_sent:end], end
         return new_text, reason

@@ -69,6 +69,7 @@ class OpenAIRoutes:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.check_request = engine.check_request  # reads only settings fixed at start (thread-safe)
+        self.check_params = engine.check_params  # (the same)
         self.kv_capacity_tokens = engine.kv_capacity_tokens
         # The engine thread decodes with its tokenizer; tokenizers are not safe to share across
         # threads, so requests are encoded with a copy, on one worker thread of their own.
@@ -194,6 +195,10 @@ class OpenAIRoutes:
             params = body.sampling_params(max_tokens)
         except ValueError as err:
             raise bad_request(str(err)) from err
+        try:
+            self.check_params(params)
+        except ValueError as err:
+            raise bad_request(str(err), param="stop") from err
         shape = shape_cls(f"{shape_cls.id_prefix}-{uuid.uuid4().hex}", self.model_name, params.logprobs)
         handle = self._submit(shape.request_id, prompt_ids, params, arrival)
 
