@@ -13,7 +13,9 @@ script's own) and writes, with matplotlib's Agg backend:
 * ``e2e-history.png``  8K prefill and decode at 8K, longctx, HF and vLLM-CPU, in every ``e2e``
                        record that ran a peer engine (HF or vLLM) beside longctx;
 * ``long-context.png`` decode ms/token and prefill time vs context, float32 vs int8 KV pages
-                       (the newest ``long`` record, from ``bench_long.py``).
+                       (the newest ``long`` record, from ``bench_long.py``);
+* ``window-kv.png``    KV held and decode ms/token, sliding-window layers freed, kept and an
+                       all-global model (the newest ``window-kv`` record).
 
 "Newest" is the rule of ``benchmarks/tables.py``: the newest record (by its ``started`` time;
 ties: more figures, then the later path) that holds the fields the plot needs, so the plots
@@ -486,9 +488,37 @@ def plot_long_context(results, out: Path) -> None:
            "context; bench_long.py)", rec, data, out / "long-context.png")
 
 
+def plot_window_kv(results, out: Path) -> None:
+    rec, data = newest(results, "window-kv", lambda d: bool(d.get("rows")))
+    rows = data["rows"]
+    contexts = sorted({r["context"] for r in rows})
+    modes = [("free", "windowed layers freed", "tab:green"), ("keep", "kept", "tab:blue"),
+             ("global", "all-global model", "tab:red")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+    width = 0.8 / len(modes)
+    for ax, (key, ylabel, scale, fmt) in zip(axes, [("kv_bytes_held", "KV held (MiB)", 2 ** -20, "{:.0f}"),
+                                                    ("decode_ms_per_token", "decode (ms per token)", 1.0, "{:.1f}")]):
+        for i, (mode, label, color) in enumerate(modes):
+            for j, c in enumerate(contexts):
+                r = next((r for r in rows if r["mode"] == mode and r["context"] == c), None)
+                if r is None or r.get(key) is None:
+                    continue
+                x, y = j + (i - 1) * width, r[key] * scale
+                ax.bar(x, y, width, color=color, label=label if j == 0 else None)
+                note = fmt.format(y) + (f"\n{r['kv_ratio_vs_global']:.2f}x" if key == "kv_bytes_held" else "")
+                ax.annotate(note, (x, y), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+        ax.set_xticks(range(len(contexts)), [f"{c} tokens" for c in contexts])
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8, loc="upper left")
+    finish(fig, axes, "Gemma-3-shaped model (5 sliding : 1 global, window 1,024): KV held and decode "
+           "(bench_window_kv.py)", rec, data, out / "window-kv.png")
+
+
 PLOTS = {"prefill.png": plot_prefill, "decode.png": plot_decode, "prefix.png": plot_prefix,
          "lookahead.png": plot_lookahead, "parallel.png": plot_parallel,
-         "e2e-history.png": plot_history, "long-context.png": plot_long_context}
+         "e2e-history.png": plot_history, "long-context.png": plot_long_context, "window-kv.png": plot_window_kv}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -654,6 +654,25 @@ def lookahead(records: list[Record], doc: Doc) -> list[str]:
                   "same tokens", "HF tok/s", "HF prompt lookup tok/s", "run"], rows)
 
 
+def window_kv(records: list[Record], doc: Doc) -> list[str]:
+    """bench_window_kv.py: the Gemma-3-shaped model with its windowed layers freed, kept, and
+    its all-global twin, per context."""
+    w = newest(records, "window-kv", lambda r: bool(r.result.get("rows")))
+    if w is None:
+        return missing("bench_window_kv.py rows")
+    rows = []
+    for r in w.result["rows"]:
+        same = r.get("same_tokens_as_keep")
+        paired = num(r.get("decode_vs_global_paired"))
+        rows.append([tokens(r["context"]), {"free": "freed (ring)", "keep": "kept", "global": "all-global model"}.get(
+                         r["mode"], r["mode"]),
+                     f(r["kv_bytes_held"] / 2 ** 20), f"{num(r['kv_ratio_vs_global']):.3f}x", sec(num(r["prefill_s"])),
+                     f(num(r.get("decode_ms_per_token"))), f"{paired:.2f}x" if paired else "?",
+                     "" if same is None else "yes" if same else "NO", doc.run(w)])
+    return table(["context", "windowed layers' KV", "KV held (MiB)", "vs all-global", "prefill", "decode ms/token",
+                  "decode vs all-global (paired)", "same tokens as kept", "run"], rows)
+
+
 def batch(records: list[Record], doc: Doc) -> list[str]:
     b = newest(records, "batch", lambda r: num(get(r.result, "summary", "longctx", "tok_s")) is not None)
     if b is None:
@@ -877,6 +896,7 @@ TABLES: dict[str, Callable[[list[Record], Doc], list[str]]] = {
     "e2e-vllm": e2e_vllm,
     "prefix": prefix,
     "lookahead": lookahead,
+    "window-kv": window_kv,
     "batch": batch,
     "serve": serve,
     "parallel": parallel,
