@@ -3,6 +3,8 @@ tokens of a cold run, bad disk files are misses, cache-aware admission, and no p
 
 from __future__ import annotations
 
+import os
+
 import random
 
 import pytest
@@ -51,6 +53,39 @@ def _llm(folder, **kw):
 
 def _store(tmp_path, budget=1 << 20):
     return DiskKVStore(tmp_path, budget, (2, 2, 4, 1, 3), torch.float32)
+
+
+def test_disk_store_files_are_private(tmp_path):
+    """Issue 43 item 3 (in part): folders 0700, files 0600 whatever the umask (they were 0755 /
+    0644, readable by every local user)."""
+    old = os.umask(0o002)
+    try:
+        store = _store(tmp_path / "cache")
+        store.write("ab" * 32, torch.randn(2, 2, 4, 1, 3))
+    finally:
+        os.umask(old)
+    page = store.path("ab" * 32)
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+    assert page.parent.stat().st_mode & 0o777 == 0o700
+    assert page.stat().st_mode & 0o777 == 0o600
+
+
+def test_disk_store_removes_a_dead_writers_temporary_files(tmp_path):
+    """Issue 43 item 6 (in part): a write killed midway leaves ``.<name>.<pid>.tmp``; a store
+    opening the folder removes it when that pid is gone, and keeps a live writer's."""
+    import subprocess
+    import sys
+
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = sub / f".{'ab' * 32}.kvpage.{dead}.tmp"
+    live = sub / f".{'cd' * 32}.kvpage.{os.getpid()}.tmp"
+    stale.write_bytes(b"half a page")
+    live.write_bytes(b"being written")
+    store = _store(tmp_path)
+    assert not stale.exists() and live.exists() and store.num_stale_tmp_removed == 1
 
 
 def test_disk_store_round_trip_and_layout_checks(tmp_path):

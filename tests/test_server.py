@@ -429,6 +429,7 @@ def test_bad_requests_get_a_clear_4xx(server, route, body, status, param, words)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["code"], str) and error["code"], error  # (some were null)
     assert error["param"] == param
     assert words in error["message"], error["message"]
 

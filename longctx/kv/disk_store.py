@@ -17,7 +17,12 @@ Version 2 added int8 pages; a file of version 1 (or of any other magic) is a mis
 
 Files are written to a temporary name and renamed, so a reader never sees half a file. A file
 that is missing, truncated, corrupted or of another layout is a miss: it is logged, counted,
-removed if it is damaged, and never used.
+removed if it is damaged, and never used. A temporary file whose writer (the pid in its name)
+is gone, left by a process killed mid-write, is removed when a store opens the folder.
+
+The KV of a private document is as sensitive as the document: folders are created 0700 and
+files 0600 (owner only, whatever the umask); the pages are checksummed, not authenticated
+(docs/prefix-store.md says what that does and does not stop).
 """
 
 from __future__ import annotations
@@ -40,12 +45,23 @@ OLD_MAGICS = (b"LCKVPAGE1\n",)
 SUFFIX = ".kvpage"
 
 
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 class DiskKVStore:
     def __init__(self, folder: str | os.PathLike, budget_bytes: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
         self.folder = Path(folder).expanduser()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"cannot use disk_cache_dir {str(self.folder)!r}: {err}") from err
         self.budget_bytes = budget_bytes
@@ -55,9 +71,18 @@ class DiskKVStore:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recent first
         self._pending: OrderedDict[str, torch.Tensor] = OrderedDict()  # put, not yet written
         self._lock = threading.RLock()  # the engine's thread and the disk thread share the index
+        self.num_stale_tmp_removed = 0
         self._scan()
 
     def _scan(self) -> None:
+        for tmp in self.folder.glob("*/.*.tmp"):  # (``.<name>.<pid>.tmp``) writers killed midway
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                try:
+                    tmp.unlink()
+                    self.num_stale_tmp_removed += 1
+                except OSError:
+                    pass
         found = []
         for path in self.folder.glob(f"*/*{SUFFIX}"):
             try:
@@ -136,9 +161,11 @@ class DiskKVStore:
                              "shape": list(self.page_shape), "nbytes": len(payload),
                              "sha256": hashlib.sha256(payload).hexdigest()}).encode()
         path = self.path(key)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner only, whatever the umask
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + struct.pack("<I", len(header)) + header)
             f.write(payload)
         os.replace(tmp, path)

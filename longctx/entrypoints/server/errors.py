@@ -20,6 +20,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
+# the code of an error raised without one: every error body names a code a client can switch on
+DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                 413: "request_too_large", 429: "rate_limit_exceeded", 500: "internal_error",
+                 503: "engine_unavailable"}
 
 
 class APIError(Exception):
@@ -29,6 +33,7 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        code = code or DEFAULT_CODES.get(status, "http_error")
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
