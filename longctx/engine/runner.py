@@ -214,7 +214,7 @@ class ModelRunner(SamplingRunner):
         if self.kv.ring is not None:  # the windowed layers' rows in their sequences' rings
             r = self.kv.ring
             ring = ([x for s in batch.seqs for x in r.slots(s.tail_slot, range(s.start_pos, s.start_pos + len(s.token_ids)))],
-                    [r.table_row(s.tail_slot, width) for s in batch.seqs])
+                    [r.table_row(s.tail_slot, width, r.first_key(s.start_pos)) for s in batch.seqs])
         t = self.packer.pack(step, table, plan.ints if plan else None, ring)
         meta = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, cu_seqlens_q=t["cu_seqlens_q"],

@@ -68,10 +68,20 @@ class WindowRing:
             raise ValueError(f"window ring slot {slot} is outside [0, {self.num_slots})")
         return slot * self.pages_per_seq + block % self.pages_per_seq
 
-    def table_row(self, slot: int, num_blocks: int) -> list[int]:
-        """A block-table row over the ring for ``num_blocks`` logical blocks (the blocks the
-        ring has come round from hold other positions; the kernels never read them)."""
-        return [self.page(slot, b) for b in range(num_blocks)]
+    def table_row(self, slot: int, num_blocks: int, first_key: int = 0) -> list[int]:
+        """A block-table row over the ring for ``num_blocks`` logical blocks. Blocks below the
+        one holding ``first_key`` (the first key the step's queries see) are not read by any
+        kernel: they point at the ring's first page, so a row costs the window, not the context."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"window ring slot {slot} is outside [0, {self.num_slots})")
+        base, per = slot * self.pages_per_seq, self.pages_per_seq
+        first = min(max(0, first_key) // self.block_size, num_blocks)
+        return [base] * first + [base + b % per for b in range(first, num_blocks)]
+
+    def first_key(self, start_pos: int) -> int:
+        """The first key a step whose first new token is at ``start_pos`` reads in any windowed
+        layer (its window's start; a draft node sits at or past it)."""
+        return max(0, start_pos - self.window + 1)
 
     def slots(self, slot: int, positions: range | list[int]) -> list[int]:
         """KV slots (page * BS + offset) of ``positions`` in ``slot``'s ring."""
