@@ -273,12 +273,17 @@ class ParallelConfig:
     sp_timeout_s: float = field(
         default=120.0, metadata={"help": "seconds a rank may take to answer within a step before "
                                          "the requests in flight fail"})
+    sp_start_timeout_s: float = field(
+        default=600.0, metadata={"help": "seconds the ranks may take to start (spawn, load the model, "
+                                         "join) before start-up fails: apart from sp_timeout_s, so a "
+                                         "slow start on a loaded machine is not a failure"})
 
     def __post_init__(self) -> None:
         _check(isinstance(self.sequence_parallel_size, int) and not isinstance(self.sequence_parallel_size, bool)
                and self.sequence_parallel_size >= 1,
                f"sequence_parallel_size must be an integer >= 1, got {self.sequence_parallel_size!r}")
         _check(self.sp_timeout_s > 0, f"sp_timeout_s must be positive, got {self.sp_timeout_s}")
+        _check(self.sp_start_timeout_s > 0, f"sp_start_timeout_s must be positive, got {self.sp_start_timeout_s}")
 
 
 CONFIG_CLASSES = (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig, ParallelConfig)

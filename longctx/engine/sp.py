@@ -482,19 +482,23 @@ def rank_pool(model: LlamaForCausalLM, num_blocks: int, cache: CacheConfig, load
 
 def _worker_main(rank: int, world: int, init_method: str, backend: str, model: Any, load: ModelLoadConfig,
                  num_blocks: int, cache: CacheConfig, timeout_s: float, threads: int, parent: int,
-                 board: ShmBoard | None, ready: Any) -> None:
+                 board: ShmBoard | None, ready: Any, start_timeout_s: float | None = None) -> None:
     """A worker rank: join the group, then run rank 0's commands until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0's to handle (serve drains first); the
         signal.signal(sig, signal.SIG_IGN)      # workers end on its "stop" or when it is gone
     set_cpu_threads(threads)
-    device = init_distributed(rank, world, init_method, backend, timeout_s)
+    start = timedelta(seconds=start_timeout_s or timeout_s)  # joining: the start-up's deadline
+    device = init_distributed(rank, world, init_method, backend, start.total_seconds())
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # as the engine does
     # with the board a worker waits for commands there; the group carries only large ones, which
-    # rank 0 sends right after its marker, so the step's timeout applies
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if board is not None
-                             else CONTROL_TIMEOUT)
+    # rank 0 sends right after its marker, so the step's timeout applies (once started)
+    control = dist.new_group(backend="gloo", timeout=start if board is not None else CONTROL_TIMEOUT)
+    if board is not None:
+        step_deadlines(timeout_s, control)
+    else:  # (the control group waits for commands as long as it must; the exchanges do not)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
         from longctx.model.loader import load_model
 
@@ -556,15 +560,25 @@ def _check_start(model: LlamaForCausalLM, world: int, device: torch.device) -> N
                           "share: use cpu_matmul='kernel' or 'blas' with sequence_parallel_size > 1")
 
 
+def step_deadlines(timeout_s: float, control: Any) -> None:
+    """Once the ranks have started: the default group and ``control`` time out as a step does
+    (``sp_timeout_s``), no longer as the start-up (``sp_start_timeout_s``)."""
+    step = timedelta(seconds=timeout_s)
+    dist.distributed_c10d._set_pg_timeout(step)
+    dist.distributed_c10d._set_pg_timeout(step, control)
+
+
 def _wait_for_ranks(procs: list, ready: Any, folder: tempfile.TemporaryDirectory, world: int,
-                    init_method: str, backend: str, timeout_s: float) -> Any:
-    """Join the process group as rank 0 and wait for every worker's ready message; returns the
-    gloo control group. On any failure the workers are killed and the error says which lived."""
+                    init_method: str, backend: str, timeout_s: float, step_timeout_s: float) -> Any:
+    """Join the process group as rank 0 and wait for every worker's ready message, all within
+    ``timeout_s`` (the start-up's); returns the gloo control group, with the step's deadline
+    from then on. On any failure the workers are killed and the error says which lived."""
     try:
         init_distributed(0, world, init_method, backend, timeout_s)
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         for _ in procs:
             ready.get(timeout=timeout_s)
+        step_deadlines(step_timeout_s, control)
         return control
     except BaseException as err:
         for proc in procs:
@@ -604,11 +618,13 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
     ready = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, name=f"longctx-sp-rank{rank}", daemon=True,
                          args=(rank, world, init_method, backend, shared, load, num_blocks, cache,
-                               parallel.sp_timeout_s, threads, os.getpid(), board, ready))
+                               parallel.sp_timeout_s, threads, os.getpid(), board, ready,
+                               parallel.sp_start_timeout_s))
              for rank in range(1, world)]
     for proc in procs:
         proc.start()
-    control = _wait_for_ranks(procs, ready, folder, world, init_method, backend, parallel.sp_timeout_s)
+    control = _wait_for_ranks(procs, ready, folder, world, init_method, backend, parallel.sp_start_timeout_s,
+                              parallel.sp_timeout_s)
     set_cpu_threads(threads)
     def alive() -> bool:
         return all(p.exitcode is None for p in procs)
@@ -635,9 +651,10 @@ def _join_torchrun(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheC
         raise ConfigError(f"under torchrun, sequence_parallel_size must be the world size ({world})")
     os.environ.update(saved)  # longctx.entrypoints.torchrun hid torchrun's RANK/WORLD_SIZE from the command
     backend = "nccl" if device.type == "cuda" else "gloo"
-    init_from_env(backend, parallel.sp_timeout_s)
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_timeout_s))
+    init_from_env(backend, parallel.sp_start_timeout_s)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=parallel.sp_start_timeout_s))
     dist.barrier(group=control)  # every worker has its model and pages
+    step_deadlines(parallel.sp_timeout_s, control)
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)
     ranks = _Ranks([], control, tempfile.TemporaryDirectory(prefix="longctx-sp-"), None)
@@ -653,7 +670,7 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
     from longctx.attention import select_backend
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    init_from_env(backend, parallel.sp_timeout_s)
+    init_from_env(backend, parallel.sp_start_timeout_s)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)
@@ -662,4 +679,5 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
                    cache, load, device)
     executor = RankExecutor(model, kv, kernels, rank, world, device, threads, RingComm(), control)
     dist.barrier(group=control)
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=parallel.sp_timeout_s))  # started: steps' deadline
     serve_commands(executor, None, control)

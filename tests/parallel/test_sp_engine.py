@@ -574,3 +574,32 @@ def test_rank_killed_while_another_thread_generates(folder):
         killer.join(5)
     finally:
         _close_promptly(llm)
+
+
+def test_start_up_has_its_own_deadline(folder, monkeypatch):
+    """Issue 43 item 12: the ranks' start (spawn, imports, model, rendezvous) runs under
+    ``sp_start_timeout_s``, not the step's ``sp_timeout_s`` (which bounded the rendezvous: under
+    CPU contention the start failed with gloo's "Wait timeout"); once started, the groups time
+    out as a step does. A 2 s step deadline is less than a worker's start takes here."""
+    from longctx.engine import sp
+
+    seen = []
+    real = sp.init_distributed
+
+    def spy(rank, world, init_method, backend=None, timeout_s=600.0, local_rank=None):
+        seen.append(timeout_s)
+        return real(rank, world, init_method, backend, timeout_s, local_rank)
+
+    deadlines = []
+    real_deadlines = sp.step_deadlines
+    monkeypatch.setattr(sp, "init_distributed", spy)
+    monkeypatch.setattr(sp, "step_deadlines", lambda t, group: (deadlines.append(t), real_deadlines(t, group)))
+    llm = LLM(folder, block_size=BLOCK, max_num_batched_tokens=64, sequence_parallel_size=2, sp_timeout_s=2.0,
+              sp_start_timeout_s=300.0)
+    try:
+        assert seen == [300.0]  # rank 0 joined under the start-up's deadline
+        assert deadlines == [2.0]  # then the step's
+        out = llm.generate({"prompt_token_ids": _tokens(40, seed=71)}, _greedy(4))[0].outputs[0]
+        assert len(out.token_ids) == 4
+    finally:
+        llm.close()
