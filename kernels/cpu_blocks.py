@@ -1,0 +1,175 @@
+"""Weight products over GGUF block formats kept as stored (``csrc/linear_blocks.c``): built on
+first use, called through ctypes, registered as the torch operators
+``longctx::blocks_linear`` and ``longctx::blocks_dequant``.
+
+Owns: ``linear(x, blocks, fmt, k)`` = ``x @ dequantize(blocks).T (+ bias) (+ residual)`` for a
+``[N, row_bytes]`` uint8 matrix in one of ``FORMATS`` (GGML's type ids), and
+``dequantize(blocks, fmt, k, rows=...)`` (chosen rows or a range of rows as float32: the
+embedding's lookups, a prefill step's slices). Never: choosing when to use it (the model's
+``BlockWeights`` does), or failing a run: with no compiler, a failed build or
+``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable and the loader expands the file to
+float32 as before.
+
+Numerics: the dequantized values are bit-identical to ggml's reference and to the ``gguf``
+package's ``dequantize`` (tests/kernels/test_blocks.py checks every format), and the products
+are float32 sums over them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_build
+
+__all__ = ["FORMATS", "available", "status", "row_bytes", "linear", "dequantize"]
+
+SOURCE = cpu_build.CSRC / "linear_blocks.c"
+# name -> GGML type id (the ids GGUF files carry), for the formats the kernel reads
+FORMATS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+           "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+NAMES = {v: k for k, v in FORMATS.items()}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.longctx_blocks_row_bytes.restype = i32
+    lib.longctx_blocks_row_bytes.argtypes = [i32, i64, ctypes.POINTER(i64)]
+    lib.longctx_blocks_linear.restype = i32
+    lib.longctx_blocks_linear.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, i64, ptr, ptr, i64, ptr, i64, i32]
+    lib.longctx_blocks_dequant.restype = i32
+    lib.longctx_blocks_dequant.argtypes = [ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32]
+
+
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
+_load = _LIBRARY.load
+available = _LIBRARY.available  # whether the kernel runs here
+status = _LIBRARY.status  # 'ok', or why the kernel is not used
+
+
+def _format_id(fmt: int | str) -> int:
+    code = FORMATS.get(fmt) if isinstance(fmt, str) else fmt
+    if code not in NAMES:
+        raise ValueError(f"weight format {fmt!r} is not one the block kernel reads ({', '.join(FORMATS)})")
+    return code
+
+
+def row_bytes(fmt: int | str, k: int) -> int:
+    """Bytes of one row of ``k`` weights in ``fmt``; ValueError when ``k`` is not a whole
+    number of the format's blocks."""
+    code = _format_id(fmt)
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU block kernel is {status()}")
+    out = ctypes.c_int64(0)
+    if lib.longctx_blocks_row_bytes(code, k, ctypes.byref(out)) != 0:
+        raise ValueError(f"a row of {k} weights is not a whole number of {NAMES[code]} blocks")
+    return out.value
+
+
+def _check_blocks(blocks: torch.Tensor, code: int, k: int) -> None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
+        raise ValueError(f"blocks must be a uint8 [N, row_bytes] CPU tensor, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} on {blocks.device}")
+    if blocks.shape[1] != row_bytes(code, k) or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be contiguous rows of {row_bytes(code, k)} bytes ({k} {NAMES[code]} "
+                         f"weights), got {tuple(blocks.shape)} strides {blocks.stride()}")
+
+
+def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, num_threads: int, out: torch.Tensor) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU block kernel is {status()}")
+    _check_blocks(blocks, fmt, k)
+    n = blocks.shape[0]
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(f"x must be a float32 [M, {k}] CPU tensor with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m = x.shape[0]
+    if m < 1:
+        raise ValueError("x has no rows")
+    for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (m, n))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 {shape} with contiguous rows, got {t.dtype} {tuple(t.shape)}")
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError("bias must be contiguous")
+    if out.dtype != torch.float32 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 ({m}, {n}) with contiguous rows, got {out.dtype} {tuple(out.shape)}")
+    rc = lib.longctx_blocks_linear(
+        x.data_ptr(), max(x.stride(0), k), m, blocks.data_ptr(), blocks.shape[1], fmt, n, k,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), n),
+        None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), n),
+        num_threads)
+    if rc != 0:
+        raise ValueError(f"blocks_linear rejected its arguments (code {rc}): x {tuple(x.shape)}, "
+                         f"blocks {tuple(blocks.shape)} {NAMES[fmt]}")
+
+
+blocks_linear = cpu_build.define_op(
+    "blocks_linear(Tensor x, Tensor blocks, int fmt, int k, Tensor? bias, Tensor? residual, int num_threads, "
+    "Tensor(a!) out) -> ()", _blocks_linear)
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: torch.Tensor | None = None, *,
+           residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ dequantize(blocks).T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32.
+    ``blocks``: [N, row_bytes] uint8, N rows of K weights in ``fmt`` (a name of ``FORMATS`` or
+    its GGML id). ``out``: an [M, N] float32 tensor with contiguous rows to write into (it may
+    be a column slice of a wider one). Runs ``torch.ops.longctx.blocks_linear``."""
+    code = _format_id(fmt)
+    if x.dim() == 2 and x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0] if x.dim() == 2 else 0, blocks.shape[0] if blocks.dim() == 2 else 0,
+                          dtype=torch.float32)
+    blocks_linear(x, blocks, code, k, bias, residual, torch.get_num_threads() if num_threads is None else num_threads,
+                  out)
+    return out
+
+
+def _blocks_dequant(blocks: torch.Tensor, fmt: int, k: int, rows: torch.Tensor | None, first_row: int,
+                    num_threads: int, out: torch.Tensor) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU block kernel is {status()}")
+    _check_blocks(blocks, fmt, k)
+    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous()):
+        raise ValueError(f"rows must be a contiguous int64 vector, got {rows.dtype} {tuple(rows.shape)}")
+    nrows = out.shape[0]
+    if out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != k or out.stride(1) != 1 or (
+            rows is not None and rows.shape[0] != nrows):
+        raise ValueError(f"out must be float32 [{nrows}, {k}] with contiguous rows, got {out.dtype} {tuple(out.shape)}")
+    rc = lib.longctx_blocks_dequant(blocks.data_ptr(), blocks.shape[1], fmt, blocks.shape[0], k,
+                                    None if rows is None else rows.data_ptr(), first_row, nrows,
+                                    out.data_ptr(), max(out.stride(0), k), num_threads)
+    if rc == 4:
+        raise IndexError(f"a row index is outside the matrix's {blocks.shape[0]} rows")
+    if rc != 0:
+        raise ValueError(f"blocks_dequant rejected its arguments (code {rc}): blocks {tuple(blocks.shape)} "
+                         f"{NAMES[fmt]}, first_row {first_row}, {nrows} rows")
+
+
+blocks_dequant = cpu_build.define_op(
+    "blocks_dequant(Tensor blocks, int fmt, int k, Tensor? rows, int first_row, int num_threads, "
+    "Tensor(a!) out) -> ()", _blocks_dequant)
+
+
+def dequantize(blocks: torch.Tensor, fmt: int | str, k: int, rows: torch.Tensor | None = None, *,
+               first_row: int = 0, num_rows: int | None = None, out: torch.Tensor | None = None,
+               num_threads: int | None = None) -> torch.Tensor:
+    """float32 [R, K] of ``blocks``' rows: those indexed by ``rows`` (int64), else ``num_rows``
+    (default all) from ``first_row``. ``out``: [R, K] float32 with contiguous rows to fill."""
+    code = _format_id(fmt)
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        count = rows.shape[0]
+    else:
+        count = blocks.shape[0] - first_row if num_rows is None else num_rows
+    if out is None:
+        out = torch.empty(count, k, dtype=torch.float32)
+    blocks_dequant(blocks, code, k, rows, first_row, torch.get_num_threads() if num_threads is None else num_threads,
+                   out)
+    return out

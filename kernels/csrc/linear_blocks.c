@@ -1,0 +1,605 @@
+/* y = x @ W^T (+ bias) (+ residual) for weights kept in GGUF's block formats, as the file stores
+ * them (memory-mapped, never expanded in memory): the products of decode, batched decode and
+ * lookahead verification, where the weight bytes read decide the time. A Q4_1 matrix is ~5 bits
+ * a weight against float32's 32, so a step streams ~6x fewer bytes.
+ *
+ * Numerics ("exact"): each weight row is dequantized into float32 exactly as ggml's reference
+ * (and the gguf package, and transformers' GGUF loader) computes it - every block format's
+ * value is d * q (+ m, or - dmin * m), whose product is exact in float32 (at most 24 significant
+ * bits: an fp16 scale times a small integer), so the dequantized row is bit-identical whatever
+ * the instruction set - and multiplied in float32. The result is float32's product on the
+ * dequantized weights, summed in another order: what the row kernel (linear_rows.c) gives on a
+ * float32 copy of them.
+ *
+ *   x    [M, K] float32, row stride ldx
+ *   w    [N, row_bytes] bytes: N rows of K / block_elems blocks each, in format fmt (GGML's type
+ *        ids: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
+ *        BF16 30)
+ *   bias [N] float32 or NULL; res [M, N] float32 (row stride ldr) or NULL
+ *   y    [M, N] float32, row stride ldy (so a product can fill a column slice of a wider output:
+ *        the parts of a fused q/k/v matrix whose parts have different formats)
+ *
+ * Work: output rows are cut into chunks of CHUNK over the OpenMP threads asked for. A thread
+ * dequantizes one weight row into a float32 buffer (K floats: in L1 for K up to ~8K) and takes
+ * the x rows four at a time against it, so each weight byte is read from memory once per call.
+ * longctx_blocks_dequant writes chosen rows (the embedding's lookups) or a range of rows (a
+ * prefill step's slice, which then goes to linear_rows.c's panel product) as float32.
+ *
+ * Built at first use by kernels/cpu_blocks.py with the machine's compiler (cpu_build.py picks
+ * the instruction set; AVX-512 and AVX2 dot products by intrinsics, plain C otherwise).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+#if HAVE_AVX2 && defined(__AVX512F__)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define CHUNK 8 /* output rows per work item */
+/* up to this many x rows a register-dequantizing format dequantizes each weight group once per
+ * four rows; from there the row is dequantized once into the buffer, which the dot products read */
+#define REGISTER_MAX_ROWS 8
+
+enum { F_F32 = 0, F_F16 = 1, F_Q4_0 = 2, F_Q4_1 = 3, F_Q5_0 = 6, F_Q5_1 = 7, F_Q8_0 = 8,
+       F_Q4_K = 12, F_Q5_K = 13, F_Q6_K = 14, F_BF16 = 30 };
+
+/* elements and bytes per block, 0 for a format this file does not read */
+static int block_elems(int fmt) {
+    switch (fmt) {
+    case F_F32: case F_F16: case F_BF16: return 1;
+    case F_Q4_0: case F_Q4_1: case F_Q5_0: case F_Q5_1: case F_Q8_0: return 32;
+    case F_Q4_K: case F_Q5_K: case F_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int fmt) {
+    switch (fmt) {
+    case F_F32: return 4;
+    case F_F16: case F_BF16: return 2;
+    case F_Q4_0: return 18;
+    case F_Q4_1: return 20;
+    case F_Q5_0: return 22;
+    case F_Q5_1: return 24;
+    case F_Q8_0: return 34;
+    case F_Q4_K: return 144;
+    case F_Q5_K: return 176;
+    case F_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* IEEE half -> float, exact (normal, subnormal, inf and NaN alike). */
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, mant = h & 1023;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: mant * 2^-24, exact in float */
+            float f = (float)mant * 5.9604644775390625e-8f;
+            return sign ? -f : f;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Q4_K / Q5_K: the j-th (0..7) sub-block's 6-bit scale and min from the 12 packed bytes. */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One row of K elements in format fmt -> out[K] float32 (bit-identical to ggml's reference). */
+static void dequant_row_vector(const uint8_t *row, int fmt, int64_t k, float *restrict out);
+
+static void dequant_row(const uint8_t *row, int fmt, int64_t k, float *restrict out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (fmt == F_Q8_0 || fmt == F_Q4_0 || fmt == F_Q4_1 || fmt == F_Q4_K || fmt == F_Q6_K) {
+        dequant_row_vector(row, fmt, k, out);
+        return;
+    }
+#endif
+    switch (fmt) {
+    case F_F32:
+        memcpy(out, row, (size_t)k * 4);
+        return;
+    case F_F16:
+        for (int64_t i = 0; i < k; i++)
+            out[i] = h2f(row + 2 * i);
+        return;
+    case F_BF16:
+        for (int64_t i = 0; i < k; i++) {
+            uint16_t b;
+            memcpy(&b, row + 2 * i, 2);
+            const uint32_t bits = (uint32_t)b << 16;
+            memcpy(out + i, &bits, 4);
+        }
+        return;
+    }
+    const int64_t nb = k / block_elems(fmt);
+    const int bb = block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        switch (fmt) {
+        case F_Q8_0: {
+            float *restrict o = out + b * 32;
+            const float d = h2f(blk);
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < 32; j++)
+                o[j] = d * (float)q[j];
+            break;
+        }
+        case F_Q4_0: {
+            float *restrict o = out + b * 32;
+            const float d = h2f(blk);
+            const uint8_t *q = blk + 2;
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)((int)(q[j] & 15) - 8);
+                o[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+            }
+            break;
+        }
+        case F_Q4_1: {
+            float *restrict o = out + b * 32;
+            const float d = h2f(blk), m = h2f(blk + 2);
+            const uint8_t *q = blk + 4;
+            for (int j = 0; j < 16; j++) {
+                o[j] = d * (float)(q[j] & 15) + m;
+                o[j + 16] = d * (float)(q[j] >> 4) + m;
+            }
+            break;
+        }
+        case F_Q5_0: case F_Q5_1: {
+            float *restrict o = out + b * 32;
+            const int one = fmt == F_Q5_1;
+            const float d = h2f(blk), m = one ? h2f(blk + 2) : 0.0f;
+            uint32_t qh;
+            memcpy(&qh, blk + 2 + 2 * one, 4);
+            const uint8_t *q = blk + 6 + 2 * one;
+            for (int j = 0; j < 16; j++) {
+                const int lo = (q[j] & 15) | (((qh >> j) & 1) << 4);
+                const int hi = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+                if (one) {
+                    o[j] = d * (float)lo + m;
+                    o[j + 16] = d * (float)hi + m;
+                } else {
+                    o[j] = d * (float)(lo - 16);
+                    o[j + 16] = d * (float)(hi - 16);
+                }
+            }
+            break;
+        }
+        case F_Q4_K: case F_Q5_K: {
+            float *restrict o = out + b * 256;
+            const int five = fmt == F_Q5_K;
+            const float d = h2f(blk), dmin = h2f(blk + 2);
+            const uint8_t *scales = blk + 4;
+            const uint8_t *qh = blk + 16;                 /* Q5_K: 32 bytes of high bits */
+            const uint8_t *qs = blk + 16 + 32 * five;     /* 128 bytes of nibbles */
+            for (int c = 0; c < 4; c++) {                 /* 64 elements: two sub-blocks */
+                for (int s = 0; s < 2; s++) {
+                    int sc, mn;
+                    scale_min_k4(2 * c + s, scales, &sc, &mn);
+                    const float ds = d * (float)sc, dm = dmin * (float)mn;
+                    const int e0 = c * 64 + s * 32;
+                    for (int j = 0; j < 32; j++) {
+                        int q = (qs[c * 32 + j] >> (4 * s)) & 15;
+                        if (five)
+                            q |= ((qh[j] >> (e0 / 32)) & 1) << 4;
+                        o[e0 + j] = ds * (float)q - dm;
+                    }
+                }
+            }
+            break;
+        }
+        case F_Q6_K: {
+            float *restrict o = out + b * 256;
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = h2f(blk + 208);
+            for (int h = 0; h < 2; h++) {                 /* halves of 128 elements */
+                for (int r = 0; r < 128; r++) {
+                    const int e = h * 128 + r;
+                    const int lo = (ql[h * 64 + (r & 63)] >> (4 * (r >> 6))) & 15;
+                    const int hi = (qh[h * 32 + (r & 31)] >> (2 * (r >> 5))) & 3;
+                    o[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
+                }
+            }
+            break;
+        }
+        }
+    }
+}
+
+/* ----------------------------------------------------------------- dot products over a row */
+
+#if HAVE_AVX512
+static inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+#if HAVE_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* out[i] = x_i . w for R (1..4) rows x_i = x + i * ldx, over k elements */
+static inline void dot_rows(const float *x, int64_t ldx, int R, const float *w, int64_t k, float *out) {
+    int64_t i = 0;
+    float acc[4] = {0, 0, 0, 0};
+#if HAVE_AVX512
+    {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; i + 16 <= k; i += 16) {
+            const __m512 wv = _mm512_loadu_ps(w + i);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), wv, a0);
+            if (R > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + ldx + i), wv, a1);
+            if (R > 2) a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 2 * ldx + i), wv, a2);
+            if (R > 3) a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 3 * ldx + i), wv, a3);
+        }
+        acc[0] = hsum16(a0), acc[1] = hsum16(a1), acc[2] = hsum16(a2), acc[3] = hsum16(a3);
+    }
+#elif HAVE_AVX2
+    {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0; /* two chains per row: FMA latency */
+        for (; i + 16 <= k; i += 16) {
+            const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), w0, a0);
+            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), w1, b0);
+            if (R > 1) {
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + ldx + i), w0, a1);
+                b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + ldx + i + 8), w1, b1);
+            }
+            if (R > 2) {
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * ldx + i), w0, a2);
+                b2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * ldx + i + 8), w1, b2);
+            }
+            if (R > 3) {
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * ldx + i), w0, a3);
+                b3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * ldx + i + 8), w1, b3);
+            }
+        }
+        acc[0] = hsum8(_mm256_add_ps(a0, b0)), acc[1] = hsum8(_mm256_add_ps(a1, b1));
+        acc[2] = hsum8(_mm256_add_ps(a2, b2)), acc[3] = hsum8(_mm256_add_ps(a3, b3));
+    }
+#else
+    {
+        float s[4][4] = {{0}};
+        for (; i + 4 <= k; i += 4)
+            for (int r = 0; r < R; r++)
+                for (int l = 0; l < 4; l++)
+                    s[r][l] += x[r * ldx + i + l] * w[i + l];
+        for (int r = 0; r < R; r++)
+            acc[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+    }
+#endif
+    for (; i < k; i++)
+        for (int r = 0; r < R; r++)
+            acc[r] += x[r * ldx + i] * w[i];
+    for (int r = 0; r < R; r++)
+        out[r] = acc[r];
+}
+
+/* ------------------------------------------- AVX2: dequantized in registers, 32 weights a time */
+
+#if HAVE_AVX2
+/* 32 weights of group g (32 consecutive elements of the row) as four float vectors, the same
+ * values as dequant_row's (each product d * q is exact in float32, so an FMA rounds as the
+ * reference's multiply-then-add does). */
+static inline __m256 cvt8(__m128i bytes8, int is_signed) { /* the low 8 bytes -> 8 floats */
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
+}
+
+static inline void deq_q8_0(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *blk = row + g * 34;
+    const __m256 d = _mm256_set1_ps(h2f(blk));
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 2)), hi = _mm_loadu_si128((const __m128i *)(blk + 18));
+    w[0] = _mm256_mul_ps(d, cvt8(lo, 1));
+    w[1] = _mm256_mul_ps(d, cvt8(_mm_srli_si128(lo, 8), 1));
+    w[2] = _mm256_mul_ps(d, cvt8(hi, 1));
+    w[3] = _mm256_mul_ps(d, cvt8(_mm_srli_si128(hi, 8), 1));
+}
+
+/* the 16 bytes' low nibbles (elements 0..15) and high nibbles (16..31) */
+static inline void nibbles(const uint8_t *q, __m128i *lo, __m128i *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+    *lo = _mm_and_si128(b, mask);
+    *hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+}
+
+static inline void deq_q4_0(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *blk = row + g * 18;
+    const __m256 d = _mm256_set1_ps(h2f(blk));
+    __m128i lo, hi;
+    nibbles(blk + 2, &lo, &hi);
+    const __m128i eight = _mm_set1_epi8(8);
+    lo = _mm_sub_epi8(lo, eight), hi = _mm_sub_epi8(hi, eight);
+    w[0] = _mm256_mul_ps(d, cvt8(lo, 1));
+    w[1] = _mm256_mul_ps(d, cvt8(_mm_srli_si128(lo, 8), 1));
+    w[2] = _mm256_mul_ps(d, cvt8(hi, 1));
+    w[3] = _mm256_mul_ps(d, cvt8(_mm_srli_si128(hi, 8), 1));
+}
+
+static inline void deq_q4_1(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *blk = row + g * 20;
+    const __m256 d = _mm256_set1_ps(h2f(blk)), m = _mm256_set1_ps(h2f(blk + 2));
+    __m128i lo, hi;
+    nibbles(blk + 4, &lo, &hi);
+    w[0] = _mm256_fmadd_ps(d, cvt8(lo, 0), m);
+    w[1] = _mm256_fmadd_ps(d, cvt8(_mm_srli_si128(lo, 8), 0), m);
+    w[2] = _mm256_fmadd_ps(d, cvt8(hi, 0), m);
+    w[3] = _mm256_fmadd_ps(d, cvt8(_mm_srli_si128(hi, 8), 0), m);
+}
+
+static inline void deq_q4_k(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *blk = row + (g >> 3) * 144;
+    const int j = (int)(g & 7), c = j >> 1, s = j & 1;
+    int sc, mn;
+    scale_min_k4(j, blk + 4, &sc, &mn);
+    const __m256 ds = _mm256_set1_ps(h2f(blk) * (float)sc), dm = _mm256_set1_ps(h2f(blk + 2) * (float)mn);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+    const __m256i q = _mm256_and_si256(s ? _mm256_srli_epi16(b, 4) : b, _mm256_set1_epi8(15));
+    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+    w[0] = _mm256_fmsub_ps(ds, cvt8(q0, 0), dm);
+    w[1] = _mm256_fmsub_ps(ds, cvt8(_mm_srli_si128(q0, 8), 0), dm);
+    w[2] = _mm256_fmsub_ps(ds, cvt8(q1, 0), dm);
+    w[3] = _mm256_fmsub_ps(ds, cvt8(_mm_srli_si128(q1, 8), 0), dm);
+}
+
+static inline void deq_q6_k(const uint8_t *row, int64_t g, __m256 w[4]) {
+    const uint8_t *blk = row + (g >> 3) * 210;
+    const int gg = (int)(g & 7), h = gg >> 2, quarter = gg & 3;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    const float d = h2f(blk + 208);
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (quarter & 1) * 32));
+    const __m256i lo = _mm256_and_si256(quarter >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * quarter)), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const __m256 d0 = _mm256_set1_ps(d * (float)sc[2 * gg]), d1 = _mm256_set1_ps(d * (float)sc[2 * gg + 1]);
+    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+    w[0] = _mm256_mul_ps(d0, cvt8(q0, 1));
+    w[1] = _mm256_mul_ps(d0, cvt8(_mm_srli_si128(q0, 8), 1));
+    w[2] = _mm256_mul_ps(d1, cvt8(q1, 1));
+    w[3] = _mm256_mul_ps(d1, cvt8(_mm_srli_si128(q1, 8), 1));
+}
+
+/* out[i] = x_i . row for R (1..4) rows of x, the row dequantized 32 weights at a time */
+#define DEFINE_ROW_DOT(NAME, DEQ)                                                                      \
+    static void NAME(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) { \
+        const int64_t groups = k / 32;                                                                 \
+        if (R == 1) {                                                                                  \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
+            for (int64_t g = 0; g < groups; g++) {                                                     \
+                __m256 w[4];                                                                           \
+                DEQ(row, g, w);                                                                        \
+                const float *xp = x + g * 32;                                                          \
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w[0], a0);                                   \
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), w[1], a1);                               \
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), w[2], a2);                              \
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), w[3], a3);                              \
+            }                                                                                          \
+            out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));               \
+            return;                                                                                    \
+        }                                                                                              \
+        __m256 a[4][2];                                                                                \
+        for (int r = 0; r < 4; r++)                                                                    \
+            a[r][0] = a[r][1] = _mm256_setzero_ps();                                                   \
+        for (int64_t g = 0; g < groups; g++) {                                                         \
+            __m256 w[4];                                                                               \
+            DEQ(row, g, w);                                                                            \
+            for (int r = 0; r < 4; r++) {                                                              \
+                if (r < R) {                                                                           \
+                    const float *xp = x + r * ldx + g * 32;                                            \
+                    a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w[0], a[r][0]);                     \
+                    a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), w[1], a[r][1]);                 \
+                    a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), w[2], a[r][0]);                \
+                    a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), w[3], a[r][1]);                \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++)                                                                    \
+            out[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));                                           \
+    }
+
+/* Q4_K: a super-block's scales read once, its 32 bytes of nibbles per pair of groups loaded once */
+static void row_dot_q4_k(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; r++)
+        a[r][0] = a[r][1] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 144;
+        const float d = h2f(blk), dmin = h2f(blk + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            for (int s = 0; s < 2; s++) {
+                int sc, mn;
+                scale_min_k4(2 * c + s, blk + 4, &sc, &mn);
+                const __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)mn);
+                const __m256i q = _mm256_and_si256(s ? _mm256_srli_epi16(b, 4) : b, mask);
+                const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                const __m256 w0 = _mm256_fmsub_ps(ds, cvt8(q0, 0), dm);
+                const __m256 w1 = _mm256_fmsub_ps(ds, cvt8(_mm_srli_si128(q0, 8), 0), dm);
+                const __m256 w2 = _mm256_fmsub_ps(ds, cvt8(q1, 0), dm);
+                const __m256 w3 = _mm256_fmsub_ps(ds, cvt8(_mm_srli_si128(q1, 8), 0), dm);
+                const int64_t e = sb * 256 + c * 64 + s * 32;
+                for (int r = 0; r < 4; r++) {
+                    if (r < R) {
+                        const float *xp = x + r * ldx + e;
+                        a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w0, a[r][0]);
+                        a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), w1, a[r][1]);
+                        a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), w2, a[r][0]);
+                        a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), w3, a[r][1]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        out[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+}
+
+DEFINE_ROW_DOT(row_dot_q8_0, deq_q8_0)
+DEFINE_ROW_DOT(row_dot_q4_0, deq_q4_0)
+DEFINE_ROW_DOT(row_dot_q4_1, deq_q4_1)
+DEFINE_ROW_DOT(row_dot_q6_k, deq_q6_k)
+
+#define DEFINE_ROW_DEQ(NAME, DEQ)                                                    \
+    static void NAME(const uint8_t *row, int64_t k, float *out) {                   \
+        for (int64_t g = 0; g < k / 32; g++) {                                       \
+            __m256 w[4];                                                             \
+            DEQ(row, g, w);                                                          \
+            for (int v = 0; v < 4; v++)                                              \
+                _mm256_storeu_ps(out + g * 32 + 8 * v, w[v]);                        \
+        }                                                                            \
+    }
+
+DEFINE_ROW_DEQ(row_deq_q8_0, deq_q8_0)
+DEFINE_ROW_DEQ(row_deq_q4_0, deq_q4_0)
+DEFINE_ROW_DEQ(row_deq_q4_1, deq_q4_1)
+DEFINE_ROW_DEQ(row_deq_q4_k, deq_q4_k)
+DEFINE_ROW_DEQ(row_deq_q6_k, deq_q6_k)
+
+typedef void (*RowDot)(const uint8_t *, int64_t, const float *, int64_t, int, float *);
+
+static void dequant_row_vector(const uint8_t *row, int fmt, int64_t k, float *restrict out) {
+    switch (fmt) {
+    case F_Q8_0: row_deq_q8_0(row, k, out); return;
+    case F_Q4_0: row_deq_q4_0(row, k, out); return;
+    case F_Q4_1: row_deq_q4_1(row, k, out); return;
+    case F_Q4_K: row_deq_q4_k(row, k, out); return;
+    case F_Q6_K: row_deq_q6_k(row, k, out); return;
+    }
+}
+
+static RowDot register_row_dot(int fmt) {
+    switch (fmt) {
+    case F_Q8_0: return row_dot_q8_0;
+    case F_Q4_0: return row_dot_q4_0;
+    case F_Q4_1: return row_dot_q4_1;
+    case F_Q4_K: return row_dot_q4_k;
+    case F_Q6_K: return row_dot_q6_k;
+    default: return NULL;
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------------------ entry points */
+
+int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
+    const int be = block_elems(fmt);
+    if (be == 0 || k < 1 || k % be != 0)
+        return 1;
+    *row_bytes = k / be * block_bytes(fmt);
+    return 0;
+}
+
+int longctx_blocks_linear(const float *x, int64_t ldx, int m, const uint8_t *w, int64_t row_bytes, int fmt,
+                          int n, int64_t k, const float *bias, float *y, int64_t ldy, const float *res,
+                          int64_t ldr, int nthreads) {
+    int64_t expect;
+    if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
+        return 1;
+    if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
+        return 2;
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    int failed = 0;
+#if HAVE_AVX2
+    const RowDot in_registers = m <= REGISTER_MAX_ROWS ? register_row_dot(fmt) : NULL;
+#else
+    const void *in_registers = NULL;
+#endif
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *buf = (float *)malloc((size_t)k * sizeof(float));
+        if (buf == NULL) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t r1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
+                for (int64_t r = c * CHUNK; r < r1; r++) {
+                    if (!in_registers)
+                        dequant_row(w + r * row_bytes, fmt, k, buf);
+                    const float b = bias ? bias[r] : 0.0f;
+                    for (int i = 0; i < m; i += 4) {
+                        const int rows = m - i < 4 ? m - i : 4;
+                        float out[4];
+#if HAVE_AVX2
+                        if (in_registers)
+                            in_registers(w + r * row_bytes, k, x + (int64_t)i * ldx, ldx, rows, out);
+                        else
+#endif
+                            dot_rows(x + (int64_t)i * ldx, ldx, rows, buf, k, out);
+                        for (int j = 0; j < rows; j++) {
+                            float v = out[j] + b;
+                            if (res)
+                                v += res[(int64_t)(i + j) * ldr + r];
+                            y[(int64_t)(i + j) * ldy + r] = v;
+                        }
+                    }
+                }
+            }
+            free(buf);
+        }
+    }
+    return failed ? 3 : 0;
+}
+
+/* rows == NULL: rows first_row .. first_row + nrows - 1; else the nrows row indices given (each
+ * checked against n). out [nrows, k] float32 with row stride ldo. */
+int longctx_blocks_dequant(const uint8_t *w, int64_t row_bytes, int fmt, int64_t n, int64_t k,
+                           const int64_t *rows, int64_t first_row, int64_t nrows, float *out, int64_t ldo,
+                           int nthreads) {
+    int64_t expect;
+    if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
+        return 1;
+    if (nrows < 0 || ldo < k || nthreads < 1 || (rows == NULL && (first_row < 0 || first_row + nrows > n)))
+        return 2;
+    if (rows != NULL)
+        for (int64_t i = 0; i < nrows; i++)
+            if (rows[i] < 0 || rows[i] >= n)
+                return 4;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nrows * k >= 65536)
+    for (int64_t i = 0; i < nrows; i++) {
+        const int64_t r = rows ? rows[i] : first_row + i;
+        dequant_row(w + r * row_bytes, fmt, k, out + i * ldo);
+    }
+    return 0;
+}

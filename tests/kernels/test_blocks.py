@@ -1,0 +1,129 @@
+"""The block-format weight kernel (kernels/csrc/linear_blocks.c) against the gguf package's
+dequantize (bit for bit) and a float64 dequantize-then-multiply reference, every format, odd
+shapes; at the machine's instruction set, at AVX2 in a subprocess, and at the portable level in
+CI's second pass (.ci/run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from longctx.kernels import cpu_blocks, cpu_build
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_blocks.available(), reason=f"block kernel: {cpu_blocks.status()}")
+
+BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "F16": (1, 2), "BF16": (1, 2), "F32": (1, 4)}
+# where each block keeps its fp16 scales (offsets in the block)
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+          "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, row_bytes] uint8: random quants with random finite fp16 scales (both signs)."""
+    rng = np.random.default_rng(seed)
+    elems, size = BLOCK[fmt]
+    if fmt in ("F16", "BF16", "F32"):
+        values = rng.standard_normal((n, k)).astype(np.float32)
+        if fmt == "F32":
+            return values.view(np.uint8).reshape(n, 4 * k)
+        if fmt == "F16":
+            return values.astype(np.float16).view(np.uint8).reshape(n, 2 * k)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, 2 * k)
+    nb = k // elems
+    raw = rng.integers(0, 256, size=(n, nb, size), dtype=np.uint8)
+    for off in SCALES[fmt]:
+        scale = (rng.uniform(1e-3, 0.1, size=(n, nb)) * rng.choice([-1, 1], size=(n, nb))).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(n, nb, 2)
+    return raw.reshape(n, nb * size)
+
+
+def reference_dequant(fmt: str, raw: np.ndarray, k: int) -> np.ndarray:
+    return gguf_dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(raw.shape[0], k).astype(np.float32)
+
+
+SHAPES = [(1, 37, 256), (3, 8, 512), (5, 67, 768), (9, 3, 256)]  # (M, N, K); K a multiple of 256
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK))
+def test_dequantize_bit_identical_to_gguf(fmt):
+    for n, k in ((7, 256), (33, 768)):
+        raw = random_blocks(fmt, n, k, seed=n)
+        expect = reference_dequant(fmt, raw, k)
+        got = cpu_blocks.dequantize(torch.from_numpy(raw), fmt, k)
+        assert np.array_equal(got.numpy().view(np.uint32), expect.view(np.uint32)), fmt
+        rows = torch.tensor([n - 1, 0, 2, 2])
+        picked = cpu_blocks.dequantize(torch.from_numpy(raw), fmt, k, rows)
+        assert np.array_equal(picked.numpy(), expect[rows.numpy()])
+        part = cpu_blocks.dequantize(torch.from_numpy(raw), fmt, k, first_row=2, num_rows=3)
+        assert np.array_equal(part.numpy(), expect[2:5])
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK))
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_linear_matches_float64_reference(fmt, m, n, k):
+    raw = random_blocks(fmt, n, k, seed=m * 31 + n)
+    w = reference_dequant(fmt, raw, k).astype(np.float64)
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    residual = torch.randn(m, n, generator=g)
+    expect = x.double().numpy() @ w.T
+    scale = np.abs(x.double().numpy()) @ np.abs(w).T  # the sum of |terms|: float32's error bound scales with it
+    got = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k)
+    assert np.all(np.abs(got.numpy() - expect) <= 1e-5 * scale + 1e-6), fmt
+    full = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k, bias, residual=residual)
+    expect_full = expect + bias.double().numpy() + residual.double().numpy()
+    assert np.all(np.abs(full.numpy() - expect_full) <= 1e-5 * (scale + 2 * np.abs(expect_full)) + 1e-6)
+
+
+def test_linear_writes_a_column_slice_and_strided_rows():
+    fmt, m, n, k = "Q4_K", 6, 20, 512
+    raw = torch.from_numpy(random_blocks(fmt, n, k, seed=5))
+    x_wide = torch.randn(m, k + 7)
+    x = x_wide[:, 3:3 + k]  # rows strided
+    out = torch.full((m, n + 10), 7.0)
+    cpu_blocks.linear(x, raw, fmt, k, out=out[:, 4:4 + n])
+    expect = cpu_blocks.linear(x.contiguous(), raw, fmt, k)
+    assert torch.equal(out[:, 4:4 + n], expect)
+    assert torch.all(out[:, :4] == 7.0) and torch.all(out[:, 4 + n:] == 7.0)  # nothing outside the slice
+
+
+def test_one_thread_and_many_give_the_same_product():
+    raw = torch.from_numpy(random_blocks("Q6_K", 45, 768, seed=2))
+    x = torch.randn(7, 768)
+    assert torch.equal(cpu_blocks.linear(x, raw, "Q6_K", 768, num_threads=1),
+                       cpu_blocks.linear(x, raw, "Q6_K", 768, num_threads=3))
+
+
+def test_bad_arguments_are_refused_by_name():
+    raw = torch.from_numpy(random_blocks("Q8_0", 4, 64))
+    with pytest.raises(ValueError, match="not a whole number of Q8_0 blocks"):
+        cpu_blocks.linear(torch.randn(1, 60), raw[:, :60], "Q8_0", 60)
+    with pytest.raises(ValueError, match="not one the block kernel reads"):
+        cpu_blocks.linear(torch.randn(1, 64), raw, "IQ2_XXS", 64)
+    with pytest.raises(ValueError, match="x must be a float32"):
+        cpu_blocks.linear(torch.randn(1, 32), raw, "Q8_0", 64)
+    with pytest.raises(IndexError, match="outside the matrix"):
+        cpu_blocks.dequantize(raw, "Q8_0", 64, torch.tensor([4]))
+    with pytest.raises(ValueError, match="first_row"):
+        cpu_blocks.dequantize(raw, "Q8_0", 64, first_row=3, num_rows=2)
+
+
+@pytest.mark.skipif(os.environ.get("LONGCTX_CPU_ISA") is not None or cpu_build.isa() not in cpu_build.VECTOR_LEVELS[:2],
+                    reason="the AVX2 build is checked from an AVX-512 machine's default run")
+def test_avx2_build_in_a_subprocess():
+    """The AVX2 dot products (this run took the AVX-512 ones)."""
+    env = dict(os.environ, LONGCTX_CPU_ISA="avx2")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "bit_identical or float64_reference"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
