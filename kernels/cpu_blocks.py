@@ -23,7 +23,7 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["FORMATS", "available", "status", "row_bytes", "linear", "dequantize"]
+__all__ = ["FORMATS", "available", "status", "row_bytes", "linear", "dequantize", "fast_supported"]
 
 SOURCE = cpu_build.CSRC / "linear_blocks.c"
 # name -> GGML type id (the ids GGUF files carry), for the formats the kernel reads
@@ -38,6 +38,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_blocks_row_bytes.argtypes = [i32, i64, ctypes.POINTER(i64)]
     lib.longctx_blocks_linear.restype = i32
     lib.longctx_blocks_linear.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, i64, ptr, ptr, i64, ptr, i64, i32]
+    lib.longctx_blocks_linear_fast.restype = i32
+    lib.longctx_blocks_linear_fast.argtypes = lib.longctx_blocks_linear.argtypes
+    lib.longctx_blocks_fast_supported.restype = i32
+    lib.longctx_blocks_fast_supported.argtypes = [i32]
     lib.longctx_blocks_dequant.restype = i32
     lib.longctx_blocks_dequant.argtypes = [ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32]
 
@@ -77,8 +81,15 @@ def _check_blocks(blocks: torch.Tensor, code: int, k: int) -> None:
                          f"weights), got {tuple(blocks.shape)} strides {blocks.stride()}")
 
 
+def fast_supported(fmt: int | str) -> bool:
+    """Whether ``linear(..., fast=True)`` has integer products for ``fmt`` here (AVX2 builds:
+    Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)."""
+    lib = _load()
+    return lib is not None and bool(lib.longctx_blocks_fast_supported(_format_id(fmt)))
+
+
 def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None, num_threads: int, out: torch.Tensor) -> None:
+                   residual: torch.Tensor | None, num_threads: int, out: torch.Tensor, fast: bool = False) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU block kernel is {status()}")
@@ -97,7 +108,10 @@ def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias
         raise ValueError("bias must be contiguous")
     if out.dtype != torch.float32 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"out must be float32 ({m}, {n}) with contiguous rows, got {out.dtype} {tuple(out.shape)}")
-    rc = lib.longctx_blocks_linear(
+    if fast and not lib.longctx_blocks_fast_supported(fmt):
+        raise ValueError(f"no integer products for {NAMES[fmt]} here (fast_supported)")
+    entry = lib.longctx_blocks_linear_fast if fast else lib.longctx_blocks_linear
+    rc = entry(
         x.data_ptr(), max(x.stride(0), k), m, blocks.data_ptr(), blocks.shape[1], fmt, n, k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), n),
         None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), n),
@@ -109,16 +123,18 @@ def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias
 
 blocks_linear = cpu_build.define_op(
     "blocks_linear(Tensor x, Tensor blocks, int fmt, int k, Tensor? bias, Tensor? residual, int num_threads, "
-    "Tensor(a!) out) -> ()", _blocks_linear)
+    "Tensor(a!) out, bool fast=False) -> ()", _blocks_linear)
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: torch.Tensor | None = None, *,
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           num_threads: int | None = None) -> torch.Tensor:
+           num_threads: int | None = None, fast: bool = False) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(blocks).T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32.
     ``blocks``: [N, row_bytes] uint8, N rows of K weights in ``fmt`` (a name of ``FORMATS`` or
     its GGML id). ``out``: an [M, N] float32 tensor with contiguous rows to write into (it may
-    be a column slice of a wider one). Runs ``torch.ops.longctx.blocks_linear``."""
+    be a column slice of a wider one). ``fast``: x rounded to int8 in blocks of 32 and integer
+    products, as llama.cpp computes (``fast_supported``); else float32 products on the exactly
+    dequantized weights. Runs ``torch.ops.longctx.blocks_linear``."""
     code = _format_id(fmt)
     if x.dim() == 2 and x.stride(1) != 1:
         x = x.contiguous()
@@ -126,7 +142,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: 
         out = torch.empty(x.shape[0] if x.dim() == 2 else 0, blocks.shape[0] if blocks.dim() == 2 else 0,
                           dtype=torch.float32)
     blocks_linear(x, blocks, code, k, bias, residual, torch.get_num_threads() if num_threads is None else num_threads,
-                  out)
+                  out, fast)
     return out
 
 

@@ -130,15 +130,16 @@ def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                          f"{tuple(norm_weight.shape)}")
     if residual is not None:
         _check_rows("residual", residual, rows, num_out)
-    if out.dtype != torch.float32 or tuple(out.shape) != (rows, num_out) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {(rows, num_out)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    if (out.dtype != torch.float32 or tuple(out.shape) != (rows, num_out) or out.stride(1) != 1
+            or (rows > 1 and out.stride(0) < num_out)):
+        raise ValueError(f"out must be a float32 tensor of shape {(rows, num_out)} with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
     if num_threads < 1:
         raise ValueError(f"num_threads must be at least 1, got {num_threads}")
     prologue = 1 if norm_weight is not None else 2 if swiglu else 0
     rc = lib.longctx_linear_rows(
         x.data_ptr(), max(x.stride(0), x.shape[1]), rows, weight.data_ptr(), WEIGHT_TYPES[weight.dtype], num_out, k,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), num_out, prologue,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), num_out), prologue,
         None if norm_weight is None else norm_weight.data_ptr(), eps,
         None if residual is None else residual.data_ptr(),
         max(residual.stride(0), num_out) if residual is not None else 0, num_threads)
@@ -164,8 +165,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``norm_weight`` [K]: x is RMS-normalised first (``norm_weight * x / sqrt(mean(x^2) + eps)``
     per row, as the model's RMSNorm). ``swiglu``: x is [M, 2K] and the product takes
-    ``silu(x[:, :K]) * x[:, K:]``. ``residual`` [M, N]: added to the result. ``out``: a
-    contiguous [M, N] float32 tensor to write into. ``num_threads``: OpenMP threads (default
+    ``silu(x[:, :K]) * x[:, K:]``. ``residual`` [M, N]: added to the result. ``out``: an
+    [M, N] float32 tensor with contiguous rows to write into (e.g. a column slice of a wider one). ``num_threads``: OpenMP threads (default
     torch's count). Runs the operator ``torch.ops.longctx.linear_rows``."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is {status()}")

@@ -15,6 +15,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
+GGUF_WEIGHTS = ("auto", "blocks", "float")
 DEFAULT_HOST_CACHE_GB = 2.0
 DEFAULT_KV_CACHE_GB = 1.0  # the KV pool of each sequence-parallel rank (one process: "auto")
 CPU_KV_SHARE = 0.5  # "auto" on the CPU: this share of the memory available after the weights
@@ -97,6 +98,13 @@ class ModelLoadConfig:
                                           "(auto: for float32 and bfloat16 the C row kernel where "
                                           "it builds, else oneDNN pre-packed (float32), else BLAS; "
                                           "BLAS for float16)"})
+    gguf_weights: str = field(
+        default="auto", metadata={"help": "auto | blocks | float: how a .gguf model's matrices are held on "
+                                          "the CPU. blocks: as the file stores them (Q8_0, Q4_0/1, Q5_0/1, "
+                                          "Q4_K, Q5_K, Q6_K, F16, BF16), memory-mapped and multiplied by the "
+                                          "block kernel in float32 (dtype float32 only); float: expanded to "
+                                          "dtype at load (cached). auto: blocks where the block kernel runs "
+                                          "and dtype is float32, else float"})
     enforce_eager: bool = field(
         default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
                                          "instead of replaying CUDA graphs captured at start-up"})
@@ -122,6 +130,12 @@ class ModelLoadConfig:
                f"cpu_matmul='kernel' is for float32 and bfloat16 models, got dtype={self.dtype!r} "
                "(use cpu_matmul='auto' or 'blas')")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _check(self.gguf_weights in GGUF_WEIGHTS,
+               f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
+        _check(self.gguf_weights != "blocks" or self.dtype in ("float32", "auto"),
+               f"gguf_weights='blocks' computes in float32, got dtype={self.dtype!r} (use gguf_weights='float')")
+        _check(self.gguf_weights != "blocks" or self.device == "cpu",
+               f"gguf_weights='blocks' is for the CPU, got device={self.device!r} (use gguf_weights='float')")
 
 
 @dataclass(frozen=True)

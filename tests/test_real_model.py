@@ -29,8 +29,11 @@ def _gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def llm():
+    """The default: the file's Q4_1/Q8_0 blocks as stored, multiplied by the block kernel."""
     torch.set_num_threads(2)
-    return LLM("smollm2-135m", block_size=16, max_num_batched_tokens=256)
+    llm = LLM("smollm2-135m", block_size=16, max_num_batched_tokens=256)
+    assert llm.engine.cpu_matmul == "blocks"
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,17 @@ def _run_capturing_first_logits(llm: LLM, ids: list[int]) -> tuple[list[int], to
     return tokens, logits
 
 
+def test_greedy_tokens_match_hf_blocks_chunk2048(document_ids, hf_reference):
+    """The blocks with 2,048-token chunks: prefill's products on dequantized slices (the row
+    kernel's panels), decode's on the blocks."""
+    llm = LLM("smollm2-135m", block_size=64, max_num_batched_tokens=2048)
+    assert llm.engine.cpu_matmul == "blocks"
+    tokens, logits = _run_capturing_first_logits(llm, document_ids)
+    rel = float((logits - hf_reference[1]).abs().max() / hf_reference[1].abs().max())
+    assert rel < 1e-3, f"last-position logits differ by {rel:.2e} relative"
+    assert tokens == hf_reference[0]
+
+
 def test_greedy_tokens_and_logits_match_hf_chunk256_block16(llm, document_ids, hf_reference):
     expected_tokens, expected_logits = hf_reference
     assert len(document_ids) >= 7000
@@ -69,7 +83,9 @@ def test_greedy_tokens_and_logits_match_hf_chunk256_block16(llm, document_ids, h
 
 
 def test_greedy_tokens_match_hf_chunk2048_block128(document_ids, hf_reference):
-    llm = LLM("smollm2-135m", block_size=128, max_num_batched_tokens=2048)
+    """The weights expanded to float32 at load (the row kernel)."""
+    llm = LLM("smollm2-135m", block_size=128, max_num_batched_tokens=2048, gguf_weights="float")
+    assert llm.engine.cpu_matmul == "kernel"
     tokens = llm.generate({"prompt_token_ids": document_ids}, GREEDY)[0].outputs[0].token_ids
     assert tokens == hf_reference[0]
 

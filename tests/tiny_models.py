@@ -175,12 +175,13 @@ def _gemma_checks(cfg, arch: str, head_dim: int) -> None:
             raise ValueError("write_gguf: llama.cpp's Gemma 3 slides on 5 layers of 6")
 
 
-def write_gguf(path: Path, model, extra: dict | None = None) -> None:
+def write_gguf(path: Path, model, extra: dict | None = None, quant=None) -> None:
     """Write an HF model's weights (fp32) and config as a GGUF file as llama.cpp's converter
     does: Llama (q/k rows permuted; a ``llama3`` RoPE as a ``rope_freqs.weight`` tensor),
     Qwen2/3, Gemma 2/3 (norm weights stored as 1 + w, Gemma's post-norms), Phi-3 (fused qkv and
     gate_up, LongRoPE factors as tensors). ``extra``: more keys (int or float values),
-    replacing written ones of the same name."""
+    replacing written ones of the same name. ``quant(name, data)``: None to write a tensor as
+    fp32, or (bytes, GGMLQuantizationType) to write it in that block format."""
     import gguf
 
     cfg = model.config
@@ -247,7 +248,11 @@ def write_gguf(path: Path, model, extra: dict | None = None) -> None:
             elif module == "self_attn.k_proj":
                 data = _permute_for_gguf(data, cfg.num_key_value_heads)
             out = f"blk.{layer}.{names[module]}.{kind}"
-        writer.add_tensor(out, data)
+        stored = quant(out, data) if quant is not None else None
+        if stored is None:
+            writer.add_tensor(out, data)
+        else:
+            writer.add_tensor(out, stored[0], raw_dtype=stored[1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -498,6 +498,111 @@ DEFINE_ROW_DEQ(row_deq_q6_k, deq_q6_k)
 
 typedef void (*RowDot)(const uint8_t *, int64_t, const float *, int64_t, int, float *);
 
+#if HAVE_AVX512
+/* The same 32 weights as two 16-lane vectors: half the conversions and multiply-adds of the
+ * AVX2 forms per weight (AVX-512 builds take these). */
+static inline __m512 cvt16(__m128i bytes16, int is_signed) {
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes16) : _mm512_cvtepu8_epi32(bytes16));
+}
+
+static inline void deq512_q8_0(const uint8_t *row, int64_t g, __m512 w[2]) {
+    const uint8_t *blk = row + g * 34;
+    const __m512 d = _mm512_set1_ps(h2f(blk));
+    w[0] = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(blk + 2)), 1));
+    w[1] = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(blk + 18)), 1));
+}
+
+static inline void deq512_q4_0(const uint8_t *row, int64_t g, __m512 w[2]) {
+    const uint8_t *blk = row + g * 18;
+    const __m512 d = _mm512_set1_ps(h2f(blk));
+    __m128i lo, hi;
+    nibbles(blk + 2, &lo, &hi);
+    const __m128i eight = _mm_set1_epi8(8);
+    w[0] = _mm512_mul_ps(d, cvt16(_mm_sub_epi8(lo, eight), 1));
+    w[1] = _mm512_mul_ps(d, cvt16(_mm_sub_epi8(hi, eight), 1));
+}
+
+static inline void deq512_q4_1(const uint8_t *row, int64_t g, __m512 w[2]) {
+    const uint8_t *blk = row + g * 20;
+    const __m512 d = _mm512_set1_ps(h2f(blk)), m = _mm512_set1_ps(h2f(blk + 2));
+    __m128i lo, hi;
+    nibbles(blk + 4, &lo, &hi);
+    w[0] = _mm512_fmadd_ps(d, cvt16(lo, 0), m);
+    w[1] = _mm512_fmadd_ps(d, cvt16(hi, 0), m);
+}
+
+static inline void deq512_q6_k(const uint8_t *row, int64_t g, __m512 w[2]) {
+    const uint8_t *blk = row + (g >> 3) * 210;
+    const int gg = (int)(g & 7), h = gg >> 2, quarter = gg & 3;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    const float d = h2f(blk + 208);
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (quarter & 1) * 32));
+    const __m256i lo = _mm256_and_si256(quarter >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * quarter)), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    w[0] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * gg]), cvt16(_mm256_castsi256_si128(q), 1));
+    w[1] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * gg + 1]), cvt16(_mm256_extracti128_si256(q, 1), 1));
+}
+
+#define DEFINE_ROW_DOT512(NAME, DEQ)                                                                   \
+    static void NAME(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) { \
+        __m512 a[4][2];                                                                                \
+        for (int r = 0; r < 4; r++)                                                                    \
+            a[r][0] = a[r][1] = _mm512_setzero_ps();                                                   \
+        for (int64_t g = 0; g < k / 32; g++) {                                                         \
+            __m512 w[2];                                                                               \
+            DEQ(row, g, w);                                                                            \
+            for (int r = 0; r < 4; r++) {                                                              \
+                if (r < R) {                                                                           \
+                    const float *xp = x + r * ldx + g * 32;                                            \
+                    a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w[0], a[r][0]);                     \
+                    a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w[1], a[r][1]);                \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++)                                                                    \
+            out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));                                          \
+    }
+
+DEFINE_ROW_DOT512(row_dot512_q8_0, deq512_q8_0)
+DEFINE_ROW_DOT512(row_dot512_q4_0, deq512_q4_0)
+DEFINE_ROW_DOT512(row_dot512_q4_1, deq512_q4_1)
+DEFINE_ROW_DOT512(row_dot512_q6_k, deq512_q6_k)
+
+static void row_dot512_q4_k(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
+    __m512 a[4][2];
+    for (int r = 0; r < 4; r++)
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 144;
+        const float d = h2f(blk), dmin = h2f(blk + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            for (int s = 0; s < 2; s++) {
+                int sc, mn;
+                scale_min_k4(2 * c + s, blk + 4, &sc, &mn);
+                const __m512 ds = _mm512_set1_ps(d * (float)sc), dm = _mm512_set1_ps(dmin * (float)mn);
+                const __m256i q = _mm256_and_si256(s ? _mm256_srli_epi16(b, 4) : b, mask);
+                const __m512 w0 = _mm512_fmsub_ps(ds, cvt16(_mm256_castsi256_si128(q), 0), dm);
+                const __m512 w1 = _mm512_fmsub_ps(ds, cvt16(_mm256_extracti128_si256(q, 1), 0), dm);
+                const int64_t e = sb * 256 + c * 64 + s * 32;
+                for (int r = 0; r < 4; r++) {
+                    if (r < R) {
+                        const float *xp = x + r * ldx + e;
+                        a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w0, a[r][0]);
+                        a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w1, a[r][1]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));
+}
+#endif
+
 static void dequant_row_vector(const uint8_t *row, int fmt, int64_t k, float *restrict out) {
     switch (fmt) {
     case F_Q8_0: row_deq_q8_0(row, k, out); return;
@@ -509,6 +614,16 @@ static void dequant_row_vector(const uint8_t *row, int fmt, int64_t k, float *re
 }
 
 static RowDot register_row_dot(int fmt) {
+#if HAVE_AVX512
+    switch (fmt) {
+    case F_Q8_0: return row_dot512_q8_0;
+    case F_Q4_0: return row_dot512_q4_0;
+    case F_Q4_1: return row_dot512_q4_1;
+    case F_Q4_K: return row_dot512_q4_k;
+    case F_Q6_K: return row_dot512_q6_k;
+    default: return NULL;
+    }
+#endif
     switch (fmt) {
     case F_Q8_0: return row_dot_q8_0;
     case F_Q4_0: return row_dot_q4_0;
@@ -602,4 +717,202 @@ int longctx_blocks_dequant(const uint8_t *w, int64_t row_bytes, int fmt, int64_t
         dequant_row(w + r * row_bytes, fmt, k, out + i * ldo);
     }
     return 0;
+}
+
+/* ------------------------------------------------ "fast": int8 activations, integer products
+ *
+ * llama.cpp's numerics: each x row is rounded to int8 in blocks of 32 (scale amax / 127 per
+ * block, round to nearest), and each weight block's integer quants are multiplied with them in
+ * integers (maddubs: unsigned weight bytes times signed x bytes, pairs summed in int16; then
+ * madd with ones: four bytes' sums in int32), the sums turned to float and scaled by the two
+ * blocks' scales. Offsets (Q4_1's m, Q4_K's dmin * m, Q4_0's -8 and Q6_K's -32) go through the
+ * x block's own sum. Several times fewer instructions per weight than dequantizing to float,
+ * at the cost of x's rounding (an error of up to half an int8 step of each block's largest
+ * element). Formats: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (others: the exact path). AVX2 only.
+ */
+#if HAVE_AVX2
+typedef struct {
+    int8_t *q;     /* [m, k] */
+    float *d;      /* [m, k / 32]: the block scales */
+    float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
+} QuantX;
+
+static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx) {
+    qx->q = (int8_t *)malloc((size_t)m * k);
+    qx->d = (float *)malloc((size_t)m * (k / 32) * sizeof(float));
+    qx->s16 = (float *)malloc((size_t)m * (k / 16) * sizeof(float));
+    if (!qx->q || !qx->d || !qx->s16)
+        return 1;
+    for (int i = 0; i < m; i++) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            const float *xb = x + (int64_t)i * ldx + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++)
+                amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *qb = qx->q + (int64_t)i * k + b * 32;
+            int sum0 = 0, sum1 = 0;
+            for (int j = 0; j < 32; j++) {
+                const int v = (int)nearbyintf(xb[j] * id);
+                qb[j] = (int8_t)v;
+                if (j < 16) sum0 += v; else sum1 += v;
+            }
+            qx->d[(int64_t)i * (k / 32) + b] = d;
+            qx->s16[(int64_t)i * (k / 16) + 2 * b] = d * (float)sum0;
+            qx->s16[(int64_t)i * (k / 16) + 2 * b + 1] = d * (float)sum1;
+        }
+    }
+    return 0;
+}
+
+static inline __m256i wbytes_nibbles(const uint8_t *q16) { /* [lo nibbles | hi nibbles]: elements 0..31 */
+    const __m128i b = _mm_loadu_si128((const __m128i *)q16), mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+static inline __m256 idot(__m256i w_unsigned, const int8_t *xq) { /* 8 float lanes, 4 elements each */
+    const __m256i p = _mm256_maddubs_epi16(w_unsigned, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+/* out[i] = row . x_i for R (1..4) quantized rows (qx rows i0..i0+R-1) */
+static void fast_row(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+    __m256 acc[4];
+    float off[4] = {0, 0, 0, 0};
+    for (int r = 0; r < 4; r++)
+        acc[r] = _mm256_setzero_ps();
+    const int64_t nb = k / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wq;
+        float dw = 0.0f, mw = 0.0f; /* weight scale; offset per unit of x's sum (32 elements) */
+        __m256 scale_half = _mm256_setzero_ps(); /* Q6_K: the two halves' scales per lane */
+        float off0 = 0.0f, off1 = 0.0f;          /* Q6_K: offsets of the two halves */
+        int signed_w = 0;
+        switch (fmt) {
+        case F_Q8_0: {
+            const uint8_t *blk = row + b * 34;
+            dw = h2f(blk);
+            wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            signed_w = 1;
+            break;
+        }
+        case F_Q4_0: {
+            const uint8_t *blk = row + b * 18;
+            dw = h2f(blk);
+            mw = -8.0f * dw;
+            wq = wbytes_nibbles(blk + 2);
+            break;
+        }
+        case F_Q4_1: {
+            const uint8_t *blk = row + b * 20;
+            dw = h2f(blk);
+            mw = h2f(blk + 2);
+            wq = wbytes_nibbles(blk + 4);
+            break;
+        }
+        case F_Q4_K: {
+            const uint8_t *blk = row + (b >> 3) * 144;
+            const int j = (int)(b & 7), c = j >> 1, s = j & 1;
+            int sc, mn;
+            scale_min_k4(j, blk + 4, &sc, &mn);
+            dw = h2f(blk) * (float)sc;
+            mw = -h2f(blk + 2) * (float)mn;
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            wq = _mm256_and_si256(s ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+            break;
+        }
+        default: { /* F_Q6_K */
+            const uint8_t *blk = row + (b >> 3) * 210;
+            const int gg = (int)(b & 7), h = gg >> 2, quarter = gg & 3;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = h2f(blk + 208);
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (quarter & 1) * 32));
+            const __m256i lo = _mm256_and_si256(quarter >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * quarter)), _mm256_set1_epi8(3));
+            wq = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* 0..63: the -32 goes through x's sums */
+            const float d0 = d * (float)sc[2 * gg], d1 = d * (float)sc[2 * gg + 1];
+            scale_half = _mm256_setr_ps(d0, d0, d0, d0, d1, d1, d1, d1);
+            off0 = -32.0f * d0, off1 = -32.0f * d1;
+            break;
+        }
+        }
+        const __m256i wabs = signed_w ? _mm256_sign_epi8(wq, wq) : wq;
+        for (int r = 0; r < 4; r++) {
+            if (r >= R)
+                break;
+            const int i = i0 + r;
+            const int8_t *xq = qx->q + (int64_t)i * k + b * 32;
+            const float dx = qx->d[(int64_t)i * nb + b];
+            __m256 f;
+            if (signed_w) {
+                const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), wq);
+                f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1)));
+            } else {
+                f = idot(wabs, xq);
+            }
+            const float *s16 = qx->s16 + (int64_t)i * (k / 16) + 2 * b;
+            if (fmt == F_Q6_K) {
+                acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(scale_half, _mm256_set1_ps(dx)), acc[r]);
+                off[r] += off0 * s16[0] + off1 * s16[1];
+            } else {
+                acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * dx), acc[r]);
+                off[r] += mw * (s16[0] + s16[1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        out[r] = hsum8(acc[r]) + off[r];
+}
+#endif
+
+int longctx_blocks_fast_supported(int fmt) {
+#if HAVE_AVX2
+    return fmt == F_Q8_0 || fmt == F_Q4_0 || fmt == F_Q4_1 || fmt == F_Q4_K || fmt == F_Q6_K;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
+
+int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t *w, int64_t row_bytes, int fmt,
+                               int n, int64_t k, const float *bias, float *y, int64_t ldy, const float *res,
+                               int64_t ldr, int nthreads) {
+    if (!longctx_blocks_fast_supported(fmt))
+        return 5;
+    int64_t expect;
+    if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
+        return 1;
+    if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
+        return 2;
+#if HAVE_AVX2
+    QuantX qx;
+    if (quantize_x(x, ldx, m, k, &qx) != 0) {
+        free(qx.q), free(qx.d), free(qx.s16);
+        return 3;
+    }
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t r1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
+        for (int64_t r = c * CHUNK; r < r1; r++) {
+            const float b = bias ? bias[r] : 0.0f;
+            for (int i = 0; i < m; i += 4) {
+                const int rows = m - i < 4 ? m - i : 4;
+                float out[4];
+                fast_row(w + r * row_bytes, fmt, k, &qx, i, rows, out);
+                for (int j = 0; j < rows; j++) {
+                    float v = out[j] + b;
+                    if (res)
+                        v += res[(int64_t)(i + j) * ldr + r];
+                    y[(int64_t)(i + j) * ldy + r] = v;
+                }
+            }
+        }
+    }
+    free(qx.q), free(qx.d), free(qx.s16);
+    return 0;
+#else
+    return 5;
+#endif
 }

@@ -18,7 +18,9 @@ import torch
 
 from longctx.cache.radix_tree import RadixTree
 from longctx.config import CacheConfig, ConfigError, SchedulerConfig
-from longctx.kv.device_pool import cpu_kv_budget_gb, pool_page_bytes, profile_kv_cache_gb, ring_bytes
+from longctx.kv.device_pool import (available_memory_bytes, cpu_kv_budget_gb, pool_page_bytes, profile_kv_cache_gb,
+                                    ring_bytes)
+from longctx.model.linear import BlockMatrix
 from longctx.kv.disk_store import DiskKVStore
 from longctx.kv.formats import FloatPages
 from longctx.kv.host_pool import HostKVPool
@@ -46,7 +48,13 @@ def size_kv_pool(cache: CacheConfig, sched: SchedulerConfig, max_len: int, fmt: 
         note = f"auto: {budget:.2f} GiB of gpu_memory_utilization {cache.gpu_memory_utilization:g}"
     else:  # the CPU: a share of what the weights leave, at most what the requests can use
         need = max_len * sched.max_num_seqs * pool_page_bytes(fmt, cache.block_size, ring) / cache.block_size
-        budget, note = cpu_kv_budget_gb((need + ring_bytes(fmt, ring)) / (1 << 30))
+        # weights kept as a mapped file's pages count as available (page cache) but must stay
+        # resident: take them off, so the pool never pushes them out
+        held = {id(b): b for m in model.modules() for b in (getattr(m, "weight", None), getattr(m, "blocks", None))
+                if isinstance(b, BlockMatrix)}  # (a tied head is the embedding's matrix)
+        mapped = sum(b.nbytes() for b in held.values())
+        budget, note = cpu_kv_budget_gb((need + ring_bytes(fmt, ring)) / (1 << 30),
+                                        max(0, available_memory_bytes() - mapped))
     return dataclasses.replace(cache, kv_cache_gb=budget), note
 
 

@@ -4,7 +4,8 @@ Owns: ``Linear`` (a matrix, an optional bias and the method that holds and multi
 the methods: ``BLAS`` (``weight_t`` [in, out], the layout a checkpoint loads into), ``ROW_KERNEL``
 (``weight`` [out, in], read by the C row kernel of ``longctx.kernels.cpu_linear``) and
 ``OneDNNWeights`` (``packed``, oneDNN's blocked layout). The model picks one at load
-(``choose_cpu_matmul``); quantized block formats come in as further methods.
+(``choose_cpu_matmul``); ``BlockWeights`` holds a GGUF file's blocks as stored (``BlockMatrix``,
+memory-mapped), multiplied by ``longctx.kernels.cpu_blocks``.
 Never: which rows a step has, or the model's structure.
 
 A call may carry the layer's neighbours: ``norm`` (the RMSNorm before the product), ``swiglu``
@@ -17,13 +18,14 @@ the model would. ``product``: a replacement for the row kernel's function with i
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
 from torch import nn
 
 from longctx.config import ConfigError
-from longctx.kernels import cpu_build, cpu_linear
+from longctx.kernels import cpu_blocks, cpu_build, cpu_linear
 
 PACK_ROWS_HINT = 16  # oneDNN packs for this many rows: measured as fast as 4, faster than 1 at 2-2048 rows
 ROW_KERNEL_DTYPES = tuple(cpu_linear.WEIGHT_TYPES)  # the weight dtypes the row kernel reads
@@ -143,8 +145,132 @@ class OneDNNWeights(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed, layer.bias, "none", [], "")
 
 
+class BlockMatrix:
+    """A weight matrix [N, K] as a GGUF file stores it: ``parts``, each (uint8 [n_i, row_bytes_i]
+    rows, GGML format id), stacked along the output rows (a fused q/k/v matrix whose parts
+    have different formats, as Q4_K_M files mix them, stays three parts; nothing is copied).
+    ``k``: the input width."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]], k: int) -> None:
+        self.parts, self.k = list(parts), k
+        for data, fmt in self.parts:
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != cpu_blocks.row_bytes(fmt, k):
+                raise ValueError(f"a {cpu_blocks.NAMES.get(fmt, fmt)} part of {k} inputs must be uint8 rows of "
+                                 f"{cpu_blocks.row_bytes(fmt, k)} bytes, got {data.dtype} {tuple(data.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(d.shape[0] for d, _ in self.parts), self.k
+
+    def cat(self, other: "BlockMatrix") -> "BlockMatrix":
+        if other.k != self.k:
+            raise ValueError(f"fused matrices must share their input width, got {self.k} and {other.k}")
+        return BlockMatrix(self.parts + other.parts, self.k)
+
+    def nbytes(self) -> int:
+        return sum(d.numel() for d, _ in self.parts)
+
+    def formats(self) -> list[str]:
+        return [cpu_blocks.NAMES[f] for _, f in self.parts]
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 [len(index), K]: the rows ``index`` names (an embedding's lookups)."""
+        if len(self.parts) != 1:
+            raise ValueError("row lookups are for single-part matrices (an embedding)")
+        data, fmt = self.parts[0]
+        return cpu_blocks.dequantize(data, fmt, self.k, index.reshape(-1)).reshape(*index.shape, self.k)
+
+
+BLOCK_ROWS = 16  # rows up to which the block kernel multiplies; above, float32 slices and the row kernel's panels
+SLICE_BYTES = 8 << 20  # a slice of dequantized rows for those steps
+
+
+class BlockWeights(LinearMethod):
+    """``blocks``: a ``BlockMatrix``. Steps of up to ``BLOCK_ROWS`` rows (decode, verification)
+    run the block kernel, which reads the blocks and dequantizes them in registers; longer
+    steps (prefill chunks) dequantize slices of ``SLICE_BYTES`` into one float32 buffer and
+    run the row kernel's panels on each, so the model never holds a float32 copy. The norm
+    and SwiGLU prologues run as torch ops; the bias and residual go into the products."""
+
+    name = "blocks"
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # the slice buffer: one per thread, never pickled
+
+    def __getstate__(self) -> dict:
+        # a buffer sent along to a sequence-parallel rank would be moved into shared memory and
+        # written by both processes at once
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._local = threading.local()
+
+    def take(self, layer: "Linear") -> None:
+        if not isinstance(layer.weight, BlockMatrix):
+            raise ValueError("BlockWeights holds a BlockMatrix, set as the layer's weight")
+        layer.weight_t = None
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._local.scratch = torch.empty(numel, dtype=torch.float32)
+        return scratch[:numel]
+
+    def product(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        blocks: BlockMatrix = layer.weight
+        m, k = x.shape[0], blocks.k
+        out = torch.empty(m, blocks.shape[0], dtype=torch.float32)
+        if m == 0:
+            return out
+        x = x.contiguous()
+        lo = 0
+        for data, fmt in blocks.parts:
+            hi = lo + data.shape[0]
+            bias = None if layer.bias is None else layer.bias[lo:hi]
+            res = None if residual is None else residual[:, lo:hi]
+            if m <= BLOCK_ROWS:
+                cpu_blocks.linear(x, data, fmt, k, bias, residual=res, out=out[:, lo:hi])
+            else:
+                step = max(32, SLICE_BYTES // (4 * k))
+                for r0 in range(0, hi - lo, step):
+                    r1 = min(r0 + step, hi - lo)
+                    w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
+                    cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
+                    cpu_linear.linear(x, w, None if bias is None else bias[r0:r1],
+                                      residual=None if res is None else res[:, r0:r1], out=out[:, lo + r0:lo + r1])
+            lo = hi
+        return out
+
+    def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
+              residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+        if norm is not None:
+            x = norm(x)
+        if swiglu:
+            gate, up = x.split(x.shape[-1] // 2, dim=-1)  # (T, F) each
+            x = nn.functional.silu(gate) * up
+        return self.product(layer, x, residual)
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as a ``BlockMatrix``: a lookup dequantizes the rows it needs."""
+
+    def __init__(self, blocks: BlockMatrix) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks.rows(ids)
+
+
+def blocks_available() -> bool:
+    """Whether GGUF blocks can be kept as stored here: the block kernel and the row kernel
+    (its panels take the long steps) both run."""
+    return cpu_blocks.available() and cpu_linear.available() and cpu_build.vectorized()
+
+
 BLAS = LinearMethod()
 ROW_KERNEL = RowKernelWeights()
+BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buffer
 
 
 class Linear(nn.Module):

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from longctx import settings
 
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
+from .linear import BLOCKS, BlockEmbedding, BlockMatrix
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
         elif name == "model.norm.weight":
             state["norm.weight"] = tensor
         elif name == "lm_head.weight":
-            state["lm_head.weight_t"] = tensor.t()
+            state["lm_head.weight_t"] = _t(tensor)
         elif (m := _LAYER.fullmatch(name)) is not None:
             layer, rest = m.group(1), m.group(2)
             module, _, kind = rest.rpartition(".")  # kind: weight | bias
@@ -109,7 +111,7 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
                 fused, index = _FUSED[module]
                 parts.setdefault(f"{prefix}{fused}.{kind}", {})[index] = tensor
             elif module in _RENAME and kind == "weight":
-                state[f"{prefix}{_RENAME[module]}.weight_t"] = tensor.t()
+                state[f"{prefix}{_RENAME[module]}.weight_t"] = _t(tensor)
             elif module in _KEPT or module in _RENAME:
                 state[f"{prefix}{module}.{kind}"] = tensor
             elif "rotary_emb" not in module:
@@ -119,14 +121,25 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
             raise UnsupportedModelError(f"checkpoint tensor {name} ({config.model_type}) is not one "
                                         "longctx understands; refusing rather than running without it")
     for name, pieces in parts.items():
-        fused = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+        ordered = [pieces[i] for i in sorted(pieces)]
+        if isinstance(ordered[0], BlockMatrix):
+            fused = ordered[0]
+            for piece in ordered[1:]:
+                fused = fused.cat(piece)
+        else:
+            fused = torch.cat(ordered, dim=0)
         state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
-            fused.t() if name.endswith(".weight") else fused)
+            _t(fused) if name.endswith(".weight") else fused)
     if "lm_head.weight_t" not in state:
         if not config.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
-        state["lm_head.weight_t"] = state["embed_tokens.weight"].t()
-    return {k: v.contiguous() for k, v in state.items()}
+        state["lm_head.weight_t"] = _t(state["embed_tokens.weight"])
+    return {k: v if isinstance(v, BlockMatrix) else v.contiguous() for k, v in state.items()}
+
+
+def _t(tensor: torch.Tensor | BlockMatrix) -> torch.Tensor | BlockMatrix:
+    """[out, in] -> [in, out]; a ``BlockMatrix`` stays as stored (its rows are the outputs)."""
+    return tensor if isinstance(tensor, BlockMatrix) else tensor.t()
 
 
 def _hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -197,8 +210,28 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tuple[str, torch.Tensor]]]:
-    """GGUF file -> (config, metadata, iterator of HF-named fp32 tensors)."""
+def _gguf_blocks(t: Any) -> BlockMatrix | None:
+    """A GGUF matrix as stored (a view of the file's memory map, no copy), or None for a
+    tensor that is not a matrix or whose format the block kernel does not read."""
+    import numpy as np
+
+    from longctx.kernels import cpu_blocks
+
+    code = int(t.tensor_type)
+    if len(t.shape) != 2 or code not in cpu_blocks.NAMES:
+        return None
+    k, rows = int(t.shape[0]), int(t.shape[1])  # GGUF lists ne: inputs first
+    data = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
+    with warnings.catch_warnings():  # a read-only map: the kernels never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        return BlockMatrix([(torch.from_numpy(data), code)], k)
+
+
+def read_gguf(path: Path, keep_blocks: bool = False
+              ) -> tuple[ModelConfig, dict[str, object], Iterator[tuple[str, torch.Tensor | BlockMatrix]]]:
+    """GGUF file -> (config, metadata, iterator of HF-named fp32 tensors). ``keep_blocks``:
+    matrices in a format the block kernel reads come as ``BlockMatrix`` (memory-mapped, as
+    stored) instead."""
     import gguf
     from gguf.quants import dequantize
 
@@ -232,7 +265,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
-            weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            kept = _gguf_blocks(t) if keep_blocks else None
+            weight = kept if kept is not None else torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
             if t.name == "token_embd.weight":
                 yield "model.embed_tokens.weight", weight
             elif t.name == "output_norm.weight":
@@ -246,7 +280,11 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, object], Iterator[tupl
                                                 "understands; refusing rather than running without it")
                 if arch == "llama" and kind in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-                    weight = _unpermute_rope_rows(weight, heads)
+                    if isinstance(weight, BlockMatrix):  # whole rows move: a copy of the blocks
+                        (data, code), = weight.parts
+                        weight = BlockMatrix([(_unpermute_rope_rows(data, heads).contiguous(), code)], weight.k)
+                    else:
+                        weight = _unpermute_rope_rows(weight, heads)
                 if gemma and kind.endswith("norm"):  # llama.cpp stores Gemma's 1 + w; HF's w is what packing takes
                     weight = weight - 1.0
                 yield f"model.layers.{layer}.{names_here[kind]}.{suffix}", weight
@@ -465,3 +503,46 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
     if use_cache and folder is not None:
         _store_row_cache(folder, dtype, config, model)
     return model
+
+
+# ---------------------------------------------------------------- GGUF blocks kept as stored
+
+def load_blocks_model(name: str, rope_scaling: dict | None = None) -> LlamaForCausalLM:
+    """A CPU model whose matrices and embedding are the GGUF file's blocks as stored
+    (``BlockWeights``: views of the file's memory map, read by the block kernel; a Llama's
+    q/k rows, which llama.cpp permutes, are the one copy), with fp32 norms and biases and
+    fp32 activations. No float32 copy of the weights is made or cached."""
+    path = resolve_model(name)
+    if not path.is_file():
+        raise UnsupportedModelError(f"{path} is an HF folder: only .gguf files keep their blocks "
+                                    "(gguf_weights='float' reads it as it is)")
+    config, _, tensors = read_gguf(path, keep_blocks=True)
+    state = pack_hf_state(config, tensors)
+    config = with_rope_scaling(config, rope_scaling)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    blocks = {k: v for k, v in state.items() if isinstance(v, BlockMatrix)}
+    floats = {k: v.float() for k, v in state.items() if not isinstance(v, BlockMatrix)}
+    missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
+    if set(missing) != set(blocks) or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {sorted(set(missing) - set(blocks))[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for key, matrix in blocks.items():
+        if key == "embed_tokens.weight":
+            want = (config.vocab_size, config.hidden_size)
+            if matrix.shape != want:
+                raise ValueError(f"GGUF token_embd is {matrix.shape}, the model needs {want}")
+            model.embed_tokens = BlockEmbedding(matrix)
+            continue
+        layer = model.get_submodule(key.removesuffix(".weight_t"))
+        in_features, out_features = layer.weight_t.shape
+        if matrix.shape != (out_features, in_features):
+            raise ValueError(f"GGUF matrix for {key} is {matrix.shape}, the model needs {(out_features, in_features)}")
+        layer.weight = matrix
+        layer.hold(BLOCKS)
+    for module in model.modules():  # the meta placeholders of the block layers are gone; check nothing else is
+        for pname, p in module.named_parameters(recurse=False):
+            if p.is_meta:
+                raise ValueError(f"GGUF load left {pname} of {type(module).__name__} unset")
+    model.act_dtype = torch.float32
+    return model.eval()

@@ -13,10 +13,12 @@ import math
 import torch
 
 from longctx.config import ConfigError, ModelLoadConfig, ParallelConfig
+from longctx.kernels import cpu_blocks, cpu_build
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .loader import TORCH_DTYPES, load_model, load_row_kernel_model
+from .linear import blocks_available
+from .loader import TORCH_DTYPES, load_blocks_model, load_model, load_row_kernel_model, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
         # Flushing them to zero changes values below 1e-38 only.
         torch.set_flush_denormal(True)
     dtype = TORCH_DTYPES[load.dtype]
+    if device.type == "cpu" and _keeps_blocks(load, dtype):
+        return load_blocks_model(load.model, rope_scaling=load.rope_scaling), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
         return load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling), cpu_matmul
@@ -46,6 +50,26 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     if cpu_matmul == "onednn":
         model.pack_linears_onednn()
     return model, cpu_matmul
+
+
+def _keeps_blocks(load: ModelLoadConfig, dtype: torch.dtype) -> bool:
+    """Whether a CPU model keeps its GGUF blocks (``gguf_weights``); 'blocks' that cannot be
+    served here raises ``ConfigError``."""
+    if load.gguf_weights == "float":
+        return False
+    is_gguf = resolve_model(load.model).is_file()
+    if load.gguf_weights == "blocks":
+        if not is_gguf:
+            raise ConfigError(f"gguf_weights='blocks' is for .gguf models, {load.model!r} is an HF folder")
+        if dtype != torch.float32:
+            raise ConfigError(f"gguf_weights='blocks' computes in float32, got dtype {dtype}")
+        if not blocks_available():
+            raise ConfigError("gguf_weights='blocks' needs the CPU block and row kernels with their vector "
+                              f"paths (block kernel: {cpu_blocks.status()}, instruction set {cpu_build.isa()})")
+        return True
+    # auto: a float32 CPU model whose products are left to choose (cpu_matmul 'auto'); a chosen
+    # cpu_matmul is a product over float weights
+    return is_gguf and dtype == torch.float32 and load.cpu_matmul == "auto" and blocks_available()
 
 
 def model_window(config: ModelConfig) -> int:

@@ -124,6 +124,45 @@ def test_avx2_build_in_a_subprocess():
     """The AVX2 dot products (this run took the AVX-512 ones)."""
     env = dict(os.environ, LONGCTX_CPU_ISA="avx2")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "bit_identical or float64_reference"], env=env, capture_output=True, text=True,
+                           "-k", "bit_identical or float64_reference or fast_products"], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+FAST = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def _rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the fast path takes it: int8 in blocks of 32, scale amax / 127, ties to even (float64)."""
+    m, k = x.shape
+    xb = x.double().view(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb / torch.where(d > 0, d, torch.ones_like(d)))
+    return (q * d).view(m, k)
+
+
+@pytest.mark.parametrize("fmt", FAST)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_fast_products_are_integer_products_on_rounded_x(fmt, m, n, k):
+    """fast=True: the float64 product of the int8-rounded x with the dequantized weights, to
+    float32's accuracy; and apart from the exact product by about x's rounding."""
+    if not cpu_blocks.fast_supported(fmt):
+        pytest.skip(f"no integer products at {cpu_build.isa()}")
+    raw = random_blocks(fmt, n, k, seed=m + 7 * n)
+    w = torch.from_numpy(reference_dequant(fmt, raw, k)).double()
+    g = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=g)
+    bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    scale = x.double().abs() @ w.abs().T
+    got = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k, bias, residual=residual, fast=True).double()
+    expect = _rounded_x(x) @ w.T + bias.double() + residual.double()
+    assert torch.all((got - expect).abs() <= 1e-5 * (scale + expect.abs()) + 1e-6), fmt
+    exact = x.double() @ w.T + bias.double() + residual.double()
+    apart = float(((got - exact).abs() / scale).max())
+    assert 0 < apart < 1e-2  # x's rounding: at most half a step of 1/127 of each block's largest
+
+
+def test_fast_is_refused_for_a_format_without_integer_products():
+    raw = torch.from_numpy(random_blocks("Q5_K", 4, 256))
+    with pytest.raises(ValueError, match="no integer products for Q5_K"):
+        cpu_blocks.linear(torch.randn(1, 256), raw, "Q5_K", 256, fast=True)

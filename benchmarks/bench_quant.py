@@ -1,0 +1,174 @@
+"""GGUF weights kept as stored (``gguf_weights="blocks"``) against the same file expanded to
+float32 at load (``"float"``) and against llama.cpp on the same file, on the default model
+(SmolLM2-135M-Instruct, Q4_1 matrices and a Q8_0 embedding).
+
+Each engine runs in a fresh process of its own, one after the other (``--engines``, default
+blocks, float, llama.cpp where llama-cpp-python is installed): load, an untimed 64-token
+warm-up, then one greedy request of a ``--ctx``-token prompt (the GPL's text, repeated) and
+``--new-tokens`` new tokens. longctx: prefix caching and lookahead off, the request stepped
+by hand (``engine.step()`` under ``perf_counter``); prefill_s is ``add_request`` to the step
+that returns the first token, decode ms/token the mean of the following steps. llama.cpp
+(llama-cpp-python): ``n_threads`` as ``--threads``, flash attention on, f16 KV, ``n_batch``
+and ``n_ubatch`` 512; prefill_s is ``eval`` of the prompt, decode the mean of
+``eval([token])`` after a greedy pick from the last logits. peak_rss_gib: the process's
+``ru_maxrss`` at the end (mapped file pages it touched count in it). Tokens: blocks and float
+must agree (the bar: the same tokens); llama.cpp's are reported as the count of leading tokens
+equal to blocks'.
+
+Usage:  python benchmarks/run.py quant -- [--ctx 4096] [--new-tokens 32] [--threads 2]
+        (or python benchmarks/bench_quant.py ... [--out FILE])
+Writes its JSON only to ``--out FILE`` (benchmarks/run.py quant records it as
+benchmarks/results/quant/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table.
+
+Not measured here (issue 42's full benchmark): a 1B-shaped model quantized by llama.cpp's own
+quantizer to Q8_0 and Q4_K_M, 16K contexts, vLLM-CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import machine_info, save_result  # noqa: E402
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+LONGCTX = r'''
+import json, resource, sys, time, torch
+from longctx import LLM, SamplingParams
+mode, ctx, n_new, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+t0 = time.perf_counter()
+llm = LLM("smollm2-135m", gguf_weights=mode, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
+          max_model_len=ctx + n_new + 8, kv_cache_gb=0.5)
+load_s = time.perf_counter() - t0
+text = open(sys.argv[5]).read()
+ids = llm.get_tokenizer().encode(text * (1 + 4 * ctx // len(text)), add_special_tokens=False)[:ctx]
+greedy = dict(temperature=0.0, ignore_eos=True)
+llm.generate({"prompt_token_ids": ids[:64]}, SamplingParams(max_tokens=2, **greedy))
+eng, tokens, steps = llm.engine, [], []
+t0 = time.perf_counter()
+rid = eng.add_request(ids, SamplingParams(max_tokens=n_new, **greedy))
+prefill_s = None
+while eng.has_unfinished():
+    t = time.perf_counter()
+    out = eng.step()
+    dt = time.perf_counter() - t
+    tokens += [tok for u in out if u.request_id == rid for tok in u.new_token_ids]
+    if prefill_s is None:
+        if tokens:
+            prefill_s = time.perf_counter() - t0
+    else:
+        steps.append(dt)
+print(json.dumps({"engine": "longctx " + mode, "cpu_matmul": eng.cpu_matmul, "load_s": load_s,
+                  "prefill_s": prefill_s, "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+'''
+
+LLAMA_CPP = r'''
+import json, resource, sys, time
+import numpy as np
+from llama_cpp import Llama
+path, ctx, n_new, threads, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+t0 = time.perf_counter()
+llm = Llama(path, n_ctx=ctx + n_new + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512,
+            flash_attn=True, verbose=False, logits_all=False)
+load_s = time.perf_counter() - t0
+llm.eval(ids[:64]); llm.reset()
+t0 = time.perf_counter()
+llm.eval(ids)
+prefill_s = time.perf_counter() - t0
+tokens, steps = [], []
+for i in range(n_new):
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tokens.append(tok)
+    if i == n_new - 1:
+        break
+    t = time.perf_counter()
+    llm.eval([tok])
+    steps.append(time.perf_counter() - t)
+print(json.dumps({"engine": "llama.cpp", "load_s": load_s, "prefill_s": prefill_s,
+                  "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+'''
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", nargs="+", default=["blocks", "float", "llama.cpp"])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from longctx.model.loader import resolve_model
+
+    gguf = resolve_model("smollm2-135m")
+    rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
+    for engine in args.engines:
+        if engine == "llama.cpp":
+            if importlib.util.find_spec("llama_cpp") is None:
+                print("llama.cpp: llama-cpp-python is not installed; skipped")
+                continue
+            ids = rows[0]["prompt_ids"] if rows else None
+            if ids is None:
+                raise SystemExit("run a longctx engine first (its prompt ids are llama.cpp's too)")
+            proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids)],
+                                  capture_output=True, text=True)
+        else:
+            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT)], capture_output=True,
+                                  text=True, cwd=ROOT)
+            if proc.returncode == 0 and not rows:  # the prompt's ids, for llama.cpp
+                from longctx.model.tokenizer import load_tokenizer
+
+                text = TEXT.read_text()
+                ids = load_tokenizer(gguf).encode(text * (1 + 4 * args.ctx // len(text)),
+                                                  add_special_tokens=False)[:args.ctx]
+        if proc.returncode != 0:
+            print(proc.stdout[-2000:], proc.stderr[-4000:])
+            raise SystemExit(f"{engine} failed")
+        row = _last_json(proc.stdout)
+        if not rows:
+            row["prompt_ids"] = ids
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["same_tokens_as_first"] = sum(1 for _ in iter_equal(row["tokens"], base["tokens"]))
+    print(f"{'engine':<16}{'load s':>8}{'prefill s':>11}{'decode ms':>11}{'peak RSS GiB':>14}  tokens equal to {base['engine']}")
+    for row in rows:
+        print(f"{row['engine']:<16}{row['load_s']:8.2f}{row['prefill_s']:11.2f}{row['decode_ms']:11.1f}"
+              f"{row['peak_rss_gib']:14.2f}  {row['same_tokens_as_first']}/{len(row['tokens'])}")
+    by = {r["engine"]: r for r in rows}
+    checks = {}
+    if "longctx blocks" in by and "longctx float" in by:
+        checks["blocks_tokens_equal_float"] = by["longctx blocks"]["tokens"] == by["longctx float"]["tokens"]
+        print(f"blocks and float give the same tokens: {checks['blocks_tokens_equal_float']}")
+    for row in rows:
+        row.pop("prompt_ids", None)
+    save_result(args.out, {"machine": machine_info(), "args": vars(args), "gguf": gguf.name, "rows": rows,
+                           "checks": checks})
+    return 0
+
+
+def iter_equal(a: list[int], b: list[int]):
+    for x, y in zip(a, b):
+        if x != y:
+            return
+        yield x
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""GGUF weights kept as the file stores them (``gguf_weights='blocks'``): tiny Llama GGUFs in
+every block format the kernel reads, mixed within a model and within a fused q/k/v matrix as
+llama.cpp's Q4_K_M files mix them, against the same file expanded to float32 at load
+(``gguf_weights='float'``, itself checked against HF in test_model_parity.py): every prompt
+log-prob within 1e-4 (the bar test_families.py holds against HF) and the same 24 greedy tokens, alone and with lookahead, a prefix hit,
+int8 KV pages and 2 sequence-parallel ranks. The model holds no float32 copy of its matrices.
+The real model's blocks against HF transformers are in test_real_model.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from longctx import LLM, SamplingParams
+from longctx.config import ConfigError
+from longctx.model import loader
+from longctx.model.linear import BlockEmbedding, BlockMatrix, Linear, blocks_available
+from tiny_models import make_checkpoint, random_tokens, write_char_tokenizer, write_gguf
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not blocks_available(), reason="the block and row kernels do not run here")
+
+NEW_TOKENS = 24
+PROMPT = random_tokens(100, seed=21)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=1024)  # K of every matrix a multiple of 256 (the K formats' blocks)
+Q = gguf.GGMLQuantizationType
+# tensor kind (or "*") -> format; llama.cpp's Q4_K_M: Q4_K with attn_v and ffn_down in Q6_K
+CASES = {
+    "q8_0": {"*": "Q8_0"},
+    "q4_1-embed-q8_0": {"*": "Q4_1", "token_embd": "Q8_0"},  # the default model's mix
+    "q4_0-q5_0-q5_1": {"*": "Q4_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "attn_v": "Q5_1", "token_embd": "Q5_0"},
+    "q4_k_m": {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "attn_k": "Q5_K"},
+    "f16-bf16": {"*": "F16", "ffn_up": "BF16", "attn_q": "BF16"},
+}
+SIMPLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16")  # gguf-py quantizes these
+K_LAYOUT = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes, fp16 scale offsets
+
+
+def _k_blocks(fmt: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-format blocks with small positive fp16 scales (weights of ~0.1): gguf-py has no
+    quantizer for these formats; the file's values are what both paths read."""
+    size, offsets = K_LAYOUT[fmt]
+    raw = rng.integers(0, 256, size=(rows, k // 256, size), dtype=np.uint8)
+    for off in offsets:
+        scale = rng.uniform(1e-5, 8e-5 if fmt == "Q6_K" else 3e-4, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def _quantizer(case: dict[str, str], seed: int):
+    rng = np.random.default_rng(seed)
+
+    def quant(name: str, data: np.ndarray):
+        if data.ndim != 2:
+            return None  # norms stay fp32
+        kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        fmt = case.get(kind, case["*"])
+        if fmt in SIMPLE:
+            return gguf.quants.quantize(data.astype(np.float32), Q[fmt]), Q[fmt]
+        return _k_blocks(fmt, data.shape[0], data.shape[1], rng), Q[fmt]
+
+    return quant
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def model_file(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_checkpoint(folder / "hf", "llama-default", **SIZES)
+    path = folder / f"{request.param}.gguf"
+    write_gguf(path, hf, quant=_quantizer(CASES[request.param], seed=len(request.param)))
+    write_char_tokenizer(loader.cache_dir_for(path) / "tokenizer")  # (a tiny GGUF carries no tokenizer)
+    return str(path)
+
+
+def _llm(path: str, **kw) -> LLM:
+    return LLM(path, **{"block_size": 16, "max_num_batched_tokens": 64, "kv_cache_gb": 0.05, **kw})
+
+
+def _run(path: str, **kw):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    with _llm(path, lookahead=False, **kw) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+        return out.outputs[0].token_ids, out.prompt_logprobs, llm.engine
+
+
+@pytest.fixture(scope="module")
+def float_reference(model_file):
+    tokens, logprobs, engine = _run(model_file, gguf_weights="float")
+    assert engine.cpu_matmul == "kernel"
+    return tokens, logprobs
+
+
+def test_blocks_equal_the_float_expansion(model_file, float_reference):
+    tokens, logprobs, engine = _run(model_file)  # gguf_weights='auto': blocks here
+    assert engine.cpu_matmul == "blocks"
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.weight, BlockMatrix) and m.weight_t is None for m in linears)
+    assert isinstance(model.embed_tokens, BlockEmbedding)
+    assert not any(p.dim() == 2 for p in model.parameters())  # no float matrix anywhere
+    expected_tokens, expected = float_reference
+    assert tokens == expected_tokens
+    worst = max(abs(logprobs[p][PROMPT[p]] - expected[p][PROMPT[p]]) for p in range(1, len(PROMPT)))
+    print(f"worst prompt log-prob difference {worst:.2e}")
+    assert worst < 1e-4  # the families' bar against HF (measured here: 0 to 1.2e-5, float32 sums in another order)
+
+
+def test_matrices_are_views_of_the_file(model_file):
+    """Every part's bytes lie in the GGUF's memory map, except a Llama's q/k rows (unpermuted:
+    the one copy)."""
+    model = loader.load_blocks_model(model_file)
+    mapped = [(lo, hi) for lo, hi in _mapped_ranges(model_file)]
+    assert mapped
+    inside = outside = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            for data, _ in module.weight.parts:
+                hit = any(lo <= data.data_ptr() < hi for lo, hi in mapped)
+                inside, outside = inside + hit, outside + (not hit)
+    layers = model.config.num_hidden_layers
+    assert outside == 2 * layers  # the q and k parts of each fused qkv matrix
+    assert inside == 5 * layers + (0 if model.config.tie_word_embeddings else 1)  # v, o, gate, up, down (+ head)
+
+
+def _mapped_ranges(path: str) -> list[tuple[int, int]]:
+    import os
+
+    real = os.path.realpath(path)
+    out = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == real:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def test_lookahead_prefix_hit_int8_pages_keep_the_tokens(model_file, float_reference):
+    expected_tokens, _ = float_reference
+    follow = PROMPT[:80] + random_tokens(12, seed=22)
+    with _llm(model_file, gguf_weights="float", lookahead=False) as ref:
+        expected_follow = ref.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids
+        expected_int8 = None
+    with _llm(model_file, lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_tokens
+        assert llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids == expected_follow
+        assert llm.cache_stats().hit_tokens["device"] >= 80
+    with _llm(model_file, gguf_weights="float", kv_cache_dtype="int8", lookahead=False) as ref:
+        expected_int8 = ref.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    with _llm(model_file, kv_cache_dtype="int8", lookahead=False) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_int8
+
+
+def test_two_sequence_parallel_ranks_keep_the_tokens(model_file, float_reference):
+    expected_tokens, _ = float_reference
+    with _llm(model_file, sequence_parallel_size=2, lookahead=False) as llm:
+        assert llm.engine.cpu_matmul == "blocks"
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_tokens
+
+
+def test_blocks_refused_where_they_cannot_serve(tmp_path):
+    hf_folder = tmp_path / "hf"
+    make_checkpoint(hf_folder, "llama-default")
+    write_char_tokenizer(hf_folder)
+    with pytest.raises(ConfigError, match="gguf_weights='blocks' is for .gguf models"):
+        LLM(str(hf_folder), gguf_weights="blocks")
+    with pytest.raises(ConfigError, match="computes in float32"):
+        LLM(str(hf_folder), gguf_weights="blocks", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="gguf_weights must be one of"):
+        LLM(str(hf_folder), gguf_weights="int4")
