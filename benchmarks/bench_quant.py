@@ -1,6 +1,7 @@
 """GGUF weights kept as stored (``gguf_weights="blocks"``) against the same file expanded to
 float32 at load (``"float"``) and against llama.cpp on the same file, on the default model
-(SmolLM2-135M-Instruct, Q4_1 matrices and a Q8_0 embedding).
+(SmolLM2-135M-Instruct, Q4_1 matrices and a Q8_0 embedding) or a 1B-shaped model with random
+weights quantized by llama.cpp to Q8_0 or Q4_K_M (``--model``, ``benchmarks/quant_model.py``).
 
 Each engine runs in a fresh process of its own, one after the other (``--engines``, default
 blocks, float, llama.cpp where llama-cpp-python is installed): load, an untimed 64-token
@@ -21,8 +22,7 @@ Writes its JSON only to ``--out FILE`` (benchmarks/run.py quant records it as
 benchmarks/results/quant/<machine>/<git rev>.json); without ``--out`` it writes nothing.
 Prints a table.
 
-Not measured here (issue 42's full benchmark): a 1B-shaped model quantized by llama.cpp's own
-quantizer to Q8_0 and Q4_K_M, 16K contexts, vLLM-CPU.
+Not measured here: vLLM-CPU (not installed on these machines).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 LONGCTX = r'''
 import json, resource, sys, time, torch
 from longctx import LLM, SamplingParams
-mode, ctx, n_new, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
-llm = LLM("smollm2-135m", gguf_weights=mode, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
+llm = LLM(model, gguf_weights=mode, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
           max_model_len=ctx + n_new + 8, kv_cache_gb=0.5)
 load_s = time.perf_counter() - t0
 text = open(sys.argv[5]).read()
@@ -88,7 +88,7 @@ llm.eval(ids)
 prefill_s = time.perf_counter() - t0
 tokens, steps = [], []
 for i in range(n_new):
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # the last token's
     tokens.append(tok)
     if i == n_new - 1:
         break
@@ -111,12 +111,20 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["blocks", "float", "llama.cpp"])
+    ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
+                    help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) quantized "
+                         "by llama.cpp to Q8_0 or Q4_K_M")
     ap.add_argument("--out")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from longctx.model.loader import resolve_model
 
-    gguf = resolve_model("smollm2-135m")
+    if args.model == "default":
+        gguf = resolve_model("smollm2-135m")
+    else:
+        import quant_model
+
+        gguf = quant_model.ensure()[args.model.removeprefix("1b-")]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
     for engine in args.engines:
         if engine == "llama.cpp":
@@ -129,8 +137,8 @@ def main() -> int:
             proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids)],
                                   capture_output=True, text=True)
         else:
-            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT)], capture_output=True,
-                                  text=True, cwd=ROOT)
+            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(gguf)],
+                                  capture_output=True, text=True, cwd=ROOT)
             if proc.returncode == 0 and not rows:  # the prompt's ids, for llama.cpp
                 from longctx.model.tokenizer import load_tokenizer
 
@@ -158,7 +166,8 @@ def main() -> int:
         print(f"blocks and float give the same tokens: {checks['blocks_tokens_equal_float']}")
     for row in rows:
         row.pop("prompt_ids", None)
-    save_result(args.out, {"machine": machine_info(), "args": vars(args), "gguf": gguf.name, "rows": rows,
+    save_result(args.out, {"machine": machine_info(), "args": vars(args), "gguf": gguf.name,
+                           "gguf_gib": gguf.stat().st_size / 2**30, "rows": rows,
                            "checks": checks})
     return 0
 

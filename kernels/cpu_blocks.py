@@ -23,7 +23,7 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["FORMATS", "available", "status", "row_bytes", "linear", "dequantize", "fast_supported"]
+__all__ = ["FORMATS", "available", "status", "row_bytes", "linear", "linear_parts", "dequantize", "fast_supported"]
 
 SOURCE = cpu_build.CSRC / "linear_blocks.c"
 # name -> GGML type id (the ids GGUF files carry), for the formats the kernel reads
@@ -42,6 +42,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_blocks_linear_fast.argtypes = lib.longctx_blocks_linear.argtypes
     lib.longctx_blocks_fast_supported.restype = i32
     lib.longctx_blocks_fast_supported.argtypes = [i32]
+    lib.longctx_blocks_linear_parts.restype = i32
+    lib.longctx_blocks_linear_parts.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64,
+                                                i32]
     lib.longctx_blocks_dequant.restype = i32
     lib.longctx_blocks_dequant.argtypes = [ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32]
 
@@ -143,6 +146,57 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: 
                           dtype=torch.float32)
     blocks_linear(x, blocks, code, k, bias, residual, torch.get_num_threads() if num_threads is None else num_threads,
                   out, fast)
+    return out
+
+
+def _blocks_linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
+                         bias: torch.Tensor | None, residual: torch.Tensor | None, num_threads: int,
+                         out: torch.Tensor) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU block kernel is {status()}")
+    n = len(parts)
+    if n != len(fmts) or not 1 <= n <= 8:
+        raise ValueError(f"1 to 8 parts, each with its format; got {n} parts and {len(fmts)} formats")
+    for t, fmt in zip(parts, fmts):  # (their row widths are checked by the kernel)
+        if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"parts must be contiguous uint8 [rows, row_bytes] CPU tensors, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    total = sum(t.shape[0] for t in parts)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.shape[0] < 1:
+        raise ValueError(f"x must be a float32 [M >= 1, {k}] tensor with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m = x.shape[0]
+    for name, t, shape in (("bias", bias, (total,)), ("residual", residual, (m, total)), ("out", out, (m, total))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be float32 {shape} with contiguous rows, got {t.dtype} {tuple(t.shape)}")
+    arrays = (ctypes.c_void_p * n)(*[t.data_ptr() for t in parts]), (ctypes.c_int64 * n)(*[t.shape[1] for t in parts]), \
+        (ctypes.c_int * n)(*fmts), (ctypes.c_int64 * n)(*[t.shape[0] for t in parts])
+    rc = lib.longctx_blocks_linear_parts(
+        x.data_ptr(), max(x.stride(0), k), m, n, *arrays, k, None if bias is None else bias.data_ptr(),
+        out.data_ptr(), max(out.stride(0), total), None if residual is None else residual.data_ptr(),
+        0 if residual is None else max(residual.stride(0), total), num_threads)
+    if rc != 0:
+        raise ValueError(f"blocks_linear_parts rejected its arguments (code {rc}): x {tuple(x.shape)}, parts "
+                         f"{[tuple(t.shape) for t in parts]} {[NAMES.get(f, f) for f in fmts]}")
+
+
+blocks_linear_parts = cpu_build.define_op(
+    "blocks_linear_parts(Tensor x, Tensor[] parts, int[] fmts, int k, Tensor? bias, Tensor? residual, "
+    "int num_threads, Tensor(a!) out) -> ()", _blocks_linear_parts)
+
+
+def linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
+                 bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+    """``linear`` over a matrix stored as ``parts`` stacked along the output rows, each in its
+    format (GGML ids), in one call: [M, sum of the parts' rows] float32."""
+    if x.dim() == 2 and x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0] if x.dim() == 2 else 0, sum(t.shape[0] for t in parts), dtype=torch.float32)
+    blocks_linear_parts(x, parts, list(fmts), k, bias, residual,
+                        torch.get_num_threads() if num_threads is None else num_threads, out)
     return out
 
 

@@ -697,6 +697,78 @@ int longctx_blocks_linear(const float *x, int64_t ldx, int m, const uint8_t *w, 
     return failed ? 3 : 0;
 }
 
+/* One product over a matrix stored as parts stacked along the output rows (a fused q/k/v whose
+ * parts have different formats): part p has rows[p] rows of row_bytes[p] bytes in format
+ * fmts[p] at ws[p]; its outputs are the columns after the previous parts'. One parallel region
+ * for them all (the parts' calls one by one cost a region each: ~30 us a call, 200 a step). */
+int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, const uint8_t *const *ws,
+                                const int64_t *row_bytes, const int *fmts, const int64_t *rows, int64_t k,
+                                const float *bias, float *y, int64_t ldy, const float *res, int64_t ldr,
+                                int nthreads) {
+    enum { MAX_PARTS = 8 };
+    if (nparts < 1 || nparts > MAX_PARTS)
+        return 2;
+    int64_t first_chunk[MAX_PARTS + 1], first_col[MAX_PARTS + 1];
+    first_chunk[0] = first_col[0] = 0;
+    for (int p = 0; p < nparts; p++) {
+        int64_t expect;
+        if (longctx_blocks_row_bytes(fmts[p], k, &expect) != 0 || expect != row_bytes[p] || rows[p] < 1)
+            return 1;
+        first_chunk[p + 1] = first_chunk[p] + (rows[p] + CHUNK - 1) / CHUNK;
+        first_col[p + 1] = first_col[p] + rows[p];
+    }
+    const int64_t n = first_col[nparts];
+    if (m < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
+        return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *buf = NULL;
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < first_chunk[nparts]; c++) {
+            int p = 0;
+            while (c >= first_chunk[p + 1])
+                p++;
+            const int fmt = fmts[p];
+#if HAVE_AVX2
+            const RowDot in_registers = m <= REGISTER_MAX_ROWS ? register_row_dot(fmt) : NULL;
+#else
+            const void *in_registers = NULL;
+#endif
+            if (!in_registers && buf == NULL && (buf = (float *)malloc((size_t)k * sizeof(float))) == NULL) {
+                failed = 1;
+                continue;
+            }
+            const int64_t r0 = (c - first_chunk[p]) * CHUNK, r1 = r0 + CHUNK < rows[p] ? r0 + CHUNK : rows[p];
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *wr = ws[p] + r * row_bytes[p];
+                const int64_t col = first_col[p] + r;
+                if (!in_registers)
+                    dequant_row(wr, fmt, k, buf);
+                const float b = bias ? bias[col] : 0.0f;
+                for (int i = 0; i < m; i += 4) {
+                    const int nr = m - i < 4 ? m - i : 4;
+                    float out[4];
+#if HAVE_AVX2
+                    if (in_registers)
+                        in_registers(wr, k, x + (int64_t)i * ldx, ldx, nr, out);
+                    else
+#endif
+                        dot_rows(x + (int64_t)i * ldx, ldx, nr, buf, k, out);
+                    for (int j = 0; j < nr; j++) {
+                        float v = out[j] + b;
+                        if (res)
+                            v += res[(int64_t)(i + j) * ldr + col];
+                        y[(int64_t)(i + j) * ldy + col] = v;
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? 3 : 0;
+}
+
 /* rows == NULL: rows first_row .. first_row + nrows - 1; else the nrows row indices given (each
  * checked against n). out [nrows, k] float32 with row stride ldo. */
 int longctx_blocks_dequant(const uint8_t *w, int64_t row_bytes, int fmt, int64_t n, int64_t k,

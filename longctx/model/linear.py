@@ -153,6 +153,7 @@ class BlockMatrix:
 
     def __init__(self, parts: list[tuple[torch.Tensor, int]], k: int) -> None:
         self.parts, self.k = list(parts), k
+        self.tensors, self.codes = [d for d, _ in self.parts], [f for _, f in self.parts]
         for data, fmt in self.parts:
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != cpu_blocks.row_bytes(fmt, k):
                 raise ValueError(f"a {cpu_blocks.NAMES.get(fmt, fmt)} part of {k} inputs must be uint8 rows of "
@@ -223,21 +224,20 @@ class BlockWeights(LinearMethod):
         if m == 0:
             return out
         x = x.contiguous()
+        if m <= BLOCK_ROWS:  # every part in one call
+            return cpu_blocks.linear_parts(x, blocks.tensors, blocks.codes, k, layer.bias, residual=residual, out=out)
         lo = 0
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
             bias = None if layer.bias is None else layer.bias[lo:hi]
             res = None if residual is None else residual[:, lo:hi]
-            if m <= BLOCK_ROWS:
-                cpu_blocks.linear(x, data, fmt, k, bias, residual=res, out=out[:, lo:hi])
-            else:
-                step = max(32, SLICE_BYTES // (4 * k))
-                for r0 in range(0, hi - lo, step):
-                    r1 = min(r0 + step, hi - lo)
-                    w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
-                    cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
-                    cpu_linear.linear(x, w, None if bias is None else bias[r0:r1],
-                                      residual=None if res is None else res[:, r0:r1], out=out[:, lo + r0:lo + r1])
+            step = max(32, SLICE_BYTES // (4 * k))  # longer steps: slices of each part through the row kernel
+            for r0 in range(0, hi - lo, step):
+                r1 = min(r0 + step, hi - lo)
+                w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
+                cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
+                cpu_linear.linear(x, w, None if bias is None else bias[r0:r1],
+                                  residual=None if res is None else res[:, r0:r1], out=out[:, lo + r0:lo + r1])
             lo = hi
         return out
 

@@ -166,3 +166,22 @@ def test_fast_is_refused_for_a_format_without_integer_products():
     raw = torch.from_numpy(random_blocks("Q5_K", 4, 256))
     with pytest.raises(ValueError, match="no integer products for Q5_K"):
         cpu_blocks.linear(torch.randn(1, 256), raw, "Q5_K", 256, fast=True)
+
+
+def test_parts_in_one_call_equal_each_part_alone():
+    """A matrix stored as parts of different formats (a Q4_K_M fused q/k/v): one call equals
+    each part's product in its columns, bias and residual included."""
+    k, m = 512, 3
+    parts = [("Q4_K", 40), ("Q5_K", 9), ("Q6_K", 17), ("Q8_0", 5)]
+    raws = [torch.from_numpy(random_blocks(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(parts)]
+    codes = [cpu_blocks.FORMATS[fmt] for fmt, _ in parts]
+    total = sum(n for _, n in parts)
+    x, bias, residual = torch.randn(m, k), torch.randn(total), torch.randn(m, total)
+    got = cpu_blocks.linear_parts(x, raws, codes, k, bias, residual=residual)
+    lo = 0
+    for raw, (fmt, n) in zip(raws, parts):
+        alone = cpu_blocks.linear(x, raw, fmt, k, bias[lo:lo + n], residual=residual[:, lo:lo + n])
+        assert torch.equal(got[:, lo:lo + n], alone), fmt
+        lo += n
+    with pytest.raises(ValueError, match="rejected"):
+        cpu_blocks.linear_parts(x[:, :256], raws, codes, 256)
