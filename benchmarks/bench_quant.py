@@ -4,7 +4,8 @@ float32 at load (``"float"``) and against llama.cpp on the same file, on the def
 weights quantized by llama.cpp to Q8_0 or Q4_K_M (``--model``, ``benchmarks/quant_model.py``).
 
 Each engine runs in a fresh process of its own, one after the other (``--engines``, default
-blocks, float, llama.cpp where llama-cpp-python is installed): load, an untimed 64-token
+blocks, fast (the blocks with ``block_numerics="fast"``), float, llama.cpp where
+llama-cpp-python is installed): load, an untimed 64-token
 warm-up, then one greedy request of a ``--ctx``-token prompt (the GPL's text, repeated) and
 ``--new-tokens`` new tokens. longctx: prefix caching and lookahead off, the request stepped
 by hand (``engine.step()`` under ``perf_counter``); prefill_s is ``add_request`` to the step
@@ -47,7 +48,8 @@ from longctx import LLM, SamplingParams
 mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
-llm = LLM(model, gguf_weights=mode, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
+extra = {"gguf_weights": "blocks", "block_numerics": "fast"} if mode == "fast" else {"gguf_weights": mode}
+llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
           max_model_len=ctx + n_new + 8, kv_cache_gb=0.5)
 load_s = time.perf_counter() - t0
 text = open(sys.argv[5]).read()
@@ -110,7 +112,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", nargs="+", default=["blocks", "float", "llama.cpp"])
+    ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
+                    help="blocks (exact numerics), fast (block_numerics='fast'), float, llama.cpp")
     ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
                     help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) quantized "
                          "by llama.cpp to Q8_0 or Q4_K_M")

@@ -105,6 +105,12 @@ class ModelLoadConfig:
                                           "block kernel in float32 (dtype float32 only); float: expanded to "
                                           "dtype at load (cached). auto: blocks where the block kernel runs "
                                           "and dtype is float32, else float"})
+    block_numerics: str = field(
+        default="exact", metadata={"help": "exact | fast: with GGUF blocks, exact multiplies float32 "
+                                           "activations by the exactly dequantized weights (HF's numbers); "
+                                           "fast rounds a decode step's activations to int8 in blocks of 32 "
+                                           "and multiplies in integers, as llama.cpp does (faster, tokens "
+                                           "part from exact's sooner)"})
     enforce_eager: bool = field(
         default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
                                          "instead of replaying CUDA graphs captured at start-up"})
@@ -130,6 +136,8 @@ class ModelLoadConfig:
                f"cpu_matmul='kernel' is for float32 and bfloat16 models, got dtype={self.dtype!r} "
                "(use cpu_matmul='auto' or 'blas')")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        _check(self.block_numerics in ("exact", "fast"),
+               f"block_numerics must be exact or fast, got {self.block_numerics!r}")
         _check(self.gguf_weights in GGUF_WEIGHTS,
                f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         _check(self.gguf_weights != "blocks" or self.dtype in ("float32", "auto"),

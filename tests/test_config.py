@@ -185,7 +185,7 @@ def test_split_engine_kwargs_unknown_keys_are_listed_sorted_with_the_known_ones(
     known = sorted(f.name for cls in (ModelLoadConfig, CacheConfig, SchedulerConfig, LookaheadConfig,
                                                   ParallelConfig)
                    for f in dataclasses.fields(cls))
-    assert known[:3] == ["allow_long_context", "attention_backend", "block_size"]
+    assert known[:4] == ["allow_long_context", "attention_backend", "block_numerics", "block_size"]
     with pytest.raises(ConfigError) as info:
         split_engine_kwargs({"zeta": 1, "blok_size": 16, "dtype": "float32", "gamma": 0,
                              "temperature": 0.5, "alpha": 2, "max_tokens": 9, "beta": 1})

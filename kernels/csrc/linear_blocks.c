@@ -807,13 +807,15 @@ typedef struct {
     int8_t *q;     /* [m, k] */
     float *d;      /* [m, k / 32]: the block scales */
     float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
+    float *d8;     /* [m, k / 32 * 8]: each block's scale 8 times (the lanes of its sums) */
 } QuantX;
 
 static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx) {
     qx->q = (int8_t *)malloc((size_t)m * k);
     qx->d = (float *)malloc((size_t)m * (k / 32) * sizeof(float));
     qx->s16 = (float *)malloc((size_t)m * (k / 16) * sizeof(float));
-    if (!qx->q || !qx->d || !qx->s16)
+    qx->d8 = (float *)malloc((size_t)m * (k / 32) * 8 * sizeof(float));
+    if (!qx->q || !qx->d || !qx->s16 || !qx->d8)
         return 1;
     for (int i = 0; i < m; i++) {
         for (int64_t b = 0; b < k / 32; b++) {
@@ -830,6 +832,8 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx)
                 if (j < 16) sum0 += v; else sum1 += v;
             }
             qx->d[(int64_t)i * (k / 32) + b] = d;
+            for (int j = 0; j < 8; j++)
+                qx->d8[((int64_t)i * (k / 32) + b) * 8 + j] = d;
             qx->s16[(int64_t)i * (k / 16) + 2 * b] = d * (float)sum0;
             qx->s16[(int64_t)i * (k / 16) + 2 * b + 1] = d * (float)sum1;
         }
@@ -938,6 +942,106 @@ static void fast_row(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, i
 }
 #endif
 
+#if HAVE_AVX512 && defined(__AVX512BW__)
+/* Two blocks (64 weights) a step in 512-bit registers: the weights' bytes unsigned (Q8_0's
+ * magnitudes, its signs moved onto x), maddubs + madd give 16 int32 lanes (lanes 0-7 the first
+ * block, 8-15 the second), scaled per lane by the weight's and x's block scales; offsets (the
+ * unsigned quants' zero points) per 16 elements through x's sums. Needs k / 32 even. */
+static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+    __m512 acc[4];
+    __m128 offacc[4];
+    for (int r = 0; r < 4; r++)
+        acc[r] = _mm512_setzero_ps(), offacc[r] = _mm_setzero_ps();
+    const int64_t nb = k / 32, pairs = nb / 2;
+    const __m512i ones = _mm512_set1_epi16(1), m15 = _mm512_set1_epi8(15);
+    const __m512i lane_of4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t pr = 0; pr < pairs; pr++) {
+        __m512i w;
+        __m512 wsc;                 /* the weight's scale per lane */
+        __m128 coef;                /* offset per unit of x's sum, per 16 elements */
+        __mmask64 neg = 0;          /* Q8_0: where the weight is negative (x's sign flips there) */
+        switch (fmt) {
+        case F_Q8_0: {
+            const uint8_t *b0 = row + 2 * pr * 34, *b1 = b0 + 34;
+            const __m512i sw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                                  _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+            neg = _mm512_movepi8_mask(sw);
+            w = _mm512_abs_epi8(sw);
+            wsc = _mm512_insertf32x8(_mm512_set1_ps(h2f(b0)), _mm256_set1_ps(h2f(b1)), 1);
+            coef = _mm_setzero_ps();
+            break;
+        }
+        case F_Q4_0: case F_Q4_1: {
+            const int one = fmt == F_Q4_1, bb = one ? 20 : 18, qo = one ? 4 : 2;
+            const uint8_t *b0 = row + 2 * pr * bb, *b1 = b0 + bb;
+            const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b1 + qo)),
+                                               _mm_loadu_si128((const __m128i *)(b0 + qo)));
+            const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+            const __m512i lh = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* lo0 lo1 hi0 hi1 */
+            w = _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0));                /* lo0 hi0 lo1 hi1 */
+            const float d0 = h2f(b0), d1 = h2f(b1);
+            wsc = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+            const float m0 = one ? h2f(b0 + 2) : -8.0f * d0, m1 = one ? h2f(b1 + 2) : -8.0f * d1;
+            coef = _mm_setr_ps(m0, m0, m1, m1);
+            break;
+        }
+        case F_Q4_K: {
+            const uint8_t *blk = row + (pr >> 2) * 144;
+            const int c = (int)(pr & 3);
+            int sc0, mn0, sc1, mn1;
+            scale_min_k4(2 * c, blk + 4, &sc0, &mn0);
+            scale_min_k4(2 * c + 1, blk + 4, &sc1, &mn1);
+            const float d = h2f(blk), dmin = h2f(blk + 2);
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi8(15))),
+                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15)), 1);
+            wsc = _mm512_insertf32x8(_mm512_set1_ps(d * (float)sc0), _mm256_set1_ps(d * (float)sc1), 1);
+            const float o0 = -dmin * (float)mn0, o1 = -dmin * (float)mn1;
+            coef = _mm_setr_ps(o0, o0, o1, o1);
+            break;
+        }
+        default: { /* F_Q6_K: groups 2t and 2t + 1 of the super-block */
+            const uint8_t *blk = row + (pr >> 2) * 210;
+            const int t = (int)(pr & 3), h = t >> 1, q0 = (t & 1) * 2;
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + h * 64));
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(l, 4 * (t & 1)), m15);
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * q0)), _mm256_set1_epi8(3));
+            const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * q0 + 2)), _mm256_set1_epi8(3));
+            const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+            w = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)); /* 0..63 (bits stay in their bytes) */
+            const int8_t *sc = (const int8_t *)(blk + 192) + 4 * t;
+            const __m128 s4 = _mm_mul_ps(_mm_set1_ps(h2f(blk + 208)),
+                                         _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(*(const int32_t *)sc))));
+            wsc = _mm512_permutexvar_ps(lane_of4, _mm512_castps128_ps512(s4));
+            coef = _mm_mul_ps(s4, _mm_set1_ps(-32.0f));
+            break;
+        }
+        }
+        for (int r = 0; r < R; r++) {
+            const int i = i0 + r;
+            __m512i xq = _mm512_loadu_si512((const void *)(qx->q + (int64_t)i * k + pr * 64));
+            if (fmt == F_Q8_0)
+                xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(w, xq), ones));
+            const __m512 dx = _mm512_loadu_ps(qx->d8 + ((int64_t)i * nb + 2 * pr) * 8);
+            acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(wsc, dx), acc[r]);
+            offacc[r] = _mm_fmadd_ps(coef, _mm_loadu_ps(qx->s16 + (int64_t)i * (k / 16) + 4 * pr), offacc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m128 o = offacc[r];
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        o = _mm_add_ss(o, _mm_movehdup_ps(o));
+        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(o);
+    }
+}
+#define HAVE_FAST512 1
+#else
+#define HAVE_FAST512 0
+#endif
+
 int longctx_blocks_fast_supported(int fmt) {
 #if HAVE_AVX2
     return fmt == F_Q8_0 || fmt == F_Q4_0 || fmt == F_Q4_1 || fmt == F_Q4_K || fmt == F_Q6_K;
@@ -960,7 +1064,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
 #if HAVE_AVX2
     QuantX qx;
     if (quantize_x(x, ldx, m, k, &qx) != 0) {
-        free(qx.q), free(qx.d), free(qx.s16);
+        free(qx.q), free(qx.d), free(qx.s16), free(qx.d8);
         return 3;
     }
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
@@ -972,7 +1076,12 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
             for (int i = 0; i < m; i += 4) {
                 const int rows = m - i < 4 ? m - i : 4;
                 float out[4];
-                fast_row(w + r * row_bytes, fmt, k, &qx, i, rows, out);
+#if HAVE_FAST512
+                if ((k / 32) % 2 == 0)
+                    fast_row512(w + r * row_bytes, fmt, k, &qx, i, rows, out);
+                else
+#endif
+                    fast_row(w + r * row_bytes, fmt, k, &qx, i, rows, out);
                 for (int j = 0; j < rows; j++) {
                     float v = out[j] + b;
                     if (res)
@@ -982,7 +1091,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
             }
         }
     }
-    free(qx.q), free(qx.d), free(qx.s16);
+    free(qx.q), free(qx.d), free(qx.s16), free(qx.d8);
     return 0;
 #else
     return 5;

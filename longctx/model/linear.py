@@ -191,19 +191,24 @@ class BlockWeights(LinearMethod):
     run the block kernel, which reads the blocks and dequantizes them in registers; longer
     steps (prefill chunks) dequantize slices of ``SLICE_BYTES`` into one float32 buffer and
     run the row kernel's panels on each, so the model never holds a float32 copy. The norm
-    and SwiGLU prologues run as torch ops; the bias and residual go into the products."""
+    and SwiGLU prologues run as torch ops; the bias and residual go into the products.
+    ``fast`` (``block_numerics="fast"``): the block kernel's steps take x rounded to int8 in
+    blocks of 32 and multiply in integers, as llama.cpp does (formats without integer products
+    stay exact); longer steps stay exact."""
 
     name = "blocks"
 
-    def __init__(self) -> None:
+    def __init__(self, fast: bool = False) -> None:
+        self.fast = fast  # steps of up to BLOCK_ROWS rows on int8-rounded activations
         self._local = threading.local()  # the slice buffer: one per thread, never pickled
 
     def __getstate__(self) -> dict:
         # a buffer sent along to a sequence-parallel rank would be moved into shared memory and
         # written by both processes at once
-        return {}
+        return {"fast": self.fast}
 
     def __setstate__(self, state: dict) -> None:
+        self.fast = state["fast"]
         self._local = threading.local()
 
     def take(self, layer: "Linear") -> None:
@@ -224,13 +229,18 @@ class BlockWeights(LinearMethod):
         if m == 0:
             return out
         x = x.contiguous()
-        if m <= BLOCK_ROWS:  # every part in one call
+        if m <= BLOCK_ROWS and not self.fast:  # every part in one call
             return cpu_blocks.linear_parts(x, blocks.tensors, blocks.codes, k, layer.bias, residual=residual, out=out)
         lo = 0
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
             bias = None if layer.bias is None else layer.bias[lo:hi]
             res = None if residual is None else residual[:, lo:hi]
+            if m <= BLOCK_ROWS:  # fast: integer products where the format has them
+                cpu_blocks.linear(x, data, fmt, k, bias, residual=res, out=out[:, lo:hi],
+                                  fast=cpu_blocks.fast_supported(fmt))
+                lo = hi
+                continue
             step = max(32, SLICE_BYTES // (4 * k))  # longer steps: slices of each part through the row kernel
             for r0 in range(0, hi - lo, step):
                 r1 = min(r0 + step, hi - lo)
@@ -271,6 +281,7 @@ def blocks_available() -> bool:
 BLAS = LinearMethod()
 ROW_KERNEL = RowKernelWeights()
 BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buffer
+BLOCKS_FAST = BlockWeights(fast=True)
 
 
 class Linear(nn.Module):

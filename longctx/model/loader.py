@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from longctx import settings
 
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
-from .linear import BLOCKS, BlockEmbedding, BlockMatrix
+from .linear import BLOCKS, BLOCKS_FAST, BlockEmbedding, BlockMatrix
 from .llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -507,11 +507,12 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
 
 # ---------------------------------------------------------------- GGUF blocks kept as stored
 
-def load_blocks_model(name: str, rope_scaling: dict | None = None) -> LlamaForCausalLM:
+def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: bool = False) -> LlamaForCausalLM:
     """A CPU model whose matrices and embedding are the GGUF file's blocks as stored
     (``BlockWeights``: views of the file's memory map, read by the block kernel; a Llama's
     q/k rows, which llama.cpp permutes, are the one copy), with fp32 norms and biases and
-    fp32 activations. No float32 copy of the weights is made or cached."""
+    fp32 activations. No float32 copy of the weights is made or cached. ``fast``: decode
+    steps on int8-rounded activations (``BlockWeights.fast``)."""
     path = resolve_model(name)
     if not path.is_file():
         raise UnsupportedModelError(f"{path} is an HF folder: only .gguf files keep their blocks "
@@ -539,7 +540,7 @@ def load_blocks_model(name: str, rope_scaling: dict | None = None) -> LlamaForCa
         if matrix.shape != (out_features, in_features):
             raise ValueError(f"GGUF matrix for {key} is {matrix.shape}, the model needs {(out_features, in_features)}")
         layer.weight = matrix
-        layer.hold(BLOCKS)
+        layer.hold(BLOCKS_FAST if fast else BLOCKS)
     for module in model.modules():  # the meta placeholders of the block layers are gone; check nothing else is
         for pname, p in module.named_parameters(recurse=False):
             if p.is_meta:

@@ -36,7 +36,8 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
         torch.set_flush_denormal(True)
     dtype = TORCH_DTYPES[load.dtype]
     if device.type == "cpu" and _keeps_blocks(load, dtype):
-        return load_blocks_model(load.model, rope_scaling=load.rope_scaling), "blocks"
+        fast = load.block_numerics == "fast"
+        return load_blocks_model(load.model, rope_scaling=load.rope_scaling, fast=fast), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
         return load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling), cpu_matmul
