@@ -81,14 +81,19 @@ class LinearMethod:
             return torch.addmm(layer.bias, x, layer.weight_t)
         return x @ layer.weight_t
 
-    def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
-              residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+    @staticmethod
+    def prologue(x: torch.Tensor, norm: nn.Module | None, swiglu: bool) -> torch.Tensor:
+        """The call's input as the product takes it: normed, or SwiGLU's silu(gate) * up."""
         if norm is not None:
             x = norm(x)
         if swiglu:
             gate, up = x.split(x.shape[-1] // 2, dim=-1)  # (T, F) each
             x = nn.functional.silu(gate) * up
-        y = self.product(layer, x)
+        return x
+
+    def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
+              residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+        y = self.product(layer, self.prologue(x, norm, swiglu))
         return y if residual is None else residual + y
 
 
@@ -253,12 +258,7 @@ class BlockWeights(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
               residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
-        if norm is not None:
-            x = norm(x)
-        if swiglu:
-            gate, up = x.split(x.shape[-1] // 2, dim=-1)  # (T, F) each
-            x = nn.functional.silu(gate) * up
-        return self.product(layer, x, residual)
+        return self.product(layer, self.prologue(x, norm, swiglu), residual)
 
 
 class BlockEmbedding(nn.Module):
