@@ -645,58 +645,6 @@ int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
     return 0;
 }
 
-int longctx_blocks_linear(const float *x, int64_t ldx, int m, const uint8_t *w, int64_t row_bytes, int fmt,
-                          int n, int64_t k, const float *bias, float *y, int64_t ldy, const float *res,
-                          int64_t ldr, int nthreads) {
-    int64_t expect;
-    if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
-        return 1;
-    if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
-        return 2;
-    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
-    int failed = 0;
-#if HAVE_AVX2
-    const RowDot in_registers = m <= REGISTER_MAX_ROWS ? register_row_dot(fmt) : NULL;
-#else
-    const void *in_registers = NULL;
-#endif
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        float *buf = (float *)malloc((size_t)k * sizeof(float));
-        if (buf == NULL) {
-            failed = 1;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t r1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
-                for (int64_t r = c * CHUNK; r < r1; r++) {
-                    if (!in_registers)
-                        dequant_row(w + r * row_bytes, fmt, k, buf);
-                    const float b = bias ? bias[r] : 0.0f;
-                    for (int i = 0; i < m; i += 4) {
-                        const int rows = m - i < 4 ? m - i : 4;
-                        float out[4];
-#if HAVE_AVX2
-                        if (in_registers)
-                            in_registers(w + r * row_bytes, k, x + (int64_t)i * ldx, ldx, rows, out);
-                        else
-#endif
-                            dot_rows(x + (int64_t)i * ldx, ldx, rows, buf, k, out);
-                        for (int j = 0; j < rows; j++) {
-                            float v = out[j] + b;
-                            if (res)
-                                v += res[(int64_t)(i + j) * ldr + r];
-                            y[(int64_t)(i + j) * ldy + r] = v;
-                        }
-                    }
-                }
-            }
-            free(buf);
-        }
-    }
-    return failed ? 3 : 0;
-}
-
 /* One product over a matrix stored as parts stacked along the output rows (a fused q/k/v whose
  * parts have different formats): part p has rows[p] rows of row_bytes[p] bytes in format
  * fmts[p] at ws[p]; its outputs are the columns after the previous parts'. One parallel region
@@ -767,6 +715,16 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         free(buf);
     }
     return failed ? 3 : 0;
+}
+
+/* One matrix in one format: the parts' product with one part. */
+int longctx_blocks_linear(const float *x, int64_t ldx, int m, const uint8_t *w, int64_t row_bytes, int fmt,
+                          int n, int64_t k, const float *bias, float *y, int64_t ldy, const float *res,
+                          int64_t ldr, int nthreads) {
+    const uint8_t *ws[1] = {w};
+    const int64_t bytes[1] = {row_bytes}, rows[1] = {n};
+    const int fmts[1] = {fmt};
+    return longctx_blocks_linear_parts(x, ldx, m, 1, ws, bytes, fmts, rows, k, bias, y, ldy, res, ldr, nthreads);
 }
 
 /* rows == NULL: rows first_row .. first_row + nrows - 1; else the nrows row indices given (each

@@ -176,9 +176,6 @@ class BlockMatrix:
     def nbytes(self) -> int:
         return sum(d.numel() for d, _ in self.parts)
 
-    def formats(self) -> list[str]:
-        return [cpu_blocks.NAMES[f] for _, f in self.parts]
-
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 [len(index), K]: the rows ``index`` names (an embedding's lookups)."""
         if len(self.parts) != 1:
