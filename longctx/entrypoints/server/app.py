@@ -16,12 +16,10 @@ entry per new token, for requests that asked); the routes turn them into OpenAI'
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -36,6 +34,7 @@ from longctx.entrypoints.server.errors import APIError, bad_request, install_err
 from longctx.entrypoints.server.gate import RequestGate
 from longctx.entrypoints.server.protocol import (ChatCompletionRequest, ChatShape, CompletionRequest,
                                      CompletionShape, GenerationRequest, TokenLogprob, usage)
+from longctx.entrypoints.server.tokenize import PromptTokenizer, PromptTooLong
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -51,7 +50,7 @@ def create_app(engine_loop: EngineLoop, config: ServerConfig) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(engine_loop.stop)
-            routes.tokenizer_pool.shutdown(wait=False)
+            routes.prompts.shutdown()
 
     app = FastAPI(title="longctx", summary="OpenAI-compatible API of the longctx engine",
                   lifespan=lifespan)
@@ -71,10 +70,9 @@ class OpenAIRoutes:
         self.check_request = engine.check_request  # reads only settings fixed at start (thread-safe)
         self.check_params = engine.check_params  # (the same)
         self.kv_capacity_tokens = engine.kv_capacity_tokens
-        # The engine thread decodes with its tokenizer; tokenizers are not safe to share across
-        # threads, so requests are encoded with a copy, on one worker thread of their own.
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="longctx-tokenize")
+        # The engine thread decodes with its tokenizer; requests are encoded off the event loop,
+        # on a pool whose threads each have a copy, and probed against the window first.
+        self.prompts = PromptTokenizer(engine.tokenizer, engine.max_model_len)
         self.created = int(time.time())
         r = self.router = APIRouter()
         r.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -91,8 +89,10 @@ class OpenAIRoutes:
         self._check_common(body)
         prompt = body.prompt
         if isinstance(prompt, str):
-            prompt_ids = await self._off_loop(
-                lambda: list(self.tokenizer.encode(prompt, add_special_tokens=False)))
+            try:
+                prompt_ids = await self.prompts.encode(prompt)
+            except PromptTooLong as err:
+                raise bad_request(str(err), param="prompt", code="context_length_exceeded") from err
         else:
             self._check_token_ids(prompt)
             prompt_ids = prompt
@@ -103,7 +103,13 @@ class OpenAIRoutes:
         arrival = time.perf_counter()
         self._check_common(body)
         messages = [m.template_dict() for m in body.messages]
-        prompt_ids = await self._off_loop(lambda: self._apply_chat_template(messages))
+        try:
+            prompt_ids = await self.prompts.chat(messages)
+        except PromptTooLong as err:
+            raise bad_request(str(err), param="messages", code="context_length_exceeded") from err
+        except Exception as err:  # noqa: BLE001 - a template refusing the conversation
+            raise bad_request(f"the model's chat template rejected the messages: {err}",
+                              param="messages") from err
         return await self._generate(request, body, arrival, prompt_ids, ChatShape, "messages", None)
 
     async def list_models(self) -> dict[str, Any]:
@@ -147,14 +153,6 @@ class OpenAIRoutes:
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
                               param="prompt", code="invalid_value")
 
-    def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as err:  # noqa: BLE001 - a template refusing the conversation
-            raise bad_request(f"the model's chat template rejected the messages: {err}",
-                              param="messages") from err
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
     def _max_tokens(self, num_prompt: int, requested: int | None, default: int | None,
                     prompt_param: str) -> int:
         """The request's token budget, or a 400 that states the lengths involved."""
@@ -180,9 +178,6 @@ class OpenAIRoutes:
             raise bad_request(str(err), param=prompt_param if requested is None else "max_tokens",
                               code="context_length_exceeded") from err
         return max_tokens
-
-    async def _off_loop(self, fn: Callable[[], list[int]]) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn)
 
     # ------------------------------------------------------------------ generation
 
@@ -272,18 +267,15 @@ class OpenAIRoutes:
     async def _token_logprobs(self, ids: list[int], entries: list[dict[int, float]]) -> list[TokenLogprob]:
         """The engine's per-token entries ({token id: logprob}, the chosen token among them)
         with token texts (decoded on the tokenizer's thread), top entries most likely first."""
-        def build() -> list[TokenLogprob]:
+        def build(tok: Any) -> list[TokenLogprob]:
             out = []
             for token, entry in zip(ids, entries):
                 top = sorted(entry.items(), key=lambda item: -item[1])
-                out.append(TokenLogprob(self._token_text(token), entry[token],
-                                        tuple((self._token_text(t), lp) for t, lp in top)))
+                out.append(TokenLogprob(tok.decode([token]), entry[token],
+                                        tuple((tok.decode([t]), lp) for t, lp in top)))
             return out
 
-        return await self._off_loop(build)
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return await self.prompts.run(build)
 
 
 class EventStreamResponse(StreamingResponse):
