@@ -570,37 +570,88 @@ DEFINE_ROW_DOT512(row_dot512_q4_0, deq512_q4_0)
 DEFINE_ROW_DOT512(row_dot512_q4_1, deq512_q4_1)
 DEFINE_ROW_DOT512(row_dot512_q6_k, deq512_q6_k)
 
-static void row_dot512_q4_k(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
+/* Q4_K super-block scales: d * sc and dmin * m of its 8 sub-blocks, from the 12 packed bytes
+ * (sc, m of sub-block j < 4: the low 6 bits of bytes j and j + 4; of j >= 4: the nibbles of byte
+ * j + 4 below the top 2 bits of bytes j - 4 and j), four sub-blocks per 32-bit word. */
+static inline void q4k_scales8(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint32_t sc_lo = w[0] & low6, m_lo = w[1] & low6;
+    const uint32_t sc_hi = (w[2] & low4) | (((w[0] >> 6) & low2) << 4);
+    const uint32_t m_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & low2) << 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), sc));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mn));
+}
+
+/* Q4_K in 512-bit registers, for NR (a compile-time 1..4) rows of x, which must come in
+ * ``q4k_order`` (see there). A sub-block's 16 possible weights (d * sc * q - dmin * m, q = 0..15)
+ * are one register and each nibble picks its weight from it (vpermps reads only an index's low
+ * 4 bits): the same values as dequantizing each weight. A chunk's 32 bytes are broadcast to both
+ * halves of a register as 8 dwords, and a per-lane shift brings byte 4i + t (lanes 0-7) and
+ * 4i + t + 1 (lanes 8-15) down to the low bits, 4 more for the high nibbles. Per 16 weights:
+ * a shift, a permute and a multiply-add (the zero-extend, convert and multiply-add it replaces
+ * left port 5 the bottleneck: ~10 cycles a sub-block measured, for ~4). The scales go through
+ * memory so that their broadcasts are loads, not port-5 shuffles. */
+static inline __attribute__((always_inline)) void q4k_rows512(const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, const int NR, float *out) {
     __m512 a[4][2];
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < NR; r++)
         a[r][0] = a[r][1] = _mm512_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(15);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    __m512i shift[4]; /* t = 0, 2 for the low nibbles; the same + 4 for the high ones */
+    shift[0] = half;
+    shift[1] = _mm512_add_epi32(half, _mm512_set1_epi32(16));
+    shift[2] = _mm512_add_epi32(half, _mm512_set1_epi32(4));
+    shift[3] = _mm512_add_epi32(half, _mm512_set1_epi32(20));
+    float ds[8], dm[8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
-        const float d = h2f(blk), dmin = h2f(blk + 2);
+        q4k_scales8(blk, ds, dm);
+        __asm__ volatile("" ::: "memory"); /* read ds, dm back as broadcast loads */
         for (int c = 0; c < 4; c++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32)));
             for (int s = 0; s < 2; s++) {
-                int sc, mn;
-                scale_min_k4(2 * c + s, blk + 4, &sc, &mn);
-                const __m512 ds = _mm512_set1_ps(d * (float)sc), dm = _mm512_set1_ps(dmin * (float)mn);
-                const __m256i q = _mm256_and_si256(s ? _mm256_srli_epi16(b, 4) : b, mask);
-                const __m512 w0 = _mm512_fmsub_ps(ds, cvt16(_mm256_castsi256_si128(q), 0), dm);
-                const __m512 w1 = _mm512_fmsub_ps(ds, cvt16(_mm256_extracti128_si256(q, 1), 0), dm);
+                const int j = 2 * c + s;
+                const __m512 table = _mm512_fmsub_ps(_mm512_set1_ps(ds[j]), iota, _mm512_set1_ps(dm[j]));
+                const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift[2 * s]), table);
+                const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift[2 * s + 1]), table);
                 const int64_t e = sb * 256 + c * 64 + s * 32;
-                for (int r = 0; r < 4; r++) {
-                    if (r < R) {
-                        const float *xp = x + r * ldx + e;
-                        a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w0, a[r][0]);
-                        a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w1, a[r][1]);
-                    }
+                for (int r = 0; r < NR; r++) {
+                    const float *xp = x + r * ldx + e;
+                    a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w0, a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w1, a[r][1]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < NR; r++)
         out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));
 }
+
+/* x's elements in the order q4k_rows512 meets them: in every 32, positions 0-15 hold elements
+ * 0, 4, .., 28, 1, 5, .., 29 and positions 16-31 hold 2, 6, .., 30, 3, 7, .., 31. */
+static void q4k_order(const float *x, int64_t ldx, int m, int64_t k, float *out) {
+    for (int i = 0; i < m; i++)
+        for (int64_t g = 0; g < k; g += 32)
+            for (int p = 0; p < 32; p++) {
+                const int t = (p >> 4) * 2 + ((p >> 3) & 1), lane = p & 7;
+                out[(int64_t)i * k + g + p] = x[(int64_t)i * ldx + g + 4 * lane + t];
+            }
+}
+
+static void row_dot512_q4_k(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
+    switch (R) {
+    case 1: q4k_rows512(row, k, x, ldx, 1, out); return;
+    case 2: q4k_rows512(row, k, x, ldx, 2, out); return;
+    case 3: q4k_rows512(row, k, x, ldx, 3, out); return;
+    default: q4k_rows512(row, k, x, ldx, 4, out); return;
+    }
+}
+#define Q4K_ORDERED 1
 #endif
 
 static void dequant_row_vector(const uint8_t *row, int fmt, int64_t k, float *restrict out) {
@@ -669,6 +720,15 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
     if (m < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
         return 2;
     int failed = 0;
+    float *xo = NULL; /* x in the Q4_K kernel's order, when a Q4_K part takes the register path */
+#ifdef Q4K_ORDERED
+    for (int p = 0; p < nparts && m <= REGISTER_MAX_ROWS && xo == NULL; p++)
+        if (fmts[p] == F_Q4_K) {
+            if ((xo = (float *)malloc((size_t)m * (size_t)k * sizeof(float))) == NULL)
+                return 3;
+            q4k_order(x, ldx, m, k, xo);
+        }
+#endif
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *buf = NULL;
@@ -698,7 +758,9 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
                     const int nr = m - i < 4 ? m - i : 4;
                     float out[4];
 #if HAVE_AVX2
-                    if (in_registers)
+                    if (in_registers && fmt == F_Q4_K && xo != NULL)
+                        in_registers(wr, k, xo + (int64_t)i * k, k, nr, out);
+                    else if (in_registers)
                         in_registers(wr, k, x + (int64_t)i * ldx, ldx, nr, out);
                     else
 #endif
@@ -714,6 +776,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         }
         free(buf);
     }
+    free(xo);
     return failed ? 3 : 0;
 }
 
