@@ -531,20 +531,6 @@ static inline void deq512_q4_1(const uint8_t *row, int64_t g, __m512 w[2]) {
     w[1] = _mm512_fmadd_ps(d, cvt16(hi, 0), m);
 }
 
-static inline void deq512_q6_k(const uint8_t *row, int64_t g, __m512 w[2]) {
-    const uint8_t *blk = row + (g >> 3) * 210;
-    const int gg = (int)(g & 7), h = gg >> 2, quarter = gg & 3;
-    const int8_t *sc = (const int8_t *)(blk + 192);
-    const float d = h2f(blk + 208);
-    const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (quarter & 1) * 32));
-    const __m256i lo = _mm256_and_si256(quarter >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
-    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * quarter)), _mm256_set1_epi8(3));
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-    w[0] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * gg]), cvt16(_mm256_castsi256_si128(q), 1));
-    w[1] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[2 * gg + 1]), cvt16(_mm256_extracti128_si256(q, 1), 1));
-}
-
 #define DEFINE_ROW_DOT512(NAME, DEQ)                                                                   \
     static void NAME(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) { \
         __m512 a[4][2];                                                                                \
@@ -568,7 +554,63 @@ static inline void deq512_q6_k(const uint8_t *row, int64_t g, __m512 w[2]) {
 DEFINE_ROW_DOT512(row_dot512_q8_0, deq512_q8_0)
 DEFINE_ROW_DOT512(row_dot512_q4_0, deq512_q4_0)
 DEFINE_ROW_DOT512(row_dot512_q4_1, deq512_q4_1)
-DEFINE_ROW_DOT512(row_dot512_q6_k, deq512_q6_k)
+
+/* Q6_K in 512-bit registers, for NR (a compile-time 1..4) rows of x: a half super-block's
+ * low and high bits loaded once and joined into its four quarters of 32 signed bytes; the
+ * 16 scales times d converted once a super-block and read back as broadcast loads (a scalar
+ * convert and a register broadcast for every 16 weights kept port 5 busy). */
+static inline __attribute__((always_inline)) void q6k_rows512(const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, const int NR, float *out) {
+    __m512 a[4][2];
+    for (int r = 0; r < NR; r++)
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+    float scale[16];
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 210;
+        const __m512 d = _mm512_set1_ps(h2f(blk + 208));
+        _mm512_storeu_ps(scale, _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                                                     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))))));
+        __asm__ volatile("" ::: "memory"); /* read the scales back as broadcast loads */
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+            for (int t = 0; t < 4; t++) {
+                const __m256i qs = _mm256_sub_epi8(q[t], b32);
+                const int si = h * 8 + 2 * t;
+                const __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(scale[si]), cvt16(_mm256_castsi256_si128(qs), 1));
+                const __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(scale[si + 1]),
+                                                cvt16(_mm256_extracti128_si256(qs, 1), 1));
+                const int64_t e = sb * 256 + h * 128 + t * 32;
+                for (int r = 0; r < NR; r++) {
+                    const float *xp = x + r * ldx + e;
+                    a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w0, a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w1, a[r][1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));
+}
+
+static void row_dot512_q6_k(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
+    switch (R) {
+    case 1: q6k_rows512(row, k, x, ldx, 1, out); return;
+    case 2: q6k_rows512(row, k, x, ldx, 2, out); return;
+    case 3: q6k_rows512(row, k, x, ldx, 3, out); return;
+    default: q6k_rows512(row, k, x, ldx, 4, out); return;
+    }
+}
 
 /* Q4_K super-block scales: d * sc and dmin * m of its 8 sub-blocks, from the 12 packed bytes
  * (sc, m of sub-block j < 4: the low 6 bits of bytes j and j + 4; of j >= 4: the nibbles of byte
