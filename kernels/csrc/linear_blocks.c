@@ -512,48 +512,86 @@ static inline void deq512_q8_0(const uint8_t *row, int64_t g, __m512 w[2]) {
     w[1] = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(blk + 18)), 1));
 }
 
-static inline void deq512_q4_0(const uint8_t *row, int64_t g, __m512 w[2]) {
-    const uint8_t *blk = row + g * 18;
-    const __m512 d = _mm512_set1_ps(h2f(blk));
-    __m128i lo, hi;
-    nibbles(blk + 2, &lo, &hi);
-    const __m128i eight = _mm_set1_epi8(8);
-    w[0] = _mm512_mul_ps(d, cvt16(_mm_sub_epi8(lo, eight), 1));
-    w[1] = _mm512_mul_ps(d, cvt16(_mm_sub_epi8(hi, eight), 1));
-}
-
-static inline void deq512_q4_1(const uint8_t *row, int64_t g, __m512 w[2]) {
-    const uint8_t *blk = row + g * 20;
-    const __m512 d = _mm512_set1_ps(h2f(blk)), m = _mm512_set1_ps(h2f(blk + 2));
-    __m128i lo, hi;
-    nibbles(blk + 4, &lo, &hi);
-    w[0] = _mm512_fmadd_ps(d, cvt16(lo, 0), m);
-    w[1] = _mm512_fmadd_ps(d, cvt16(hi, 0), m);
-}
-
-#define DEFINE_ROW_DOT512(NAME, DEQ)                                                                   \
-    static void NAME(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) { \
-        __m512 a[4][2];                                                                                \
-        for (int r = 0; r < 4; r++)                                                                    \
-            a[r][0] = a[r][1] = _mm512_setzero_ps();                                                   \
-        for (int64_t g = 0; g < k / 32; g++) {                                                         \
-            __m512 w[2];                                                                               \
-            DEQ(row, g, w);                                                                            \
-            for (int r = 0; r < 4; r++) {                                                              \
-                if (r < R) {                                                                           \
-                    const float *xp = x + r * ldx + g * 32;                                            \
-                    a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w[0], a[r][0]);                     \
-                    a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w[1], a[r][1]);                \
-                }                                                                                      \
-            }                                                                                          \
-        }                                                                                              \
-        for (int r = 0; r < R; r++)                                                                    \
-            out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));                                          \
+/* A compile-time row count NR (1..4) keeps the accumulators in registers. */
+static inline __attribute__((always_inline)) void q8_0_rows512(const uint8_t *row, int64_t k, const float *x,
+                                                               int64_t ldx, const int NR, float *out) {
+    __m512 a[4][2];
+    for (int r = 0; r < NR; r++)
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k / 32; g++) {
+        __m512 w[2];
+        deq512_q8_0(row, g, w);
+        for (int r = 0; r < NR; r++) {
+            const float *xp = x + r * ldx + g * 32;
+            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w[0], a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w[1], a[r][1]);
+        }
     }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));
+}
 
-DEFINE_ROW_DOT512(row_dot512_q8_0, deq512_q8_0)
-DEFINE_ROW_DOT512(row_dot512_q4_0, deq512_q4_0)
-DEFINE_ROW_DOT512(row_dot512_q4_1, deq512_q4_1)
+static void row_dot512_q8_0(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
+    switch (R) {
+    case 1: q8_0_rows512(row, k, x, ldx, 1, out); return;
+    case 2: q8_0_rows512(row, k, x, ldx, 2, out); return;
+    case 3: q8_0_rows512(row, k, x, ldx, 3, out); return;
+    default: q8_0_rows512(row, k, x, ldx, 4, out); return;
+    }
+}
+
+/* Q4_0 / Q4_1 in 512-bit registers, for NR (a compile-time 1..4) rows of x in ``q4b_order``:
+ * as q4k_rows512, each nibble picks its weight from a register of the block's 16 values
+ * (d * (q - 8), or d * q + m), the block's 16 bytes broadcast to the four 128-bit lanes and
+ * shifted per lane. */
+static inline __attribute__((always_inline)) void q4b_rows512(const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, const int NR, const int one,
+                                                              float *out) {
+    __m512 a[4][2];
+    for (int r = 0; r < NR; r++)
+        a[r][0] = a[r][1] = _mm512_setzero_ps();
+    const int bb = one ? 20 : 18, qo = one ? 4 : 2;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota8 = _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
+    const __m512i sh_lo = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512i sh_hi = _mm512_add_epi32(sh_lo, _mm512_set1_epi32(4));
+    for (int64_t g = 0; g < k / 32; g++) {
+        const uint8_t *blk = row + g * bb;
+        const __m512 d = _mm512_set1_ps(h2f(blk));
+        const __m512 table = one ? _mm512_fmadd_ps(d, iota, _mm512_set1_ps(h2f(blk + 2))) : _mm512_mul_ps(d, iota8);
+        const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(blk + qo)));
+        const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh_lo), table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh_hi), table);
+        for (int r = 0; r < NR; r++) {
+            const float *xp = x + r * ldx + g * 32;
+            a[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xp), w0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), w1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum16(_mm512_add_ps(a[r][0], a[r][1]));
+}
+
+/* x's elements in the order q4b_rows512 meets them: in every 16 (the low nibbles, then the
+ * high ones), position 4t + j holds element 4j + t. */
+static void q4b_order(const float *x, int64_t ldx, int m, int64_t k, float *out) {
+    for (int i = 0; i < m; i++)
+        for (int64_t g = 0; g < k; g += 16)
+            for (int p = 0; p < 16; p++)
+                out[(int64_t)i * k + g + p] = x[(int64_t)i * ldx + g + 4 * (p & 3) + (p >> 2)];
+}
+
+#define DEFINE_Q4B_ROW_DOT(NAME, ONE)                                                                  \
+    static void NAME(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) { \
+        switch (R) {                                                                                   \
+        case 1: q4b_rows512(row, k, x, ldx, 1, ONE, out); return;                                     \
+        case 2: q4b_rows512(row, k, x, ldx, 2, ONE, out); return;                                     \
+        case 3: q4b_rows512(row, k, x, ldx, 3, ONE, out); return;                                     \
+        default: q4b_rows512(row, k, x, ldx, 4, ONE, out); return;                                    \
+        }                                                                                              \
+    }
+DEFINE_Q4B_ROW_DOT(row_dot512_q4_0, 0)
+DEFINE_Q4B_ROW_DOT(row_dot512_q4_1, 1)
 
 /* Q6_K in 512-bit registers, for NR (a compile-time 1..4) rows of x: a half super-block's
  * low and high bits loaded once and joined into its four quarters of 32 signed bytes; the
@@ -696,6 +734,16 @@ static void row_dot512_q4_k(const uint8_t *row, int64_t k, const float *x, int64
 #define Q4K_ORDERED 1
 #endif
 
+/* Which reordered x a format's register kernel reads: 0 Q4_K's, 1 Q4_0's and Q4_1's, -1 x as is. */
+static inline int x_order(int fmt) {
+#ifdef Q4K_ORDERED
+    return fmt == F_Q4_K ? 0 : fmt == F_Q4_0 || fmt == F_Q4_1 ? 1 : -1;
+#else
+    (void)fmt;
+    return -1;
+#endif
+}
+
 static void dequant_row_vector(const uint8_t *row, int fmt, int64_t k, float *restrict out) {
     switch (fmt) {
     case F_Q8_0: row_deq_q8_0(row, k, out); return;
@@ -762,14 +810,20 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
     if (m < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
         return 2;
     int failed = 0;
-    float *xo = NULL; /* x in the Q4_K kernel's order, when a Q4_K part takes the register path */
+    /* x in the order the 4-bit register kernels meet it (Q4_K's; Q4_0's and Q4_1's), made once
+     * a call for the parts that take the register path */
+    float *xo[2] = {NULL, NULL};
 #ifdef Q4K_ORDERED
-    for (int p = 0; p < nparts && m <= REGISTER_MAX_ROWS && xo == NULL; p++)
-        if (fmts[p] == F_Q4_K) {
-            if ((xo = (float *)malloc((size_t)m * (size_t)k * sizeof(float))) == NULL)
-                return 3;
-            q4k_order(x, ldx, m, k, xo);
+    for (int p = 0; p < nparts && m <= REGISTER_MAX_ROWS; p++) {
+        const int o = x_order(fmts[p]);
+        if (o < 0 || xo[o] != NULL)
+            continue;
+        if ((xo[o] = (float *)malloc((size_t)m * (size_t)k * sizeof(float))) == NULL) {
+            free(xo[0]), free(xo[1]);
+            return 3;
         }
+        (o == 0 ? q4k_order : q4b_order)(x, ldx, m, k, xo[o]);
+    }
 #endif
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
@@ -800,8 +854,8 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
                     const int nr = m - i < 4 ? m - i : 4;
                     float out[4];
 #if HAVE_AVX2
-                    if (in_registers && fmt == F_Q4_K && xo != NULL)
-                        in_registers(wr, k, xo + (int64_t)i * k, k, nr, out);
+                    if (in_registers && x_order(fmt) >= 0)
+                        in_registers(wr, k, xo[x_order(fmt)] + (int64_t)i * k, k, nr, out);
                     else if (in_registers)
                         in_registers(wr, k, x + (int64_t)i * ldx, ldx, nr, out);
                     else
@@ -818,7 +872,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         }
         free(buf);
     }
-    free(xo);
+    free(xo[0]), free(xo[1]);
     return failed ? 3 : 0;
 }
 
