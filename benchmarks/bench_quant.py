@@ -10,7 +10,8 @@ warm-up, then one greedy request of a ``--ctx``-token prompt (the GPL's text, re
 ``--new-tokens`` new tokens. longctx: prefix caching and lookahead off, the request stepped
 by hand (``engine.step()`` under ``perf_counter``); prefill_s is ``add_request`` to the step
 that returns the first token, decode ms/token the mean of the following steps. llama.cpp
-(llama-cpp-python): ``n_threads`` as ``--threads``, flash attention on, f16 KV, ``n_batch``
+(llama-cpp-python): ``n_threads`` as ``--threads``, flash attention on, f16 KV (``llama.cpp-q8kv``:
+q8_0 KV, against longctx's int8 pages in ``blocks-int8kv``), ``n_batch``
 and ``n_ubatch`` 512; prefill_s is ``eval`` of the prompt, decode the mean of
 ``eval([token])`` after a greedy pick from the last logits. peak_rss_gib: the process's
 ``ru_maxrss`` at the end (mapped file pages it touched count in it). Tokens: blocks and float
@@ -48,9 +49,10 @@ from longctx import LLM, SamplingParams
 mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
-extra = {"gguf_weights": "blocks", "block_numerics": "fast"} if mode == "fast" else {"gguf_weights": mode}
+extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
+         "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
-          max_model_len=ctx + n_new + 8, kv_cache_gb=0.5)
+          max_model_len=ctx + n_new + 8, kv_cache_gb=0.5 * -(-ctx // 4096))
 load_s = time.perf_counter() - t0
 text = open(sys.argv[5]).read()
 ids = llm.get_tokenizer().encode(text * (1 + 4 * ctx // len(text)), add_special_tokens=False)[:ctx]
@@ -80,9 +82,11 @@ import json, resource, sys, time
 import numpy as np
 from llama_cpp import Llama
 path, ctx, n_new, threads, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+kv = sys.argv[6]  # f16 or q8_0
 t0 = time.perf_counter()
 llm = Llama(path, n_ctx=ctx + n_new + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512,
-            flash_attn=True, verbose=False, logits_all=False)
+            flash_attn=True, verbose=False, logits_all=False,
+            **({"type_k": 8, "type_v": 8} if kv == "q8_0" else {}))  # GGML_TYPE_Q8_0
 load_s = time.perf_counter() - t0
 llm.eval(ids[:64]); llm.reset()
 t0 = time.perf_counter()
@@ -97,7 +101,7 @@ for i in range(n_new):
     t = time.perf_counter()
     llm.eval([tok])
     steps.append(time.perf_counter() - t)
-print(json.dumps({"engine": "llama.cpp", "load_s": load_s, "prefill_s": prefill_s,
+print(json.dumps({"engine": "llama.cpp" + ("" if kv == "f16" else " q8_0 KV"), "load_s": load_s, "prefill_s": prefill_s,
                   "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 '''
@@ -113,7 +117,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
-                    help="blocks (exact numerics), fast (block_numerics='fast'), float, llama.cpp")
+                    help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), fast "
+                         "(block_numerics='fast'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV)")
     ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
                     help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) quantized "
                          "by llama.cpp to Q8_0 or Q4_K_M")
@@ -130,15 +135,15 @@ def main() -> int:
         gguf = quant_model.ensure()[args.model.removeprefix("1b-")]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
     for engine in args.engines:
-        if engine == "llama.cpp":
+        if engine in ("llama.cpp", "llama.cpp-q8kv"):
             if importlib.util.find_spec("llama_cpp") is None:
                 print("llama.cpp: llama-cpp-python is not installed; skipped")
                 continue
             ids = rows[0]["prompt_ids"] if rows else None
             if ids is None:
                 raise SystemExit("run a longctx engine first (its prompt ids are llama.cpp's too)")
-            proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids),
+                                   "q8_0" if engine.endswith("q8kv") else "f16"], capture_output=True, text=True)
         else:
             proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(gguf)],
                                   capture_output=True, text=True, cwd=ROOT)
