@@ -232,22 +232,15 @@ def read_gguf(path: Path, keep_blocks: bool = False
     """GGUF file -> (config, metadata, iterator of HF-named fp32 tensors). ``keep_blocks``:
     matrices in a format the block kernel reads come as ``BlockMatrix`` (memory-mapped, as
     stored) instead."""
-    import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(path))
-    meta: dict[str, object] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            continue  # large lists; the tokenizer is loaded by transformers
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - exotic field types are not needed here
-            continue
+    from .gguf_file import GGUFFile
+
+    reader = GGUFFile(path)  # the tokenizer's arrays are stepped over: transformers loads the tokenizer
+    meta: dict[str, object] = dict(reader.fields)
     arch = meta.get("general.architecture")
-    if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens" in reader.fields:
-        meta[f"{arch}.vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens" in reader.array_lengths:
+        meta[f"{arch}.vocab_size"] = reader.array_lengths["tokenizer.ggml.tokens"]
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf_fields(meta, has_output_weight="output.weight" in names)
     q = next((t for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)  # (phi3: fused attn_qkv)
