@@ -44,7 +44,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_blocks_fast_supported.argtypes = [i32]
     lib.longctx_blocks_linear_parts.restype = i32
     lib.longctx_blocks_linear_parts.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64,
-                                                i32]
+                                                i32, i32, ptr, ctypes.c_float]
     lib.longctx_blocks_dequant.restype = i32
     lib.longctx_blocks_dequant.argtypes = [ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32]
 
@@ -149,54 +149,86 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: 
     return out
 
 
+class PreparedParts:
+    """A matrix stored as parts (uint8 [rows, row_bytes] CPU tensors, stacked along the output
+    rows, each in its format) as the C entry takes it, checked and built once: a product then
+    costs ~4 us of Python around the kernel instead of ~20 (a decode step of a 30-layer model
+    makes ~120 of them). Holds the tensors, so their memory stays valid."""
+
+    def __init__(self, parts: list[torch.Tensor], fmts: list[int], k: int) -> None:
+        n = len(parts)
+        if n != len(fmts) or not 1 <= n <= 8:
+            raise ValueError(f"1 to 8 parts, each with its format; got {n} parts and {len(fmts)} formats")
+        for t in parts:  # (their row widths are checked by the kernel)
+            if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"parts must be contiguous uint8 [rows, row_bytes] CPU tensors, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        self.parts, self.fmts, self.k, self.n = list(parts), [_format_id(f) for f in fmts], k, n
+        self.total = sum(t.shape[0] for t in parts)
+        self.arrays = ((ctypes.c_void_p * n)(*[t.data_ptr() for t in parts]),
+                       (ctypes.c_int64 * n)(*[t.shape[1] for t in parts]), (ctypes.c_int * n)(*self.fmts),
+                       (ctypes.c_int64 * n)(*[t.shape[0] for t in parts]))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 swiglu: bool = False, num_threads: int = 1) -> torch.Tensor:
+        """out [M, total] = prologue(x) @ W^T (+ bias) (+ residual); the prologue is RMSNorm with
+        ``norm_weight`` and ``eps``, or (``swiglu``, x [M, 2K]) silu(x[:, :K]) * x[:, K:]."""
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"the CPU block kernel is {status()}")
+        k, total = self.k, self.total
+        width = 2 * k if swiglu else k
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1 or x.shape[0] < 1:
+            raise ValueError(f"x must be a float32 [M >= 1, {width}] tensor with contiguous rows, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if swiglu and norm_weight is not None:
+            raise ValueError("norm_weight and swiglu are two different prologues; give one")
+        m = x.shape[0]
+        for name, t, shape in (("bias", bias, (total,)), ("residual", residual, (m, total)), ("out", out, (m, total)),
+                               ("norm_weight", norm_weight, (k,))):
+            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1):
+                raise ValueError(f"{name} must be float32 {shape} with contiguous rows, got {t.dtype} {tuple(t.shape)}")
+        prologue = 1 if norm_weight is not None else 2 if swiglu else 0
+        rc = lib.longctx_blocks_linear_parts(
+            x.data_ptr(), max(x.stride(0), width), m, self.n, *self.arrays, k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), total),
+            None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), total),
+            num_threads, prologue, None if norm_weight is None else norm_weight.data_ptr(), float(eps))
+        if rc != 0:
+            raise ValueError(f"blocks_linear_parts rejected its arguments (code {rc}): x {tuple(x.shape)}, parts "
+                             f"{[tuple(t.shape) for t in self.parts]} {[NAMES.get(f, f) for f in self.fmts]}")
+        return out
+
+
 def _blocks_linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
                          bias: torch.Tensor | None, residual: torch.Tensor | None, num_threads: int,
-                         out: torch.Tensor) -> None:
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"the CPU block kernel is {status()}")
-    n = len(parts)
-    if n != len(fmts) or not 1 <= n <= 8:
-        raise ValueError(f"1 to 8 parts, each with its format; got {n} parts and {len(fmts)} formats")
-    for t, fmt in zip(parts, fmts):  # (their row widths are checked by the kernel)
-        if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"parts must be contiguous uint8 [rows, row_bytes] CPU tensors, got {t.dtype} "
-                             f"{tuple(t.shape)}")
-    total = sum(t.shape[0] for t in parts)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or x.shape[0] < 1:
-        raise ValueError(f"x must be a float32 [M >= 1, {k}] tensor with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    m = x.shape[0]
-    for name, t, shape in (("bias", bias, (total,)), ("residual", residual, (m, total)), ("out", out, (m, total))):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape or t.stride(-1) != 1):
-            raise ValueError(f"{name} must be float32 {shape} with contiguous rows, got {t.dtype} {tuple(t.shape)}")
-    arrays = (ctypes.c_void_p * n)(*[t.data_ptr() for t in parts]), (ctypes.c_int64 * n)(*[t.shape[1] for t in parts]), \
-        (ctypes.c_int * n)(*fmts), (ctypes.c_int64 * n)(*[t.shape[0] for t in parts])
-    rc = lib.longctx_blocks_linear_parts(
-        x.data_ptr(), max(x.stride(0), k), m, n, *arrays, k, None if bias is None else bias.data_ptr(),
-        out.data_ptr(), max(out.stride(0), total), None if residual is None else residual.data_ptr(),
-        0 if residual is None else max(residual.stride(0), total), num_threads)
-    if rc != 0:
-        raise ValueError(f"blocks_linear_parts rejected its arguments (code {rc}): x {tuple(x.shape)}, parts "
-                         f"{[tuple(t.shape) for t in parts]} {[NAMES.get(f, f) for f in fmts]}")
+                         out: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                         swiglu: bool = False) -> None:
+    PreparedParts(parts, fmts, k)(x, out, bias, residual, norm_weight, eps, swiglu, num_threads)
 
 
 blocks_linear_parts = cpu_build.define_op(
     "blocks_linear_parts(Tensor x, Tensor[] parts, int[] fmts, int k, Tensor? bias, Tensor? residual, "
-    "int num_threads, Tensor(a!) out) -> ()", _blocks_linear_parts)
+    "int num_threads, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool swiglu=False) -> ()",
+    _blocks_linear_parts)
 
 
 def linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
                  bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_threads: int | None = None,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False) -> torch.Tensor:
     """``linear`` over a matrix stored as ``parts`` stacked along the output rows, each in its
-    format (GGML ids), in one call: [M, sum of the parts' rows] float32."""
+    format (GGML ids), in one call: [M, sum of the parts' rows] float32. ``norm_weight``/``eps``
+    (RMSNorm) or ``swiglu`` (x is [M, 2K]: silu of its first half times its second): the
+    prologue the product takes x through, computed in the call."""
     if x.dim() == 2 and x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
         out = torch.empty(x.shape[0] if x.dim() == 2 else 0, sum(t.shape[0] for t in parts), dtype=torch.float32)
     blocks_linear_parts(x, parts, list(fmts), k, bias, residual,
-                        torch.get_num_threads() if num_threads is None else num_threads, out)
+                        torch.get_num_threads() if num_threads is None else num_threads, out,
+                        norm_weight, eps, swiglu)
     return out
 
 

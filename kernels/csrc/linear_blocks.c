@@ -18,6 +18,8 @@
  *   bias [N] float32 or NULL; res [M, N] float32 (row stride ldr) or NULL
  *   y    [M, N] float32, row stride ldy (so a product can fill a column slice of a wider output:
  *        the parts of a fused q/k/v matrix whose parts have different formats)
+ *   prologue (the parts entry) 1: the product takes RMSNorm(x) with weight norm_w and eps;
+ *        2: x is [M, 2K] and the product takes silu(x[:, :K]) * x[:, K:] (prologue.h)
  *
  * Work: output rows are cut into chunks of CHUNK over the OpenMP threads asked for. A thread
  * dequantizes one weight row into a float32 buffer (K floats: in L1 for K up to ~8K) and takes
@@ -49,6 +51,8 @@
 #else
 #define HAVE_AVX512 0
 #endif
+
+#include "prologue.h"
 
 #define CHUNK 8 /* output rows per work item */
 /* up to this many x rows a register-dequantizing format dequantizes each weight group once per
@@ -793,7 +797,7 @@ int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
 int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, const uint8_t *const *ws,
                                 const int64_t *row_bytes, const int *fmts, const int64_t *rows, int64_t k,
                                 const float *bias, float *y, int64_t ldy, const float *res, int64_t ldr,
-                                int nthreads) {
+                                int nthreads, int prologue, const float *norm_w, float eps) {
     enum { MAX_PARTS = 8 };
     if (nparts < 1 || nparts > MAX_PARTS)
         return 2;
@@ -807,8 +811,23 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         first_col[p + 1] = first_col[p] + rows[p];
     }
     const int64_t n = first_col[nparts];
-    if (m < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
+    if (m < 1 || ldx < (prologue == 2 ? 2 * k : k) || ldy < n || (res != NULL && ldr < n) || nthreads < 1 ||
+        prologue < 0 || prologue > 2 || (prologue == 1 && norm_w == NULL))
         return 2;
+    float *pro = NULL; /* the rows the product takes after the prologue (RMSNorm, SwiGLU), once */
+    if (prologue != 0) {
+        if ((pro = (float *)malloc((size_t)m * (size_t)k * sizeof(float))) == NULL)
+            return 3;
+        for (int i = 0; i < m; i++) {
+            const float *xr = x + (int64_t)i * ldx;
+            if (prologue == 1)
+                rms_row(xr, norm_w, eps, (int)k, pro + (int64_t)i * k);
+            else
+                swiglu_row(xr, xr + k, (int)k, pro + (int64_t)i * k);
+        }
+        x = pro;
+        ldx = k;
+    }
     int failed = 0;
     /* x in the order the 4-bit register kernels meet it (Q4_K's; Q4_0's and Q4_1's), made once
      * a call for the parts that take the register path */
@@ -819,7 +838,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         if (o < 0 || xo[o] != NULL)
             continue;
         if ((xo[o] = (float *)malloc((size_t)m * (size_t)k * sizeof(float))) == NULL) {
-            free(xo[0]), free(xo[1]);
+            free(xo[0]), free(xo[1]), free(pro);
             return 3;
         }
         (o == 0 ? q4k_order : q4b_order)(x, ldx, m, k, xo[o]);
@@ -872,7 +891,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         }
         free(buf);
     }
-    free(xo[0]), free(xo[1]);
+    free(xo[0]), free(xo[1]), free(pro);
     return failed ? 3 : 0;
 }
 
@@ -883,7 +902,8 @@ int longctx_blocks_linear(const float *x, int64_t ldx, int m, const uint8_t *w, 
     const uint8_t *ws[1] = {w};
     const int64_t bytes[1] = {row_bytes}, rows[1] = {n};
     const int fmts[1] = {fmt};
-    return longctx_blocks_linear_parts(x, ldx, m, 1, ws, bytes, fmts, rows, k, bias, y, ldy, res, ldr, nthreads);
+    return longctx_blocks_linear_parts(x, ldx, m, 1, ws, bytes, fmts, rows, k, bias, y, ldy, res, ldr, nthreads, 0,
+                                       NULL, 0.0f);
 }
 
 /* rows == NULL: rows first_row .. first_row + nrows - 1; else the nrows row indices given (each

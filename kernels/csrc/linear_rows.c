@@ -530,47 +530,7 @@ static void slice_panels_bf16(const uint32_t *xb, int M, const uint16_t *w, int 
 #define HAVE_BF16_PANELS 0
 #endif
 
-/* silu(g) * u, with silu(g) = g / (1 + exp(-g)) as torch computes it. */
-static inline float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
-#if HAVE_AVX2
-/* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact),
- * e^r by a degree-6 polynomial fitted for relative error on that range (8.2e-8 evaluated in
- * float32, under one ulp), 2^n in the exponent bits. x is clamped to [-87.3, 88.3] for that
- * (NaN passes through); past 88.72, where float e^x overflows, the result is +inf. */
-static inline __m256 exp_vec(__m256 x) {
-    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72284f), _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693115234375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(3.1946183e-05f), r);
-    __m256 p = _mm256_set1_ps(1.3836948e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748084e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668221e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY), over);
-}
-#endif
-
-/* t[k] = silu(g[k]) * u[k] for k < K (vectorized with AVX2: within ~1 ulp of the scalar form,
- * the same at infinities and NaN). */
-static void swiglu_row(const float *g, const float *u, int K, float *t) {
-    int k = 0;
-#if HAVE_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; k + 8 <= K; k += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + k);
-        const __m256 e = exp_vec(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        _mm256_storeu_ps(t + k, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + k)));
-    }
-#endif
-    for (; k < K; k++) t[k] = swiglu(g[k], u[k]);
-}
+#include "prologue.h"
 
 /* Returns 0, or a negative code for arguments it does not take (-2: out of memory). threads:
  * the OpenMP threads to use (the caller passes torch's count: OpenMP's own setting is per
@@ -591,12 +551,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
             const float *xr = x + m * ldx;
             float *t = tmp + (int64_t)m * K;
             if (prologue == 1) {
-                float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-                for (int k = 0; k < K; k++) ss += xr[k] * xr[k];
-                const float inv = 1.0f / sqrtf(ss / (float)K + eps);
-#pragma omp simd
-                for (int k = 0; k < K; k++) t[k] = norm_w[k] * (xr[k] * inv);
+                rms_row(xr, norm_w, eps, K, t);
             } else {
                 swiglu_row(xr, xr + K, K, t);
             }

@@ -164,6 +164,20 @@ class BlockMatrix:
                 raise ValueError(f"a {cpu_blocks.NAMES.get(fmt, fmt)} part of {k} inputs must be uint8 rows of "
                                  f"{cpu_blocks.row_bytes(fmt, k)} bytes, got {data.dtype} {tuple(data.shape)}")
 
+    def __getstate__(self) -> dict:
+        # the prepared C arrays hold this process's addresses: a sequence-parallel rank builds its own
+        return {"parts": self.parts, "k": self.k}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["parts"], state["k"])
+
+    def prepared(self) -> cpu_blocks.PreparedParts:
+        """The parts as the block kernel's entry takes them, built on first use."""
+        ready = self.__dict__.get("_prepared")
+        if ready is None:
+            ready = self._prepared = cpu_blocks.PreparedParts(self.tensors, self.codes, self.k)
+        return ready
+
     @property
     def shape(self) -> tuple[int, int]:
         return sum(d.shape[0] for d, _ in self.parts), self.k
@@ -190,10 +204,11 @@ SLICE_BYTES = 8 << 20  # a slice of dequantized rows for those steps
 
 class BlockWeights(LinearMethod):
     """``blocks``: a ``BlockMatrix``. Steps of up to ``BLOCK_ROWS`` rows (decode, verification)
-    run the block kernel, which reads the blocks and dequantizes them in registers; longer
-    steps (prefill chunks) dequantize slices of ``SLICE_BYTES`` into one float32 buffer and
-    run the row kernel's panels on each, so the model never holds a float32 copy. The norm
-    and SwiGLU prologues run as torch ops; the bias and residual go into the products.
+    run the block kernel, which reads the blocks and dequantizes them in registers, with the
+    norm or SwiGLU prologue, the bias and the residual inside the call; longer steps (prefill
+    chunks) dequantize slices of ``SLICE_BYTES`` into one float32 buffer and run the row
+    kernel's panels on each (the prologues as torch ops there), so the model never holds a
+    float32 copy.
     ``fast`` (``block_numerics="fast"``): the block kernel's steps take x rounded to int8 in
     blocks of 32 and multiply in integers, as llama.cpp does (formats without integer products
     stay exact); longer steps stay exact."""
@@ -232,7 +247,7 @@ class BlockWeights(LinearMethod):
             return out
         x = x.contiguous()
         if m <= BLOCK_ROWS and not self.fast:  # every part in one call
-            return cpu_blocks.linear_parts(x, blocks.tensors, blocks.codes, k, layer.bias, residual=residual, out=out)
+            return blocks.prepared()(x, out, layer.bias, residual, num_threads=torch.get_num_threads())
         lo = 0
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
@@ -255,6 +270,13 @@ class BlockWeights(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
               residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+        if 0 < x.shape[0] <= BLOCK_ROWS and not self.fast and x.dtype == torch.float32 and (
+                norm is None or norm.weight.dtype == torch.float32):  # the prologue inside the one call
+            blocks: BlockMatrix = layer.weight
+            out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+            return blocks.prepared()(x.contiguous(), out, layer.bias, residual,
+                                     None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                                     swiglu, torch.get_num_threads())
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
 
 

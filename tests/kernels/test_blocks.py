@@ -185,3 +185,34 @@ def test_parts_in_one_call_equal_each_part_alone():
         lo += n
     with pytest.raises(ValueError, match="rejected"):
         cpu_blocks.linear_parts(x[:, :256], raws, codes, 256)
+
+
+@pytest.mark.parametrize("prologue", ["rmsnorm", "swiglu"])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_prologues_inside_the_call_match_float64(prologue, m):
+    """RMSNorm (weight, eps) or SwiGLU (x [M, 2K]: silu of the first half times the second)
+    computed in the call, then the product: within float32's error of float64's, on parts of
+    the 4-bit formats whose kernels take x reordered (the prologue's rows must be the ones
+    reordered)."""
+    k = 512
+    parts = [("Q4_K", 11), ("Q4_1", 6), ("Q6_K", 5)]
+    raws = [torch.from_numpy(random_blocks(fmt, n, k, seed=3 + i)) for i, (fmt, n) in enumerate(parts)]
+    codes = [cpu_blocks.FORMATS[fmt] for fmt, _ in parts]
+    w = np.concatenate([reference_dequant(fmt, raw.numpy(), k) for raw, (fmt, _) in zip(raws, parts)]).astype(np.float64)
+    g = torch.Generator().manual_seed(m)
+    if prologue == "rmsnorm":
+        x, weight, eps = torch.randn(m, k, generator=g) * 3, torch.randn(k, generator=g), 1e-5
+        xd = x.double().numpy()
+        taken = weight.double().numpy() * xd / np.sqrt((xd ** 2).mean(-1, keepdims=True) + eps)
+        got = cpu_blocks.linear_parts(x, raws, codes, k, norm_weight=weight, eps=eps)
+    else:
+        x = torch.randn(m, 2 * k, generator=g) * 2
+        xd = x.double().numpy()
+        gate, up = xd[:, :k], xd[:, k:]
+        taken = gate / (1 + np.exp(-gate)) * up
+        got = cpu_blocks.linear_parts(x, raws, codes, k, swiglu=True)
+    expect = taken @ w.T
+    scale = np.abs(taken) @ np.abs(w).T
+    assert np.all(np.abs(got.numpy() - expect) <= 2e-5 * scale + 1e-6), prologue
+    with pytest.raises(ValueError, match="two different prologues"):
+        cpu_blocks.linear_parts(torch.randn(m, 2 * k), raws, codes, k, norm_weight=torch.ones(k), swiglu=True)
