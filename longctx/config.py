@@ -167,7 +167,17 @@ class CacheConfig:
                                         "default: 2 beside a GPU, none when the device is the CPU)"})
     disk_cache_dir: str = field(
         default="", metadata={"help": "folder for the disk tier; pages persist across restarts ('': none)"})
-    disk_cache_gb: float = field(default=20.0, metadata={"help": "disk tier budget (GiB)"})
+    disk_cache_gb: float = field(
+        default=20.0, metadata={"help": "disk tier budget (GiB), held across every process sharing the folder "
+                                        "(least recently used pages go first)"})
+    disk_cache_key_file: str = field(
+        default="", metadata={"help": "file of at least 32 secret bytes (mode 0600, outside disk_cache_dir) whose "
+                                      "HMAC authenticates each disk page ('': a per-user key in "
+                                      "$XDG_CONFIG_HOME/longctx/ or ~/.config/longctx/, made on first use)"})
+    disk_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds a disk tier read or write may take: a read past it is a miss "
+                                        "(its file is not read again), and while one is stuck the tier is "
+                                        "skipped (reported as stalled on /health)"})
     kv_cache_dtype: str = field(
         default="auto", metadata={"help": "what KV pages store: auto (the model's dtype) or int8 (symmetric "
                                           "int8 with an fp32 scale per page, layer, KV head and K/V: about "
@@ -215,6 +225,11 @@ class CacheConfig:
                                               and self.host_cache_gb >= 0),
                f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         _check(self.disk_cache_gb > 0, f"disk_cache_gb must be positive, got {self.disk_cache_gb}")
+        _check(isinstance(self.disk_timeout_s, (int, float)) and not isinstance(self.disk_timeout_s, bool)
+               and 0 < self.disk_timeout_s < math.inf,
+               f"disk_timeout_s must be a positive number of seconds, got {self.disk_timeout_s!r}")
+        _check(isinstance(self.disk_cache_key_file, str),
+               f"disk_cache_key_file must be a path (a string), got {self.disk_cache_key_file!r}")
         _check(self.kv_cache_dtype in ("auto", "int8"),
                f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         _check(isinstance(self.kv_quant_rotation, bool) and isinstance(self.kv_quant_exact_tail, bool),

@@ -1,11 +1,20 @@
-"""Test-wide setup: the Triton interpreter must be chosen before triton is imported."""
+"""Test-wide setup: the Triton interpreter must be chosen before triton is imported; the disk
+tier's per-user key goes to a temporary config folder, never the real one."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The disk KV tier makes its HMAC key under $XDG_CONFIG_HOME/longctx/ (server subprocesses inherit it).
+_CONFIG_HOME = tempfile.mkdtemp(prefix="longctx-test-config-")
+os.environ["XDG_CONFIG_HOME"] = _CONFIG_HOME
+atexit.register(shutil.rmtree, _CONFIG_HOME, True)
 
 
 import pytest  # noqa: E402

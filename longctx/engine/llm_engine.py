@@ -207,6 +207,14 @@ class LLMEngine:
             usage["window_ring"] = {"in_use": rings * ring.pages_per_seq, "total": ring.num_pages}
         return usage
 
+    def disk_state(self) -> dict[str, Any] | None:
+        """The disk tier's health (``DiskKVStore.state``: "ok", "degraded" or "stalled", with
+        timeouts, quarantined pages and operations stuck past ``disk_timeout_s``); None without
+        a disk tier. Thread-safe and cheap: it never touches the disk, so /health may call it
+        while the engine thread works."""
+        pc = self.prefix_cache
+        return pc.disk.state() if pc is not None and pc.disk is not None else None
+
     def request_state(self, request_id: str) -> str | None:
         """``"waiting"``, ``"loading"`` (its prefix pages are being read from disk) or
         ``"running"``; None once finished or never added."""

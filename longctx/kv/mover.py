@@ -6,7 +6,8 @@ Owns: the orders (``HostSave``, ``HostLoad``, ``DiskSave``, ``DiskLoad``), execu
 the device, host and disk pools, and the one background thread of the disk tier.
 Never: deciding what moves (``longctx.kv.prefix_cache`` and the radix tree plan), or which
 request waits for what (the scheduler holds a request whose pages are being read in its
-``loading`` state; the engine hands finished reads back to it).
+``loading`` state; the engine hands finished reads back to it); never waiting on the disk
+longer than the disk tier's deadline.
 
 Order and overlap. ``schedule()`` may free a device block by writing its page back to the host
 and hand the block to another request in the same step, so a step's orders run in the order
@@ -14,11 +15,15 @@ they were planned, all before the step's forward writes any KV. On CUDA the host
 on a side stream, page by page and layer by layer between pinned host pages and device pages,
 and the forward's stream waits on an event for them (the host thread never waits); on the CPU
 they are plain copies. A disk page is written from a copy of its bytes taken when the order
-runs, so the source page may be reused right after; the file (hash, checksum, rename) is
-written by the background thread. A disk read is a request's alone: its blocks are reserved
-but not yet in the radix tree, the thread reads and checks the files, and the engine writes the
-good pages into the blocks at the start of a later step, so steps that do not need those
-pages go on meanwhile.
+runs, so the source page may be reused right after; the file (hash, HMAC, rename) is written
+by the background thread. A disk read is a request's alone: its blocks are reserved but not yet
+in the radix tree, the thread reads and checks the files, and the engine writes the good pages
+into the blocks at the start of a later step, so steps that do not need those pages go on
+meanwhile.
+
+Deadlines. Every file operation of the disk tier is bounded by ``disk_timeout_s``
+(``longctx.kv.disk_io``), so each disk job ends; ``flush`` and ``close`` still wait only while
+the thread makes progress, and give up after one deadline without any.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
 
-READ_THREADS = 2  # page files read and checksummed at once (hashing releases the GIL)
+READ_THREADS = 2  # page files read and authenticated at once (HMAC releases the GIL)
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,8 @@ class KVMover:
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None  # the disk thread's readers
+        self._progress = threading.Condition()  # jobs submitted and finished, for ``flush``
+        self._num_submitted = self._num_finished = 0
         self.num_orders = 0
 
     # ------------------------------------------------------------------ orders (main thread)
@@ -175,14 +181,16 @@ class KVMover:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._work, name="longctx-kv-disk", daemon=True)
             self._thread.start()
+        with self._progress:
+            self._num_submitted += 1
         self._jobs.put(job)
 
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
+            if job[0] == "stop":
+                return
             try:
-                if job[0] == "stop":
-                    return
                 if job[0] == "write":
                     self.disk.flush()
                 else:
@@ -192,35 +200,80 @@ class KVMover:
                 if job[0] == "read":
                     self._done.put(job[1])
             finally:
-                self._jobs.task_done()
+                with self._progress:
+                    self._num_finished += 1
+                    self._progress.notify_all()
 
     def _read(self, load: DiskLoad) -> None:
-        """Fetch (read and checksum) the pages on ``READ_THREADS`` threads, then accept them
-        in order up to the first miss: the pages after a bad one are neither used nor
-        counted, as a page-by-page read would have it."""
+        """Fetch (read and authenticate) the pages, ``READ_THREADS`` at once, then accept them
+        in order up to the first miss: the pages after a bad one are neither used nor counted,
+        as a page-by-page read would have it, but quarantined (this run rewrites them)."""
         load.buffer = torch.empty((len(load.keys), *self.disk.page_shape), dtype=self.disk.dtype,
                                   pin_memory=self.cuda)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="longctx-kv-read")
-        for i, fetched in enumerate(self._pool.map(self.disk.fetch, load.keys)):
-            if self.disk.accept(load.keys[i], fetched, out=load.buffer[i]) is None:
-                break
-            load.num_read = i + 1
+        fetches = self._fetch_in_order(load.keys)
+        try:
+            for i, fetched in enumerate(fetches):
+                if self.disk.accept(load.keys[i], fetched, out=load.buffer[i]) is None:
+                    self.disk.quarantine_after(fetched[1], load.keys[i + 1:])
+                    break
+                load.num_read = i + 1
+        finally:
+            fetches.close()
         self._done.put(load)
 
+    def _fetch_in_order(self, keys: Sequence[str]) -> Iterator[tuple]:
+        """``disk.fetch`` of each key, in order, run ``READ_THREADS`` at a time on daemon
+        threads (each fetch ends within the disk deadline); the threads stop taking keys once
+        the caller stops reading."""
+        results: list = [None] * len(keys)
+        ready = [threading.Event() for _ in keys]
+        indices = iter(range(len(keys)))  # (``next`` on it is atomic: the threads share it)
+        stop = threading.Event()
+
+        def reader() -> None:
+            for i in indices:
+                if stop.is_set():
+                    return
+                try:
+                    results[i] = self.disk.fetch(keys[i])
+                except Exception as err:  # noqa: BLE001 - a bug, not the file's fault: a plain miss
+                    log.exception("disk KV read of page %s failed", keys[i][:16])
+                    results[i] = (None, f"error ({type(err).__name__})")
+                finally:
+                    ready[i].set()
+
+        for _ in range(min(READ_THREADS, len(keys))):
+            threading.Thread(target=reader, name="longctx-kv-read", daemon=True).start()
+        try:
+            for i in range(len(keys)):
+                ready[i].wait()
+                yield results[i]
+        finally:
+            stop.set()
+
     def flush(self) -> None:
-        """Wait until every disk job submitted so far is done, and for the side stream."""
+        """Wait until every disk job submitted so far is done (while the thread makes
+        progress), write what is still queued, and wait for the side stream."""
         if self._thread is not None and self._thread.is_alive():
-            self._jobs.join()
+            self._wait_for_jobs()
         if self.disk is not None:
             self.disk.flush()
         if self.stream is not None:
             self.stream.synchronize()
 
+    def _wait_for_jobs(self) -> None:
+        """Block until the disk thread has finished every job submitted, giving up after one
+        disk deadline in which neither a job nor a file operation finished."""
+        patience = self.disk.io.timeout_s
+        with self._progress:
+            while self._num_finished < self._num_submitted:
+                seen = (self._num_finished, self.disk.io.num_finished)
+                if not self._progress.wait(patience) and seen == (self._num_finished, self.disk.io.num_finished):
+                    log.warning("the disk thread made no progress in %g s; not waiting for it", patience)
+                    return
+
     def close(self) -> None:
         self.flush()
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(("stop",))
-            self._thread.join(timeout=10)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._thread.join(timeout=self.disk.io.timeout_s)

@@ -21,7 +21,8 @@ before they would ever need a host copy, and a copy per insert would cost every 
 The disk tier sits outside the tree's own tiers: pages dropped from the host tier are written
 to files named by their chained prefix hash, and a lookup that runs past the tree's match
 probes the folder for the next pages' hashes. A new process with the same folder therefore
-hits without any index, and a bad file ends the hit there (a miss, never wrong KV).
+hits without any index, and a bad file ends the hit there (a miss, never wrong KV); the read
+quarantines the pages chained after it, which this run recomputes and writes anew.
 
 No bytes move here. Every copy is planned as an order (``longctx.kv.mover``) and queued in
 ``orders``, in the order the tree's bookkeeping assumes; the scheduler hands them to the
@@ -61,6 +62,7 @@ class PrefixCacheStats:
     computed_prompt_tokens: int = 0  # of those, prefilled by the model (not served from cache)
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     disk_misses: dict[str, int] = field(default_factory=dict)  # reason -> pages
+    disk_quarantined: int = 0  # disk pages taken out of use: bad files and the pages chained after them
     pages_written_to_disk: int = 0
 
     @classmethod
@@ -70,6 +72,7 @@ class PrefixCacheStats:
             stats.hit_tokens = dict(cache.hit_tokens)
             if cache.disk is not None:
                 stats.disk_misses = cache.disk.miss_counts()
+                stats.disk_quarantined = cache.disk.num_quarantined
                 stats.pages_written_to_disk = cache.disk.num_written
         return stats
 
@@ -226,10 +229,6 @@ class PrefixCache:
         keys = tuple(keys)[:len(page_ids)]
         self.orders.append(DiskSave(keys, tuple(page_ids), tier))
 
-    def _write_disk(self, keys: Sequence[str], pages) -> None:
-        for page_key, page in zip(keys, pages):
-            self.disk.write(page_key, page)
-
     # ------------------------------------------------------------------ whole-store operations
 
     def persist(self) -> int:
@@ -249,7 +248,9 @@ class PrefixCache:
                 pages = device_pages(self.device_kv, [node.device_ids[i] for i in todo])
             else:
                 pages = self.host_kv.pages([node.host_ids[i] for i in todo])
-            self._write_disk([node.page_hashes[i] for i in todo], pages)
+            for i, page in zip(todo, pages):
+                self.disk.put(node.page_hashes[i], page)
+            self.disk.flush()  # node by node: a page that cannot be written is a write miss
         return self.disk.num_written - before
 
     def clear(self) -> None:

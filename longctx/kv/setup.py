@@ -87,7 +87,7 @@ def build_prefix_cache(cache: CacheConfig, kv: Any, pool: Any, fmt: FloatPages,
     disk = None
     if cache.disk_cache_dir:
         disk = DiskKVStore(cache.disk_cache_dir, int(cache.disk_cache_gb * (1 << 30)), kv.page_shape,
-                           kv.page_dtype)
+                           kv.page_dtype, cache.disk_timeout_s, cache.disk_cache_key_file)
     tree = RadixTree(cache.block_size, host_capacity_pages=host_pages)
     key = ("longctx-kv-1", fingerprint, str(fmt.dtype), fmt.cache_key)
     return PrefixCache(tree, pool, kv, host, disk, key), KVMover(kv, host, disk)

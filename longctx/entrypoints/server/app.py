@@ -123,7 +123,13 @@ class OpenAIRoutes:
         if not self.engine_loop.healthy:
             reason = self.engine_loop.unavailable_reason()
             return APIError(503, reason, type="server_error", code="engine_unavailable").response()
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        # thread-safe and never touches the disk; a degraded or stalled disk tier still leaves the
+        # server healthy (it is a cache: its misses are recomputed)
+        disk = self.engine_loop.engine.disk_state()
+        if disk is not None:
+            body["disk"] = disk
+        return JSONResponse(body)
 
     async def metrics(self) -> Response:
         data, content_type = self.engine_loop.metrics.render()

@@ -224,7 +224,7 @@ class EngineLoop:
         look = self.engine.lookahead
         stats = self.engine.stats()
         self.metrics.set_engine_state(stats["running"], stats["waiting"], self.engine.kv_usage(), self.engine.cache_stats(),
-                                      look.stats.overall if look is not None else None)
+                                      look.stats.overall if look is not None else None, self.engine.disk_state())
 
     def _deliver(self, items: list[tuple[RequestHandle, StepUpdate | Exception]]) -> None:
         if not items or self._loop is None:

@@ -17,6 +17,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
+DISK_STATES = ("ok", "degraded", "stalled")  # ``DiskKVStore.state()``
 
 
 class ServerMetrics:
@@ -56,6 +57,20 @@ class ServerMetrics:
         self.prompt_tokens_computed = Gauge("longctx_prompt_tokens_computed",
                                             "Prompt tokens the model prefilled (cumulative).",
                                             registry=r)
+        self.disk_state = Gauge("longctx_disk_tier_state",
+                                "1 for the disk tier's state (ok, degraded: a timeout, quarantined page or "
+                                "failed write this run; stalled: an I/O stuck past disk_timeout_s), else 0.",
+                                ["state"], registry=r)
+        self.disk_io_stuck = Gauge("longctx_disk_io_stuck",
+                                   "Disk tier file operations still running past disk_timeout_s.", registry=r)
+        self.disk_io_timeouts = Gauge("longctx_disk_io_timeouts",
+                                      "Disk tier file operations that missed disk_timeout_s (cumulative).",
+                                      registry=r)
+        self.disk_pages_quarantined = Gauge("longctx_disk_pages_quarantined",
+                                            "Disk tier pages taken out of use: bad files and the pages chained "
+                                            "after them (cumulative).", registry=r)
+        self.disk_failed_writes = Gauge("longctx_disk_failed_writes",
+                                        "Disk tier pages that could not be written (cumulative).", registry=r)
         self.requests_finished = Counter(
             "longctx_requests_finished_total",
             "Requests that left the engine, by finish reason (stop, length, abort).",
@@ -70,8 +85,9 @@ class ServerMetrics:
 
     def set_engine_state(self, num_running: int, num_waiting: int,
                          kv_usage: dict[str, dict[str, int]], cache_stats: Any,
-                         lookahead: Any = None) -> None:
-        """``lookahead``: the engine's overall ``LookaheadStats`` (None when it is off)."""
+                         lookahead: Any = None, disk: dict[str, Any] | None = None) -> None:
+        """``lookahead``: the engine's overall ``LookaheadStats`` (None when it is off);
+        ``disk``: ``LLMEngine.disk_state()`` (None without a disk tier: no disk metrics)."""
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         for tier, pages in kv_usage.items():
@@ -85,6 +101,13 @@ class ServerMetrics:
             self.lookahead_tokens.labels(kind="drafted").set(lookahead.num_drafted)
             self.lookahead_tokens.labels(kind="accepted").set(lookahead.num_accepted)
             self.lookahead_steps.set(lookahead.num_steps)
+        if disk is not None:
+            for state in DISK_STATES:
+                self.disk_state.labels(state=state).set(int(disk["state"] == state))
+            self.disk_io_stuck.set(disk["stuck_io"])
+            self.disk_io_timeouts.set(disk["timeouts"])
+            self.disk_pages_quarantined.set(disk["quarantined"])
+            self.disk_failed_writes.set(disk["failed_writes"])
 
     def observe_finished(self, finish_reason: str, e2e_seconds: float, inter_token: list[float]) -> None:
         self.requests_finished.labels(finish_reason=finish_reason).inc()
