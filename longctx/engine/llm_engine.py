@@ -233,6 +233,11 @@ class LLMEngine:
         """The sequence-parallel ranks' processes started by this engine (empty without SP)."""
         return list(self.runner.worker_pids())
 
+    def rank_health(self) -> str | None:
+        """None while every sequence-parallel rank is alive and answering (always without SP);
+        else what is wrong, naming the rank. Never blocks: the server's ``/health`` asks."""
+        return self.runner.rank_health()
+
     def close(self) -> None:
         """Persist the prefix cache, then stop the sequence-parallel ranks (if any). After a
         rank failed nothing can be read from the ranks' pages: the cache is not persisted."""

@@ -56,6 +56,8 @@ class Runner(Protocol):
 
     def worker_pids(self) -> list[int]: ...  # the SP ranks' processes (none in one process)
 
+    def rank_health(self) -> str | None: ...  # why a rank cannot take part in a step, or None
+
 
 @dataclass
 class _RequestState:
@@ -202,6 +204,10 @@ class ModelRunner(SamplingRunner):
 
     def worker_pids(self) -> list[int]:
         return []
+
+    def rank_health(self) -> str | None:
+        """One process: always live."""
+        return None
 
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         step = flatten_batch(batch, self.block_size)

@@ -25,7 +25,11 @@ tier and the disk files live.
 Failures: every exchange inside a step runs under ``sp_timeout_s``; a rank that dies (its
 peers see the closed connection) or hangs (the timeout) makes the step raise
 ``SequenceParallelError`` on rank 0, which the engine's callers turn into an error for the
-requests in flight (``serve`` answers 503 and reports unhealthy). Workers exit when rank 0
+requests in flight (``serve`` answers 503 and reports unhealthy). Between steps rank 0 watches
+the workers (``longctx.parallel.liveness``): their exit codes and heartbeats, read by
+``rank_health()`` for ``/health``. A worker builds its model and pages before the rendezvous,
+while rank 0 watches its exit code: one that dies starting is reported at once, with the
+last words of its stderr (which passes through a pipe to rank 0's). Workers exit when rank 0
 closes the engine, when its process exits (daemon processes, plus a watchdog on the parent's
 pid) or when the group breaks.
 """
@@ -51,7 +55,8 @@ from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
 from longctx.kv.formats import kv_format
 from longctx.model.llama import LlamaForCausalLM
 from longctx.model.loader import TORCH_DTYPES
-from longctx.parallel.comm import RingComm, init_distributed, init_from_env
+from longctx.parallel.comm import RingComm, device_for, init_distributed, init_from_env
+from longctx.parallel.liveness import RankWatch, SharedBeats, StderrTap, StoreBeats, start_heartbeat
 from longctx.kernels import cpu_linear
 from longctx.kernels.cpu_build import set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
@@ -67,6 +72,7 @@ log = logging.getLogger(__name__)
 CONTROL_TIMEOUT = timedelta(days=365)  # without the board, a worker waits this long for a command
 TORCHRUN_ENV = "LONGCTX_SP_TORCHRUN"  # set by ``python -m longctx.entrypoints.torchrun`` on rank 0
 MAX_BOARD_TOKENS = 8192  # the shared-memory board holds steps up to this size; larger go over gloo
+START_POLL_S = 0.2  # while the workers start, rank 0 looks at their exit codes this often
 
 
 class SequenceParallelError(RuntimeError):
@@ -296,11 +302,13 @@ class RankExecutor:
 
 
 class _Ranks:
-    """Rank 0's handle on the workers: the control channel, the processes, the failure."""
+    """Rank 0's handle on the workers: the control channel, the processes (those it spawned,
+    with their stderr taps), the watch on their liveness, the failure."""
 
     def __init__(self, procs: list, control: Any, folder: tempfile.TemporaryDirectory,
-                 shm_control: ShmControl | None) -> None:
+                 shm_control: ShmControl | None, watch: RankWatch, taps: list | None = None) -> None:
         self.procs, self.control, self.folder, self.shm_control = procs, control, folder, shm_control
+        self.watch, self.taps = watch, taps or [None] * len(procs)
         self.error: str | None = None
         self.closed = False
         # one command at a time, from any thread (the server's engine thread, close() on exit)
@@ -339,12 +347,25 @@ class _Ranks:
         if self.closed:
             raise SequenceParallelError("the sequence-parallel ranks were shut down (LLM closed)")
 
+    def health(self) -> str | None:
+        """None while every rank can take part in a step; else why not, naming the rank. Never
+        blocks: the server's ``/health`` asks."""
+        if self.closed:
+            return None
+        if self.error is not None:
+            return self.error
+        problem = self.watch.problem()
+        return None if problem is None else f"sequence-parallel {problem}"
+
+    def exit_text(self, rank: int, code: int, wait_s: float = 0.0) -> str:
+        return rank_exit_text(rank, code, self.taps[rank - 1], wait_s)
+
     def fail(self, err: BaseException) -> SequenceParallelError:
         """Describe a failed exchange (naming ranks that died) and mark the ranks unusable."""
         if isinstance(err, SequenceParallelError):
             return err
         time.sleep(0.2)  # a dead peer's exit code shows up a moment after its socket closes
-        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs)
+        dead = [self.exit_text(i + 1, p.exitcode, wait_s=1.0) for i, p in enumerate(self.procs)
                 if p.exitcode is not None]
         what = "; ".join(dead) if dead else f"{type(err).__name__}: {err}".rstrip(": ")
         self.error = f"a sequence-parallel rank failed during a step ({what}); restart the engine"
@@ -358,6 +379,7 @@ class _Ranks:
         if self.closed:
             return
         self.closed = True
+        self.watch.close()
         if self.error is None:
             try:
                 _broadcast_command(("stop", ()), self.shm_control, self.control)
@@ -427,6 +449,10 @@ class SequenceParallelRunner(SamplingRunner):
     def failed(self) -> bool:
         return self.ranks.error is not None
 
+    def rank_health(self) -> str | None:
+        """None while every rank is alive and answering; else what is wrong (``_Ranks.health``)."""
+        return self.ranks.health()
+
     def forward(self, batch: SchedulerOutput) -> torch.Tensor:
         return self.ranks.run("execute", (batch,), lambda: self.executor.execute(batch))
 
@@ -482,23 +508,15 @@ def rank_pool(model: LlamaForCausalLM, num_blocks: int, cache: CacheConfig, load
 
 def _worker_main(rank: int, world: int, init_method: str, backend: str, model: Any, load: ModelLoadConfig,
                  num_blocks: int, cache: CacheConfig, timeout_s: float, threads: int, parent: int,
-                 board: ShmBoard | None, ready: Any, start_timeout_s: float | None = None) -> None:
-    """A worker rank: join the group, then run rank 0's commands until told to stop."""
+                 board: ShmBoard | None, beats: SharedBeats, ready: Any, start_timeout_s: float) -> None:
+    """A worker rank: build its model and pages, join the group, then run rank 0's commands
+    until told to stop. What may fail (the model, the pages) comes before the rendezvous,
+    while rank 0 waits for the "loaded" message watching this process's exit code."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0's to handle (serve drains first); the
         signal.signal(sig, signal.SIG_IGN)      # workers end on its "stop" or when it is gone
     set_cpu_threads(threads)
-    start = timedelta(seconds=start_timeout_s or timeout_s)  # joining: the start-up's deadline
-    device = init_distributed(rank, world, init_method, backend, start.total_seconds())
-    if device.type == "cpu":
-        torch.set_flush_denormal(True)  # as the engine does
-    # with the board a worker waits for commands there; the group carries only large ones, which
-    # rank 0 sends right after its marker, so the step's timeout applies (once started)
-    control = dist.new_group(backend="gloo", timeout=start if board is not None else CONTROL_TIMEOUT)
-    if board is not None:
-        step_deadlines(timeout_s, control)
-    else:  # (the control group waits for commands as long as it must; the exchanges do not)
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    device = device_for(backend, rank)
     if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
         from longctx.model.loader import load_model
 
@@ -508,13 +526,27 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
     kv = rank_pool(model, num_blocks, cache, load, device)
+    ready.put(("loaded", rank))
+    start = timedelta(seconds=start_timeout_s)  # joining: the start-up's deadline
+    init_distributed(rank, world, init_method, backend, start.total_seconds())
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # as the engine does
+    # with the board a worker waits for commands there; the group carries only large ones, which
+    # rank 0 sends right after its marker, so the step's timeout applies (once started)
+    control = dist.new_group(backend="gloo", timeout=start if board is not None else CONTROL_TIMEOUT)
+    if board is not None:
+        step_deadlines(timeout_s, control)
+    else:  # (the control group waits for commands as long as it must; the exchanges do not)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+
     def alive() -> bool:
         return os.getppid() == parent
 
     comm = ShmComm(board, rank, RingComm(), timeout_s, alive) if board is not None else RingComm()
     shm_control = ShmControl(board, rank, timeout_s, alive) if board is not None else None
     executor = RankExecutor(model, kv, kernels, rank, world, device, threads, comm, control)
-    ready.put(rank)
+    start_heartbeat(beats, rank)
+    ready.put(("ready", rank))
     serve_commands(executor, shm_control, control)
 
 
@@ -568,16 +600,64 @@ def step_deadlines(timeout_s: float, control: Any) -> None:
     dist.distributed_c10d._set_pg_timeout(step, control)
 
 
-def _wait_for_ranks(procs: list, ready: Any, folder: tempfile.TemporaryDirectory, world: int,
+def rank_exit_text(rank: int, code: int, tap: StderrTap | None, wait_s: float = 0.0, when: str = "") -> str:
+    """"rank R exited with code C[ when]", and its stderr's last words when it exited by itself
+    (a killed one's stderr says nothing about its end)."""
+    text = f"rank {rank} exited with code {code}{when}"
+    words = tap.last_error(wait_s) if tap is not None and code > 0 else ""
+    return f"{text}: {words}" if words else text
+
+
+def _start_tapped(procs: list) -> list[StderrTap | None]:
+    """Start the workers, each with its stderr through a ``StderrTap`` (passed on to ours; its
+    tail names a failed rank's error), or plainly where this process has no stderr to copy."""
+    taps: list[StderrTap | None] = []
+    for proc in procs:
+        try:
+            tap = StderrTap()
+        except OSError:
+            tap = None
+        if tap is None:
+            proc.start()
+        else:
+            with tap.as_stderr():
+                proc.start()
+        taps.append(tap)
+    return taps
+
+
+def _await_workers(procs: list, taps: list, ready: Any, stage: str, deadline: float) -> None:
+    """Wait for every worker's ``stage`` message ("loaded", "ready"); a worker that exits first
+    is reported at once, with its last words. Raises ``queue.Empty`` past ``deadline``."""
+    pending = set(range(1, len(procs) + 1))
+    while pending:
+        try:
+            got, rank = ready.get(timeout=START_POLL_S)
+        except queue.Empty:
+            for rank in sorted(pending):
+                code = procs[rank - 1].exitcode
+                if code is not None:
+                    text = rank_exit_text(rank, code, taps[rank - 1], 2.0, " while starting")
+                    raise SequenceParallelError(f"sequence-parallel {text}") from None
+            if time.monotonic() > deadline:
+                raise
+            continue
+        assert got == stage, (got, stage)
+        pending.discard(rank)
+
+
+def _wait_for_ranks(procs: list, taps: list, ready: Any, folder: tempfile.TemporaryDirectory, world: int,
                     init_method: str, backend: str, timeout_s: float, step_timeout_s: float) -> Any:
-    """Join the process group as rank 0 and wait for every worker's ready message, all within
-    ``timeout_s`` (the start-up's); returns the gloo control group, with the step's deadline
-    from then on. On any failure the workers are killed and the error says which lived."""
+    """Wait until every worker has its model and pages, join the process group as rank 0, and
+    wait for every worker's ready message, all within ``timeout_s`` (the start-up's); returns
+    the gloo control group, with the step's deadline from then on. On any failure the workers
+    are killed and the error says which lived."""
+    deadline = time.monotonic() + timeout_s
     try:
+        _await_workers(procs, taps, ready, "loaded", deadline)
         init_distributed(0, world, init_method, backend, timeout_s)
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        for _ in procs:
-            ready.get(timeout=timeout_s)
+        _await_workers(procs, taps, ready, "ready", deadline)
         step_deadlines(step_timeout_s, control)
         return control
     except BaseException as err:
@@ -612,25 +692,26 @@ def start(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheConfig, pa
         act = model.act_dtype or TORCH_DTYPES[load.dtype]  # the messages carry activations
         slot = board_slot_bytes(model.config, world, min(max_step_tokens, MAX_BOARD_TOKENS), act.itemsize)
         board = ShmBoard(world, slot)
+    beats = SharedBeats(world)
     folder = tempfile.TemporaryDirectory(prefix="longctx-sp-")
     init_method = f"file://{os.path.join(folder.name, 'rendezvous')}"
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, name=f"longctx-sp-rank{rank}", daemon=True,
                          args=(rank, world, init_method, backend, shared, load, num_blocks, cache,
-                               parallel.sp_timeout_s, threads, os.getpid(), board, ready,
+                               parallel.sp_timeout_s, threads, os.getpid(), board, beats, ready,
                                parallel.sp_start_timeout_s))
              for rank in range(1, world)]
-    for proc in procs:
-        proc.start()
-    control = _wait_for_ranks(procs, ready, folder, world, init_method, backend, parallel.sp_start_timeout_s,
+    taps = _start_tapped(procs)
+    control = _wait_for_ranks(procs, taps, ready, folder, world, init_method, backend, parallel.sp_start_timeout_s,
                               parallel.sp_timeout_s)
     set_cpu_threads(threads)
     def alive() -> bool:
         return all(p.exitcode is None for p in procs)
 
     shm_control = ShmControl(board, 0, parallel.sp_timeout_s, alive) if board is not None else None
-    ranks = _Ranks(procs, control, folder, shm_control)
+    watch = RankWatch(world, beats, procs, lambda rank, code: rank_exit_text(rank, code, taps[rank - 1]))
+    ranks = _Ranks(procs, control, folder, shm_control, watch, taps)
     local = rank_pool(model, num_blocks, cache, load, device)
     comm = ShmComm(board, 0, RingComm(), parallel.sp_timeout_s, alive) if board is not None else RingComm()
     executor = RankExecutor(model, local, kernels, 0, world, device, threads, comm, control)
@@ -657,7 +738,8 @@ def _join_torchrun(model: LlamaForCausalLM, load: ModelLoadConfig, cache: CacheC
     step_deadlines(parallel.sp_timeout_s, control)
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)
-    ranks = _Ranks([], control, tempfile.TemporaryDirectory(prefix="longctx-sp-"), None)
+    watch = RankWatch(world, StoreBeats(dist.distributed_c10d._get_default_store()))
+    ranks = _Ranks([], control, tempfile.TemporaryDirectory(prefix="longctx-sp-"), None, watch)
     local = rank_pool(model, num_blocks, cache, load, device)
     executor = RankExecutor(model, local, kernels, 0, world, device, threads, RingComm(), control)
     log.info("sequence parallelism under torchrun: %d ranks over torch.distributed (%s)", world, backend)
@@ -671,6 +753,7 @@ def torchrun_worker(load: ModelLoadConfig, cache: CacheConfig, parallel: Paralle
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     init_from_env(backend, parallel.sp_start_timeout_s)
+    start_heartbeat(StoreBeats(dist.distributed_c10d._get_default_store()), rank)  # (the store spans machines)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), load.num_threads)
     set_cpu_threads(threads)

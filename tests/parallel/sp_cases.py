@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -186,3 +187,10 @@ def raise_on_rank(comm: RingComm, device: torch.device, victim: int) -> str:
 
 
 # ---------------------------------------------------------------------- the generator
+
+
+def fail_while_loading(*args) -> None:
+    """In place of an engine worker (``longctx.engine.sp._worker_main``, whatever its arguments):
+    fail as building the model or the pages can, before the rendezvous."""
+    print("rank 1: building the KV pages", file=sys.stderr, flush=True)
+    raise MemoryError("cannot allocate the KV pages (a deliberate failure)")

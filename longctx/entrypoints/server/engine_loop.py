@@ -111,7 +111,7 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self._problem() is None
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                arrival: float) -> RequestHandle:
@@ -142,9 +142,17 @@ class EngineLoop:
                 self._cond.notify()
 
     def unavailable_reason(self) -> str:
+        return self._problem() or "the server is shutting down"
+
+    def _problem(self) -> str | None:
+        """Why the server cannot serve (what /health says), or None. A sequence-parallel rank
+        that died or stopped answering counts at once, before a step finds out."""
         if self.error is not None:
             return f"the engine failed ({type(self.error).__name__}: {self.error}); restart the server"
-        return "the server is shutting down"
+        if not self._thread.is_alive():
+            return "the server is shutting down"
+        rank = self.engine.rank_health()
+        return None if rank is None else f"{rank}; restart the server"
 
     # ------------------------------------------------------------------ engine thread
 
