@@ -18,6 +18,8 @@ ENV_VARS: dict[str, str] = {
     "LONGCTX_CACHE_DIR": "folder for converted weights, tokenizers and compiled C kernels "
                          "(default: $XDG_CACHE_HOME/longctx, else ~/.cache/longctx)",
     "XDG_CACHE_HOME": "the user's cache folder, when LONGCTX_CACHE_DIR is not set",
+    "XDG_CONFIG_HOME": "the user's config folder: the disk KV tier's per-user HMAC key is made in "
+                       "$XDG_CONFIG_HOME/longctx/ (else ~/.config/longctx/) unless disk_cache_key_file names one",
     "LONGCTX_CPU_KERNEL": "0: never build or use the compiled C kernels (torch paths only)",
     "LONGCTX_CPU_ISA": "build the C kernels for this instruction-set level (avx512bf16, avx512, "
                        "avx2, portable, native) instead of the best the CPU supports",
