@@ -435,13 +435,40 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
                      f"({times(two['decode_ms_per_token'], one['decode_ms_per_token'])} the time: the ranks share one CPU)",
                      "", doc.run(sp)])
 
+    # GGUF blocks against llama.cpp on the same file, per model file
+    for model, label in (("1b-q4_k_m", "1B-shaped Q4_K_M"), ("default", "SmolLM2-135M Q4_1")):
+        q = newest(records, "quant", lambda r, m=model: get(r.result, "args", "model") == m
+                   and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)))
+        if not q:
+            continue
+        by, ctx = quant_rows(q), get(q.result, "args", "ctx")
+        lc, ll = by["longctx blocks"], by["llama.cpp"]
+        kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
+        rows.append([f"GGUF {label}, {tokens(ctx) if ctx else '?'} prompt: prefill / decode"
+                     + (" (8-bit KV)" if all(kv) else ""),
+                     f"{sec(lc['prefill_s'])} s / {f(lc['decode_ms'])} ms"
+                     + (f" ({f(kv[0]['decode_ms'])} ms, int8 pages)" if all(kv) else ""),
+                     f"llama.cpp {sec(ll['prefill_s'])} s / {f(ll['decode_ms'])} ms"
+                     + (f" ({f(kv[1]['decode_ms'])} ms, q8_0)" if all(kv) else "")
+                     + f" (longctx/llama.cpp {times(lc['prefill_s'], ll['prefill_s'])} / "
+                     f"{times(lc['decode_ms'], ll['decode_ms'])}"
+                     + (f"; 8-bit KV {times(kv[0]['decode_ms'], kv[1]['decode_ms'])})" if all(kv) else ")"),
+                     doc.run(q)])
+
     if not rows:
-        return missing("e2e, prefix, lookahead, batch, long, parallel")
+        return missing("e2e, prefix, lookahead, batch, long, parallel, quant")
     return table(["measure", "longctx", "HF transformers (or the engine named)",
                   "run (machine, git, record in `benchmarks/results/`)"], rows)
 
 
 # --- helpers for the other benchmarks ------------------------------------------------------
+
+def quant_rows(rec: Record) -> dict[str, dict]:
+    """bench_quant's rows by engine name (those with prefill and decode figures)."""
+    rows = get(rec.result, "rows") or []
+    return {r["engine"]: r for r in rows if isinstance(r, dict) and num(r.get("prefill_s")) is not None
+            and num(r.get("decode_ms")) is not None}
+
 
 TIERS = ("cold", "device_hit", "host_hit", "disk_hit")
 TIER_LABELS = {"cold": "cold (nothing cached)", "device_hit": "device hit", "host_hit": "host hit",
