@@ -28,6 +28,7 @@ from longctx.cache.radix_tree import page_hashes
 from longctx.config import CacheConfig, ConfigError
 from longctx.kv import disk_store
 from longctx.kv.disk_store import DiskKVStore
+from test_server import _wait_for
 from tiny_models import random_tokens
 
 BLOCK = 16
@@ -56,15 +57,6 @@ def _key(i) -> str:
 
 def _page(value) -> torch.Tensor:
     return torch.full(SHAPE, float(value))
-
-
-def _wait_until(check, timeout: float = HANG_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +138,7 @@ def test_a_read_stuck_past_the_deadline_is_a_timeout_and_nothing_waits_for_it(
     stats = llm.cache_stats()
     assert stats.hit_tokens["disk"] == 3 * BLOCK and stats.disk_misses["timeout"] == 1
     assert stats.disk_quarantined == 9  # the page that timed out and the 8 chained after it in the read
-    assert _wait_until(lambda: engine.disk_state()["stuck_io"] == 0)
+    assert _wait_for(lambda: engine.disk_state()["stuck_io"] == 0, HANG_S)
     assert engine.disk_state()["state"] == "degraded"
 
 
@@ -184,7 +176,7 @@ def test_health_and_metrics_show_the_disk_tier(tiny_engine_folder, tmp_path):
             assert 'longctx_disk_tier_state{state="ok"} 0.0' in text
             assert "longctx_disk_io_stuck 1.0" in text and "longctx_disk_io_timeouts 1.0" in text
             gate.set()
-            assert _wait_until(lambda: client.get("/health").json()["disk"]["state"] == "degraded")
+            assert _wait_for(lambda: client.get("/health").json()["disk"]["state"] == "degraded", HANG_S)
     finally:
         gate.set()
         engine.close()

@@ -17,21 +17,13 @@ import httpx
 import numpy as np
 import pytest
 
-from test_server import ServerProcess, _metric, _wait_for
+from test_server import ServerProcess, _metric, _no_proxy, _wait_for  # noqa: F401 (_no_proxy: a fixture)
 from tiny_models import make_engine_checkpoint
 
 CLIENTS = 32
 DISCONNECTING = 8  # every fourth client leaves after its first token
 MAX_TOKENS = 8
 ROUNDS = 2  # of each kind, alternating, so that a slow patch of the machine hits both kinds
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _no_proxy():
-    with pytest.MonkeyPatch.context() as patch:
-        for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-            patch.delenv(var, raising=False)
-        yield
 
 
 @pytest.fixture(scope="module")

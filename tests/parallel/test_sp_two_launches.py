@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_server import ENGINE_FLAGS, _no_proxy, slow_folder  # noqa: F401 (fixtures)
+from test_server import ENGINE_FLAGS, _no_proxy, _wait_for, slow_folder  # noqa: F401 (fixtures)
 from test_sp_liveness import _drain, _healthy_throughout, _unhealthy_within
 from tiny_models import make_engine_checkpoint
 
@@ -140,7 +140,7 @@ def test_lost_launch_fails_the_request_and_health(slow_folder, tmp_path):
             assert response.status_code == 200
             reader = threading.Thread(target=_drain, args=(response, events), daemon=True)
             reader.start()
-            assert _until(lambda: len(events) >= 5, 60)
+            assert _wait_for(lambda: len(events) >= 5, 60)
             second[1].send_signal(signal.SIGSTOP)  # the rank stops answering: the step waits for it
             _, message = _unhealthy_within(url, BEAT_STALE_S + 15)
             assert message.startswith("sequence-parallel rank 1 has sent no heartbeat for "), message
@@ -165,12 +165,3 @@ def test_lost_launch_fails_the_request_and_health(slow_folder, tmp_path):
             p.wait(30)
     gone, alive = psutil.wait_procs(everything, timeout=10)
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
-
-
-def _until(check, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
