@@ -59,6 +59,7 @@ BENCHES = {  # name -> script taking --out FILE (the results folder's name too)
     "int8-error": "int8_error_study.py",
     "window-kv": "bench_window_kv.py",
     "quant": "bench_quant.py",
+    "blocks": "bench_blocks.py",
 }
 
 

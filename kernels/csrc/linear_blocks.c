@@ -332,11 +332,8 @@ static inline __m256 cvt8(__m128i bytes8, int is_signed) { /* the low 8 bytes ->
 static inline void deq_q8_0(const uint8_t *row, int64_t g, __m256 w[4]) {
     const uint8_t *blk = row + g * 34;
     const __m256 d = _mm256_set1_ps(h2f(blk));
-    const __m128i lo = _mm_loadu_si128((const __m128i *)(blk + 2)), hi = _mm_loadu_si128((const __m128i *)(blk + 18));
-    w[0] = _mm256_mul_ps(d, cvt8(lo, 1));
-    w[1] = _mm256_mul_ps(d, cvt8(_mm_srli_si128(lo, 8), 1));
-    w[2] = _mm256_mul_ps(d, cvt8(hi, 1));
-    w[3] = _mm256_mul_ps(d, cvt8(_mm_srli_si128(hi, 8), 1));
+    for (int v = 0; v < 4; v++) /* vpmovsxbd from memory: no shuffles to bring the bytes down */
+        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * v)))));
 }
 
 /* the 16 bytes' low nibbles (elements 0..15) and high nibbles (16..31) */
@@ -441,48 +438,172 @@ static inline void deq_q6_k(const uint8_t *row, int64_t g, __m256 w[4]) {
             out[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));                                           \
     }
 
-/* Q4_K: a super-block's scales read once, its 32 bytes of nibbles per pair of groups loaded once */
-static void row_dot_q4_k(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
-    __m256 a[4][2];
-    for (int r = 0; r < 4; r++)
-        a[r][0] = a[r][1] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(15);
+/* Q4_K super-block scales: d * sc and dmin * m of its 8 sub-blocks, from the 12 packed bytes
+ * (sc, m of sub-block j < 4: the low 6 bits of bytes j and j + 4; of j >= 4: the nibbles of byte
+ * j + 4 below the top 2 bits of bytes j - 4 and j), four sub-blocks per 32-bit word. */
+static inline void q4k_scales8(const uint8_t *blk, float ds[8], float dm[8]) {
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    const uint32_t sc_lo = w[0] & low6, m_lo = w[1] & low6;
+    const uint32_t sc_hi = (w[2] & low4) | (((w[0] >> 6) & low2) << 4);
+    const uint32_t m_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & low2) << 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), sc));
+    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mn));
+}
+
+/* 8 bytes from memory, each zero-extended to a 32-bit lane (one vpmovzxbd with a memory
+ * operand: no register shuffles to bring the bytes down) */
+static inline __m256i bytes8_u32(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* The 4-bit formats at AVX2, for NR (a compile-time 1..4) rows of x, 16 weights a step: 8 bytes
+ * zero-extended straight from memory to 32-bit lanes; their low nibbles (and 15) and high
+ * nibbles (shift by 4) converted to float and scaled, d * q - m as dequant_row computes it (the
+ * product is exact, so the fused multiply-add rounds as its multiply-then-add). Per 16 weights:
+ * one zero-extend, an and, a shift, two converts, two multiply-adds for the weights and two per
+ * row of x. The 128-bit extracts and byte shifts of the register form (deq_q4_k) it replaces took
+ * the shuffle ports the zero-extends need. Rows of 1 and 2 keep four accumulators a row, so the
+ * adds of one chain do not wait on each other (a multiply-add's latency is 4-5 cycles).
+ * Q4_K: the nibbles of chunk c's byte j are elements c * 64 + j (sub-block 2c) and
+ * c * 64 + 32 + j (sub-block 2c + 1); Q4_0 / Q4_1: byte j holds elements j and j + 16. */
+#define Q4_ACC(NR) ((NR) <= 2 ? 4 : 2)
+static inline __attribute__((always_inline)) void q4_step256(const uint8_t *q8, __m256 dlo, __m256 mlo, __m256 dhi,
+                                                             __m256 mhi, const float *x, int64_t ldx, int64_t elo,
+                                                             int64_t ehi, const int NR, __m256 a[4][4], int slot) {
+    const __m256i b = bytes8_u32(q8);
+    const __m256 wl = _mm256_fmsub_ps(dlo, _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), mlo);
+    const __m256 wh = _mm256_fmsub_ps(dhi, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), mhi);
+    const int s0 = Q4_ACC(NR) == 4 ? 2 * slot : 0, s1 = s0 + 1;
+    for (int r = 0; r < NR; r++) {
+        a[r][s0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + elo), wl, a[r][s0]);
+        a[r][s1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + ehi), wh, a[r][s1]);
+    }
+}
+
+static inline void q4_finish256(__m256 a[4][4], const int NR, float *out) {
+    for (int r = 0; r < NR; r++) {
+        __m256 s = _mm256_add_ps(a[r][0], a[r][1]);
+        if (Q4_ACC(NR) == 4)
+            s = _mm256_add_ps(s, _mm256_add_ps(a[r][2], a[r][3]));
+        out[r] = hsum8(s);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4k_rows256(const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, const int NR, float *out) {
+    __m256 a[4][4];
+    for (int r = 0; r < NR; r++)
+        a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+    float ds[8], dm[8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
-        const float d = h2f(blk), dmin = h2f(blk + 2);
+        q4k_scales8(blk, ds, dm);
+        __asm__ volatile("" ::: "memory"); /* read ds, dm back as broadcast loads */
         for (int c = 0; c < 4; c++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
-            for (int s = 0; s < 2; s++) {
-                int sc, mn;
-                scale_min_k4(2 * c + s, blk + 4, &sc, &mn);
-                const __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)mn);
-                const __m256i q = _mm256_and_si256(s ? _mm256_srli_epi16(b, 4) : b, mask);
-                const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-                const __m256 w0 = _mm256_fmsub_ps(ds, cvt8(q0, 0), dm);
-                const __m256 w1 = _mm256_fmsub_ps(ds, cvt8(_mm_srli_si128(q0, 8), 0), dm);
-                const __m256 w2 = _mm256_fmsub_ps(ds, cvt8(q1, 0), dm);
-                const __m256 w3 = _mm256_fmsub_ps(ds, cvt8(_mm_srli_si128(q1, 8), 0), dm);
-                const int64_t e = sb * 256 + c * 64 + s * 32;
-                for (int r = 0; r < 4; r++) {
-                    if (r < R) {
-                        const float *xp = x + r * ldx + e;
-                        a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w0, a[r][0]);
-                        a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), w1, a[r][1]);
-                        a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), w2, a[r][0]);
-                        a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), w3, a[r][1]);
-                    }
+            const __m256 dlo = _mm256_set1_ps(ds[2 * c]), mlo = _mm256_set1_ps(dm[2 * c]);
+            const __m256 dhi = _mm256_set1_ps(ds[2 * c + 1]), mhi = _mm256_set1_ps(dm[2 * c + 1]);
+            const uint8_t *q = blk + 16 + c * 32;
+            const int64_t e = sb * 256 + c * 64;
+            for (int j = 0; j < 32; j += 8)
+                q4_step256(q + j, dlo, mlo, dhi, mhi, x, ldx, e + j, e + 32 + j, NR, a, (j >> 3) & 1);
+        }
+    }
+    q4_finish256(a, NR, out);
+}
+
+/* Q4_0 (ONE 0: d * (q - 8), as d * q - 8d: both exact) and Q4_1 (d * q + m) */
+static inline __attribute__((always_inline)) void q4b_rows256(const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, const int NR, const int one,
+                                                              float *out) {
+    __m256 a[4][4];
+    for (int r = 0; r < NR; r++)
+        a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+    const int bb = one ? 20 : 18, qo = one ? 4 : 2;
+    for (int64_t g = 0; g < k / 32; g++) {
+        const uint8_t *blk = row + g * bb;
+        const float d = h2f(blk), m = one ? -h2f(blk + 2) : 8.0f * d;
+        const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+        const int64_t e = g * 32;
+        q4_step256(blk + qo, dv, mv, dv, mv, x, ldx, e, e + 16, NR, a, 0);
+        q4_step256(blk + qo + 8, dv, mv, dv, mv, x, ldx, e + 8, e + 24, NR, a, 1);
+    }
+    q4_finish256(a, NR, out);
+}
+
+/* Q6_K at AVX2, for NR (a compile-time 1..4) rows of x: a half super-block's low and high bits
+ * joined into its 128 signed quants (q - 32) in registers and stored to a small buffer, from
+ * which 8 at a time are sign-extended as they are loaded (as deq_q8_0), so no register
+ * shuffles bring bytes down; the 16 scales times d converted once a super-block and read back
+ * as broadcast loads. Per 8 weights: a load-extend, a convert, a multiply and one
+ * multiply-add a row (the product d * sc * q is exact: dequant_row's value). */
+static inline __attribute__((always_inline)) void q6k_rows256(const uint8_t *row, int64_t k, const float *x,
+                                                              int64_t ldx, const int NR, float *out) {
+    __m256 a[4][4];
+    for (int r = 0; r < NR; r++)
+        a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+    float scale[16];
+    int8_t qb[128] __attribute__((aligned(32)));
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 210;
+        const __m256 d = _mm256_set1_ps(h2f(blk + 208));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            _mm256_store_si256((__m256i *)qb, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m15),
+                _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)), b32));
+            _mm256_store_si256((__m256i *)(qb + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m15),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4)), b32));
+            _mm256_store_si256((__m256i *)(qb + 64), _mm256_sub_epi8(_mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4)), b32));
+            _mm256_store_si256((__m256i *)(qb + 96), _mm256_sub_epi8(_mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4)), b32));
+            __asm__ volatile("" ::: "memory"); /* the quants and scales are read back as loads */
+            for (int j = 0; j < 128; j += 16) {
+                const __m256 s = _mm256_set1_ps(scale[h * 8 + j / 16]);
+                const __m256 w0 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j)))));
+                const __m256 w1 = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j + 8)))));
+                const int64_t e = sb * 256 + h * 128 + j;
+                const int s0 = Q4_ACC(NR) == 4 ? ((j >> 3) & 2) : 0, s1 = s0 + 1;
+                for (int r = 0; r < NR; r++) {
+                    a[r][s0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + e), w0, a[r][s0]);
+                    a[r][s1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + e + 8), w1, a[r][s1]);
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        out[r] = hsum8(_mm256_add_ps(a[r][0], a[r][1]));
+    q4_finish256(a, NR, out);
 }
 
+#define DEFINE_ROWS256(NAME, CALL)                                                                     \
+    static void NAME(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) { \
+        switch (R) {                                                                                   \
+        case 1: CALL(1); return;                                                                       \
+        case 2: CALL(2); return;                                                                       \
+        case 3: CALL(3); return;                                                                       \
+        default: CALL(4); return;                                                                      \
+        }                                                                                              \
+    }
+#define Q4K_CALL(NR) q4k_rows256(row, k, x, ldx, NR, out)
+#define Q40_CALL(NR) q4b_rows256(row, k, x, ldx, NR, 0, out)
+#define Q41_CALL(NR) q4b_rows256(row, k, x, ldx, NR, 1, out)
+#define Q6K_CALL(NR) q6k_rows256(row, k, x, ldx, NR, out)
+DEFINE_ROWS256(row_dot_q4_k, Q4K_CALL)
+DEFINE_ROWS256(row_dot_q4_0, Q40_CALL)
+DEFINE_ROWS256(row_dot_q4_1, Q41_CALL)
+DEFINE_ROWS256(row_dot_q6_k, Q6K_CALL)
+
 DEFINE_ROW_DOT(row_dot_q8_0, deq_q8_0)
-DEFINE_ROW_DOT(row_dot_q4_0, deq_q4_0)
-DEFINE_ROW_DOT(row_dot_q4_1, deq_q4_1)
-DEFINE_ROW_DOT(row_dot_q6_k, deq_q6_k)
 
 #define DEFINE_ROW_DEQ(NAME, DEQ)                                                    \
     static void NAME(const uint8_t *row, int64_t k, float *out) {                   \
@@ -652,22 +773,6 @@ static void row_dot512_q6_k(const uint8_t *row, int64_t k, const float *x, int64
     case 3: q6k_rows512(row, k, x, ldx, 3, out); return;
     default: q6k_rows512(row, k, x, ldx, 4, out); return;
     }
-}
-
-/* Q4_K super-block scales: d * sc and dmin * m of its 8 sub-blocks, from the 12 packed bytes
- * (sc, m of sub-block j < 4: the low 6 bits of bytes j and j + 4; of j >= 4: the nibbles of byte
- * j + 4 below the top 2 bits of bytes j - 4 and j), four sub-blocks per 32-bit word. */
-static inline void q4k_scales8(const uint8_t *blk, float ds[8], float dm[8]) {
-    uint32_t w[3];
-    memcpy(w, blk + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
-    const uint32_t sc_lo = w[0] & low6, m_lo = w[1] & low6;
-    const uint32_t sc_hi = (w[2] & low4) | (((w[0] >> 6) & low2) << 4);
-    const uint32_t m_hi = ((w[2] >> 4) & low4) | (((w[1] >> 6) & low2) << 4);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0)));
-    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), sc));
-    _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mn));
 }
 
 /* Q4_K in 512-bit registers, for NR (a compile-time 1..4) rows of x, which must come in
