@@ -1050,6 +1050,7 @@ typedef struct {
     float *d;      /* [m, k / 32]: the block scales */
     float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
     float *d8;     /* [m, k / 32 * 8]: each block's scale 8 times (the lanes of its sums) */
+    float *s32;    /* [m, k / 32]: d * the sum of q over each block */
 } QuantX;
 
 static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx) {
@@ -1057,7 +1058,8 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx)
     qx->d = (float *)malloc((size_t)m * (k / 32) * sizeof(float));
     qx->s16 = (float *)malloc((size_t)m * (k / 16) * sizeof(float));
     qx->d8 = (float *)malloc((size_t)m * (k / 32) * 8 * sizeof(float));
-    if (!qx->q || !qx->d || !qx->s16 || !qx->d8)
+    qx->s32 = (float *)malloc((size_t)m * (k / 32) * sizeof(float));
+    if (!qx->q || !qx->d || !qx->s16 || !qx->d8 || !qx->s32)
         return 1;
     for (int i = 0; i < m; i++) {
         for (int64_t b = 0; b < k / 32; b++) {
@@ -1078,6 +1080,7 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx)
                 qx->d8[((int64_t)i * (k / 32) + b) * 8 + j] = d;
             qx->s16[(int64_t)i * (k / 16) + 2 * b] = d * (float)sum0;
             qx->s16[(int64_t)i * (k / 16) + 2 * b + 1] = d * (float)sum1;
+            qx->s32[(int64_t)i * (k / 32) + b] = d * (float)(sum0 + sum1);
         }
     }
     return 0;
@@ -1088,99 +1091,161 @@ static inline __m256i wbytes_nibbles(const uint8_t *q16) { /* [lo nibbles | hi n
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
 }
 
-static inline __m256 idot(__m256i w_unsigned, const int8_t *xq) { /* 8 float lanes, 4 elements each */
-    const __m256i p = _mm256_maddubs_epi16(w_unsigned, _mm256_loadu_si256((const __m256i *)xq));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+
+#if HAVE_AVX2
+/* The same integer products at AVX2, one function per format with a compile-time row count NR
+ * (1..4), none of fast_row's per-block format switch, scalar scale unpacking and serial offset
+ * sums (which held it to ~1 weight a cycle, below the exact path). Per 32 weights and row of
+ * x: maddubs, madd, a convert and a multiply-add by the block's two scales (weight's times
+ * x's, made a super-block at a time where the format allows). Offsets (the unsigned quants'
+ * zero points) go through x's block sums as vectors: 8 blocks a multiply-add for Q4_K, 16
+ * half blocks in two for Q6_K; Q4_0 and Q8_0 take signed weights (the sign moved onto x), so
+ * they have none. */
+static inline __m256i umul_sum(__m256i w_unsigned, __m256i xs) { /* 8 int32 lanes, 4 elements each */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_unsigned, xs), _mm256_set1_epi16(1));
 }
 
-/* out[i] = row . x_i for R (1..4) quantized rows (qx rows i0..i0+R-1) */
-static void fast_row(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
-    __m256 acc[4];
-    float off[4] = {0, 0, 0, 0};
-    for (int r = 0; r < 4; r++)
-        acc[r] = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void fast_q4k_rows(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                                int i0, const int NR, float *out) {
+    __m256 acc[4][2], off[4];
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = off[r] = _mm256_setzero_ps();
     const int64_t nb = k / 32;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i wq;
-        float dw = 0.0f, mw = 0.0f; /* weight scale; offset per unit of x's sum (32 elements) */
-        __m256 scale_half = _mm256_setzero_ps(); /* Q6_K: the two halves' scales per lane */
-        float off0 = 0.0f, off1 = 0.0f;          /* Q6_K: offsets of the two halves */
-        int signed_w = 0;
-        switch (fmt) {
-        case F_Q8_0: {
-            const uint8_t *blk = row + b * 34;
-            dw = h2f(blk);
-            wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            signed_w = 1;
-            break;
+    const __m256i m15 = _mm256_set1_epi8(15);
+    float ds[8], dm[8], sx[4][8];
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 144;
+        q4k_scales8(blk, ds, dm);
+        const __m256 dsv = _mm256_loadu_ps(ds), dmv = _mm256_loadu_ps(dm);
+        for (int r = 0; r < NR; r++) {
+            const int64_t i = i0 + r;
+            _mm256_storeu_ps(sx[r], _mm256_mul_ps(dsv, _mm256_loadu_ps(qx->d + i * nb + sb * 8)));
+            off[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(qx->s32 + i * nb + sb * 8), off[r]);
         }
-        case F_Q4_0: {
-            const uint8_t *blk = row + b * 18;
-            dw = h2f(blk);
-            mw = -8.0f * dw;
-            wq = wbytes_nibbles(blk + 2);
-            break;
-        }
-        case F_Q4_1: {
-            const uint8_t *blk = row + b * 20;
-            dw = h2f(blk);
-            mw = h2f(blk + 2);
-            wq = wbytes_nibbles(blk + 4);
-            break;
-        }
-        case F_Q4_K: {
-            const uint8_t *blk = row + (b >> 3) * 144;
-            const int j = (int)(b & 7), c = j >> 1, s = j & 1;
-            int sc, mn;
-            scale_min_k4(j, blk + 4, &sc, &mn);
-            dw = h2f(blk) * (float)sc;
-            mw = -h2f(blk + 2) * (float)mn;
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
-            wq = _mm256_and_si256(s ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
-            break;
-        }
-        default: { /* F_Q6_K */
-            const uint8_t *blk = row + (b >> 3) * 210;
-            const int gg = (int)(b & 7), h = gg >> 2, quarter = gg & 3;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = h2f(blk + 208);
-            const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + (quarter & 1) * 32));
-            const __m256i lo = _mm256_and_si256(quarter >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
-            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * quarter)), _mm256_set1_epi8(3));
-            wq = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* 0..63: the -32 goes through x's sums */
-            const float d0 = d * (float)sc[2 * gg], d1 = d * (float)sc[2 * gg + 1];
-            scale_half = _mm256_setr_ps(d0, d0, d0, d0, d1, d1, d1, d1);
-            off0 = -32.0f * d0, off1 = -32.0f * d1;
-            break;
-        }
-        }
-        const __m256i wabs = signed_w ? _mm256_sign_epi8(wq, wq) : wq;
-        for (int r = 0; r < 4; r++) {
-            if (r >= R)
-                break;
-            const int i = i0 + r;
-            const int8_t *xq = qx->q + (int64_t)i * k + b * 32;
-            const float dx = qx->d[(int64_t)i * nb + b];
-            __m256 f;
-            if (signed_w) {
-                const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), wq);
-                f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1)));
-            } else {
-                f = idot(wabs, xq);
-            }
-            const float *s16 = qx->s16 + (int64_t)i * (k / 16) + 2 * b;
-            if (fmt == F_Q6_K) {
-                acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(scale_half, _mm256_set1_ps(dx)), acc[r]);
-                off[r] += off0 * s16[0] + off1 * s16[1];
-            } else {
-                acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * dx), acc[r]);
-                off[r] += mw * (s16[0] + s16[1]);
+        __asm__ volatile("" ::: "memory"); /* the scale products are read back as broadcast loads */
+        for (int c = 0; c < 4; c++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
+            const __m256i lo = _mm256_and_si256(b, m15), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
+            for (int r = 0; r < NR; r++) {
+                const int8_t *xq = qx->q + (int64_t)(i0 + r) * k + sb * 256 + c * 64;
+                const __m256i s0 = umul_sum(lo, _mm256_loadu_si256((const __m256i *)xq));
+                const __m256i s1 = umul_sum(hi, _mm256_loadu_si256((const __m256i *)(xq + 32)));
+                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(sx[r][2 * c]), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(sx[r][2 * c + 1]), acc[r][1]);
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        out[r] = hsum8(acc[r]) + off[r];
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) - hsum8(off[r]);
+}
+
+static inline __attribute__((always_inline)) void fast_q6k_rows(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                                int i0, const int NR, float *out) {
+    __m256 acc[4][2], off[4];
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = off[r] = _mm256_setzero_ps();
+    const int64_t nb = k / 32;
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 210;
+        const __m256 d = _mm256_set1_ps(h2f(blk + 208));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 scf[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                               _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+        for (int r = 0; r < NR; r++) { /* the -32 of every quant: d * sc * 32 * x's half-block sums */
+            const float *s16 = qx->s16 + (int64_t)(i0 + r) * (k / 16) + sb * 16;
+            off[r] = _mm256_fmadd_ps(scf[0], _mm256_loadu_ps(s16), off[r]);
+            off[r] = _mm256_fmadd_ps(scf[1], _mm256_loadu_ps(s16 + 8), off[r]);
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            __m256i q[4]; /* 0..63 */
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+            for (int t = 0; t < 4; t++) {
+                const int g = h * 4 + t; /* the 32-block of the super-block: scales 2g and 2g + 1 */
+                const __m256 lanes = _mm256_permutevar8x32_ps(scf[g >> 2], _mm256_add_epi32(pair, _mm256_set1_epi32(2 * (g & 3))));
+                for (int r = 0; r < NR; r++) {
+                    const int64_t i = i0 + r;
+                    const int8_t *xq = qx->q + i * k + sb * 256 + g * 32;
+                    const __m256i s = umul_sum(q[t], _mm256_loadu_si256((const __m256i *)xq));
+                    const __m256 sc2 = _mm256_mul_ps(lanes, _mm256_set1_ps(qx->d[i * nb + sb * 8 + g]));
+                    acc[r][t & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc2, acc[r][t & 1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) - 32.0f * hsum8(off[r]);
+}
+
+/* Q8_0 (ONE -1), Q4_0 (0: nibbles - 8) and Q4_1 (1: nibbles, and m through x's block sum) */
+static inline __attribute__((always_inline)) void fast_q32_rows(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                                int i0, const int NR, const int kind, float *out) {
+    __m256 acc[4][2];
+    float off[4][2] = {{0}};
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t nb = k / 32;
+    const int bb = kind < 0 ? 34 : kind ? 20 : 18, qo = kind == 1 ? 4 : 2;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        const float dw = h2f(blk);
+        __m256i w;
+        if (kind < 0) {
+            w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        } else {
+            w = wbytes_nibbles(blk + qo);
+            if (kind == 0)
+                w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+        }
+        const __m256i wabs = kind == 1 ? w : _mm256_sign_epi8(w, w);
+        const float mw = kind == 1 ? h2f(blk + 2) : 0.0f;
+        for (int r = 0; r < NR; r++) {
+            const int64_t i = i0 + r;
+            __m256i xs = _mm256_loadu_si256((const __m256i *)(qx->q + i * k + b * 32));
+            if (kind != 1)
+                xs = _mm256_sign_epi8(xs, w);
+            const __m256 f = _mm256_cvtepi32_ps(umul_sum(wabs, xs));
+            acc[r][b & 1] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw * qx->d[i * nb + b]), acc[r][b & 1]);
+            if (kind == 1)
+                off[r][b & 1] += mw * qx->s32[i * nb + b];
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (off[r][0] + off[r][1]);
+}
+
+#define FAST_SWITCH(CALL)              \
+    switch (R) {                       \
+    case 1: CALL(1); return;           \
+    case 2: CALL(2); return;           \
+    case 3: CALL(3); return;           \
+    default: CALL(4); return;          \
+    }
+#define FAST_Q4K(NR) fast_q4k_rows(row, k, qx, i0, NR, out)
+#define FAST_Q6K(NR) fast_q6k_rows(row, k, qx, i0, NR, out)
+#define FAST_Q80(NR) fast_q32_rows(row, k, qx, i0, NR, -1, out)
+#define FAST_Q40(NR) fast_q32_rows(row, k, qx, i0, NR, 0, out)
+#define FAST_Q41(NR) fast_q32_rows(row, k, qx, i0, NR, 1, out)
+
+static void fast_row256(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+    switch (fmt) {
+    case F_Q4_K: FAST_SWITCH(FAST_Q4K)
+    case F_Q6_K: FAST_SWITCH(FAST_Q6K)
+    case F_Q8_0: FAST_SWITCH(FAST_Q80)
+    case F_Q4_0: FAST_SWITCH(FAST_Q40)
+    default: FAST_SWITCH(FAST_Q41)
+    }
 }
 #endif
 
@@ -1306,7 +1371,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
 #if HAVE_AVX2
     QuantX qx;
     if (quantize_x(x, ldx, m, k, &qx) != 0) {
-        free(qx.q), free(qx.d), free(qx.s16), free(qx.d8);
+        free(qx.q), free(qx.d), free(qx.s16), free(qx.d8), free(qx.s32);
         return 3;
     }
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
@@ -1323,7 +1388,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
                     fast_row512(w + r * row_bytes, fmt, k, &qx, i, rows, out);
                 else
 #endif
-                    fast_row(w + r * row_bytes, fmt, k, &qx, i, rows, out);
+                    fast_row256(w + r * row_bytes, fmt, k, &qx, i, rows, out);
                 for (int j = 0; j < rows; j++) {
                     float v = out[j] + b;
                     if (res)
@@ -1333,7 +1398,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
             }
         }
     }
-    free(qx.q), free(qx.d), free(qx.s16), free(qx.d8);
+    free(qx.q), free(qx.d), free(qx.s16), free(qx.d8), free(qx.s32);
     return 0;
 #else
     return 5;
