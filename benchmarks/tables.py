@@ -435,25 +435,27 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
                      f"({times(two['decode_ms_per_token'], one['decode_ms_per_token'])} the time: the ranks share one CPU)",
                      "", doc.run(sp)])
 
-    # GGUF blocks against llama.cpp on the same file, per model file
+    # GGUF blocks against llama.cpp on the same file: the newest record per model file, machine
+    # folder and prompt length (the kernels are tuned per CPU kind: Intel's and AMD's side by side)
     for model, label in (("1b-q4_k_m", "1B-shaped Q4_K_M"), ("default", "SmolLM2-135M Q4_1")):
-        q = newest(records, "quant", lambda r, m=model: get(r.result, "args", "model") == m
-                   and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)))
-        if not q:
-            continue
-        by, ctx = quant_rows(q), get(q.result, "args", "ctx")
-        lc, ll = by["longctx blocks"], by["llama.cpp"]
-        kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
-        rows.append([f"GGUF {label}, {tokens(ctx) if ctx else '?'} prompt: prefill / decode"
-                     + (" (8-bit KV)" if all(kv) else ""),
-                     f"{sec(lc['prefill_s'])} s / {f(lc['decode_ms'])} ms"
-                     + (f" ({f(kv[0]['decode_ms'])} ms, int8 pages)" if all(kv) else ""),
-                     f"llama.cpp {sec(ll['prefill_s'])} s / {f(ll['decode_ms'])} ms"
-                     + (f" ({f(kv[1]['decode_ms'])} ms, q8_0)" if all(kv) else "")
-                     + f" (longctx/llama.cpp {times(lc['prefill_s'], ll['prefill_s'])} / "
-                     f"{times(lc['decode_ms'], ll['decode_ms'])}"
-                     + (f"; 8-bit KV {times(kv[0]['decode_ms'], kv[1]['decode_ms'])})" if all(kv) else ")"),
-                     doc.run(q)])
+        qs = [r for r in records if r.bench == "quant" and _holds(
+            lambda r, m=model: get(r.result, "args", "model") == m
+            and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)), r)]
+        for folder, n in sorted({(r.folder, get(r.result, "args", "ctx") or 0) for r in qs}):
+            q = newest(qs, "quant", lambda r, fo=folder, n=n: (r.folder, get(r.result, "args", "ctx") or 0) == (fo, n))
+            by, ctx = quant_rows(q), get(q.result, "args", "ctx")
+            lc, ll = by["longctx blocks"], by["llama.cpp"]
+            kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
+            rows.append([f"GGUF {label}, {tokens(ctx) if ctx else '?'} prompt: prefill / decode"
+                         + (" (8-bit KV)" if all(kv) else ""),
+                         f"{sec(lc['prefill_s'])} s / {f(lc['decode_ms'])} ms"
+                         + (f" ({f(kv[0]['decode_ms'])} ms, int8 pages)" if all(kv) else ""),
+                         f"llama.cpp {sec(ll['prefill_s'])} s / {f(ll['decode_ms'])} ms"
+                         + (f" ({f(kv[1]['decode_ms'])} ms, q8_0)" if all(kv) else "")
+                         + f" (longctx/llama.cpp {times(lc['prefill_s'], ll['prefill_s'])} / "
+                         f"{times(lc['decode_ms'], ll['decode_ms'])}"
+                         + (f"; 8-bit KV {times(kv[0]['decode_ms'], kv[1]['decode_ms'])})" if all(kv) else ")"),
+                         doc.run(q)])
 
     if not rows:
         return missing("e2e, prefix, lookahead, batch, long, parallel, quant")

@@ -44,7 +44,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_blocks_fast_supported.argtypes = [i32]
     lib.longctx_blocks_linear_parts.restype = i32
     lib.longctx_blocks_linear_parts.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64,
-                                                i32, i32, ptr, ctypes.c_float]
+                                                i32, i32, ptr, ctypes.c_float, i32]
     lib.longctx_blocks_dequant.restype = i32
     lib.longctx_blocks_dequant.argtypes = [ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32]
 
@@ -171,9 +171,12 @@ class PreparedParts:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 swiglu: bool = False, num_threads: int = 1) -> torch.Tensor:
+                 swiglu: bool = False, num_threads: int = 1, fast: bool = False) -> torch.Tensor:
         """out [M, total] = prologue(x) @ W^T (+ bias) (+ residual); the prologue is RMSNorm with
-        ``norm_weight`` and ``eps``, or (``swiglu``, x [M, 2K]) silu(x[:, :K]) * x[:, K:]."""
+        ``norm_weight`` and ``eps``, or (``swiglu``, x [M, 2K]) silu(x[:, :K]) * x[:, K:].
+        ``fast``: the parts whose format has integer products (``fast_supported``) take x (after
+        the prologue) rounded to int8 in blocks of 32, as ``linear(..., fast=True)``; the others
+        stay exact."""
         lib = _load()
         if lib is None:
             raise RuntimeError(f"the CPU block kernel is {status()}")
@@ -194,7 +197,7 @@ class PreparedParts:
             x.data_ptr(), max(x.stride(0), width), m, self.n, *self.arrays, k,
             None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), total),
             None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), total),
-            num_threads, prologue, None if norm_weight is None else norm_weight.data_ptr(), float(eps))
+            num_threads, prologue, None if norm_weight is None else norm_weight.data_ptr(), float(eps), int(fast))
         if rc != 0:
             raise ValueError(f"blocks_linear_parts rejected its arguments (code {rc}): x {tuple(x.shape)}, parts "
                              f"{[tuple(t.shape) for t in self.parts]} {[NAMES.get(f, f) for f in self.fmts]}")
@@ -204,31 +207,34 @@ class PreparedParts:
 def _blocks_linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
                          bias: torch.Tensor | None, residual: torch.Tensor | None, num_threads: int,
                          out: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                         swiglu: bool = False) -> None:
-    PreparedParts(parts, fmts, k)(x, out, bias, residual, norm_weight, eps, swiglu, num_threads)
+                         swiglu: bool = False, fast: bool = False) -> None:
+    PreparedParts(parts, fmts, k)(x, out, bias, residual, norm_weight, eps, swiglu, num_threads, fast)
 
 
 blocks_linear_parts = cpu_build.define_op(
     "blocks_linear_parts(Tensor x, Tensor[] parts, int[] fmts, int k, Tensor? bias, Tensor? residual, "
-    "int num_threads, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool swiglu=False) -> ()",
+    "int num_threads, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool swiglu=False, "
+    "bool fast=False) -> ()",
     _blocks_linear_parts)
 
 
 def linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
                  bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, num_threads: int | None = None,
-                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+                 fast: bool = False) -> torch.Tensor:
     """``linear`` over a matrix stored as ``parts`` stacked along the output rows, each in its
     format (GGML ids), in one call: [M, sum of the parts' rows] float32. ``norm_weight``/``eps``
     (RMSNorm) or ``swiglu`` (x is [M, 2K]: silu of its first half times its second): the
-    prologue the product takes x through, computed in the call."""
+    prologue the product takes x through, computed in the call. ``fast``: integer products on
+    int8-rounded x for the parts whose format has them (``PreparedParts``)."""
     if x.dim() == 2 and x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
         out = torch.empty(x.shape[0] if x.dim() == 2 else 0, sum(t.shape[0] for t in parts), dtype=torch.float32)
     blocks_linear_parts(x, parts, list(fmts), k, bias, residual,
                         torch.get_num_threads() if num_threads is None else num_threads, out,
-                        norm_weight, eps, swiglu)
+                        norm_weight, eps, swiglu, fast)
     return out
 
 

@@ -895,6 +895,14 @@ int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
     return 0;
 }
 
+int longctx_blocks_fast_supported(int fmt);
+#if HAVE_AVX2
+typedef struct QuantX QuantX; /* x rounded to int8 in blocks of 32 (the "fast" numerics, below) */
+static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k);
+static void free_quant_x(QuantX *qx);
+static void fast_dot(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out);
+#endif
+
 /* One product over a matrix stored as parts stacked along the output rows (a fused q/k/v whose
  * parts have different formats): part p has rows[p] rows of row_bytes[p] bytes in format
  * fmts[p] at ws[p]; its outputs are the columns after the previous parts'. One parallel region
@@ -902,7 +910,7 @@ int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
 int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, const uint8_t *const *ws,
                                 const int64_t *row_bytes, const int *fmts, const int64_t *rows, int64_t k,
                                 const float *bias, float *y, int64_t ldy, const float *res, int64_t ldr,
-                                int nthreads, int prologue, const float *norm_w, float eps) {
+                                int nthreads, int prologue, const float *norm_w, float eps, int fast) {
     enum { MAX_PARTS = 8 };
     if (nparts < 1 || nparts > MAX_PARTS)
         return 2;
@@ -934,16 +942,33 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         ldx = k;
     }
     int failed = 0;
+#if HAVE_AVX2
+    /* fast: x rounded to int8 once a call, for the parts whose format has integer products */
+    QuantX *qx = NULL;
+    for (int p = 0; p < nparts && fast && qx == NULL; p++) {
+        if (!longctx_blocks_fast_supported(fmts[p]))
+            continue;
+        if ((qx = new_quant_x(x, ldx, m, k)) == NULL) {
+            free(pro);
+            return 3;
+        }
+    }
+#define FAST_PART(fmt) (qx != NULL && longctx_blocks_fast_supported(fmt))
+#else
+    (void)fast;
+#define FAST_PART(fmt) 0
+#endif
     /* x in the order the 4-bit register kernels meet it (Q4_K's; Q4_0's and Q4_1's), made once
      * a call for the parts that take the register path */
     float *xo[2] = {NULL, NULL};
 #ifdef Q4K_ORDERED
     for (int p = 0; p < nparts && m <= REGISTER_MAX_ROWS; p++) {
         const int o = x_order(fmts[p]);
-        if (o < 0 || xo[o] != NULL)
+        if (o < 0 || xo[o] != NULL || FAST_PART(fmts[p]))
             continue;
         if ((xo[o] = (float *)malloc((size_t)m * (size_t)k * sizeof(float))) == NULL) {
             free(xo[0]), free(xo[1]), free(pro);
+            free_quant_x(qx);
             return 3;
         }
         (o == 0 ? q4k_order : q4b_order)(x, ldx, m, k, xo[o]);
@@ -958,12 +983,13 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
             while (c >= first_chunk[p + 1])
                 p++;
             const int fmt = fmts[p];
+            const int use_fast = FAST_PART(fmt);
 #if HAVE_AVX2
-            const RowDot in_registers = m <= REGISTER_MAX_ROWS ? register_row_dot(fmt) : NULL;
+            const RowDot in_registers = !use_fast && m <= REGISTER_MAX_ROWS ? register_row_dot(fmt) : NULL;
 #else
             const void *in_registers = NULL;
 #endif
-            if (!in_registers && buf == NULL && (buf = (float *)malloc((size_t)k * sizeof(float))) == NULL) {
+            if (!use_fast && !in_registers && buf == NULL && (buf = (float *)malloc((size_t)k * sizeof(float))) == NULL) {
                 failed = 1;
                 continue;
             }
@@ -971,14 +997,16 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
             for (int64_t r = r0; r < r1; r++) {
                 const uint8_t *wr = ws[p] + r * row_bytes[p];
                 const int64_t col = first_col[p] + r;
-                if (!in_registers)
+                if (!use_fast && !in_registers)
                     dequant_row(wr, fmt, k, buf);
                 const float b = bias ? bias[col] : 0.0f;
                 for (int i = 0; i < m; i += 4) {
                     const int nr = m - i < 4 ? m - i : 4;
                     float out[4];
 #if HAVE_AVX2
-                    if (in_registers && x_order(fmt) >= 0)
+                    if (use_fast)
+                        fast_dot(wr, fmt, k, qx, i, nr, out);
+                    else if (in_registers && x_order(fmt) >= 0)
                         in_registers(wr, k, xo[x_order(fmt)] + (int64_t)i * k, k, nr, out);
                     else if (in_registers)
                         in_registers(wr, k, x + (int64_t)i * ldx, ldx, nr, out);
@@ -997,6 +1025,10 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
         free(buf);
     }
     free(xo[0]), free(xo[1]), free(pro);
+#if HAVE_AVX2
+    free_quant_x(qx);
+#endif
+#undef FAST_PART
     return failed ? 3 : 0;
 }
 
@@ -1008,7 +1040,7 @@ int longctx_blocks_linear(const float *x, int64_t ldx, int m, const uint8_t *w, 
     const int64_t bytes[1] = {row_bytes}, rows[1] = {n};
     const int fmts[1] = {fmt};
     return longctx_blocks_linear_parts(x, ldx, m, 1, ws, bytes, fmts, rows, k, bias, y, ldy, res, ldr, nthreads, 0,
-                                       NULL, 0.0f);
+                                       NULL, 0.0f, 0);
 }
 
 /* rows == NULL: rows first_row .. first_row + nrows - 1; else the nrows row indices given (each
@@ -1045,13 +1077,20 @@ int longctx_blocks_dequant(const uint8_t *w, int64_t row_bytes, int fmt, int64_t
  * element). Formats: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K (others: the exact path). AVX2 only.
  */
 #if HAVE_AVX2
-typedef struct {
+struct QuantX {
     int8_t *q;     /* [m, k] */
     float *d;      /* [m, k / 32]: the block scales */
     float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
     float *d8;     /* [m, k / 32 * 8]: each block's scale 8 times (the lanes of its sums) */
     float *s32;    /* [m, k / 32]: d * the sum of q over each block */
-} QuantX;
+};
+
+static void free_quant_x(QuantX *qx) { /* a calloc'ed QuantX and what quantize_x gave it; NULL: nothing */
+    if (qx == NULL)
+        return;
+    free(qx->q), free(qx->d), free(qx->s16), free(qx->d8), free(qx->s32);
+    free(qx);
+}
 
 static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx) {
     qx->q = (int8_t *)malloc((size_t)m * k);
@@ -1084,6 +1123,16 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx)
         }
     }
     return 0;
+}
+
+/* x [m, k] rounded to int8 (quantize_x), or NULL when out of memory */
+static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k) {
+    QuantX *qx = (QuantX *)calloc(1, sizeof *qx);
+    if (qx == NULL || quantize_x(x, ldx, m, k, qx) != 0) {
+        free_quant_x(qx);
+        return NULL;
+    }
+    return qx;
 }
 
 static inline __m256i wbytes_nibbles(const uint8_t *q16) { /* [lo nibbles | hi nibbles]: elements 0..31 */
@@ -1349,6 +1398,19 @@ static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx
 #define HAVE_FAST512 0
 #endif
 
+#if HAVE_AVX2
+/* out[i] = row . x_i for R (1..4) quantized rows of qx (from i0), in the widest form here */
+static void fast_dot(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+#if HAVE_FAST512
+    if ((k / 32) % 2 == 0) {
+        fast_row512(row, fmt, k, qx, i0, R, out);
+        return;
+    }
+#endif
+    fast_row256(row, fmt, k, qx, i0, R, out);
+}
+#endif
+
 int longctx_blocks_fast_supported(int fmt) {
 #if HAVE_AVX2
     return fmt == F_Q8_0 || fmt == F_Q4_0 || fmt == F_Q4_1 || fmt == F_Q4_K || fmt == F_Q6_K;
@@ -1369,11 +1431,9 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
     if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
         return 2;
 #if HAVE_AVX2
-    QuantX qx;
-    if (quantize_x(x, ldx, m, k, &qx) != 0) {
-        free(qx.q), free(qx.d), free(qx.s16), free(qx.d8), free(qx.s32);
+    QuantX *qx = new_quant_x(x, ldx, m, k);
+    if (qx == NULL)
         return 3;
-    }
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t c = 0; c < chunks; c++) {
@@ -1383,12 +1443,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
             for (int i = 0; i < m; i += 4) {
                 const int rows = m - i < 4 ? m - i : 4;
                 float out[4];
-#if HAVE_FAST512
-                if ((k / 32) % 2 == 0)
-                    fast_row512(w + r * row_bytes, fmt, k, &qx, i, rows, out);
-                else
-#endif
-                    fast_row256(w + r * row_bytes, fmt, k, &qx, i, rows, out);
+                fast_dot(w + r * row_bytes, fmt, k, qx, i, rows, out);
                 for (int j = 0; j < rows; j++) {
                     float v = out[j] + b;
                     if (res)
@@ -1398,7 +1453,7 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
             }
         }
     }
-    free(qx.q), free(qx.d), free(qx.s16), free(qx.d8), free(qx.s32);
+    free_quant_x(qx);
     return 0;
 #else
     return 5;

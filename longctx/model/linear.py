@@ -246,18 +246,13 @@ class BlockWeights(LinearMethod):
         if m == 0:
             return out
         x = x.contiguous()
-        if m <= BLOCK_ROWS and not self.fast:  # every part in one call
-            return blocks.prepared()(x, out, layer.bias, residual, num_threads=torch.get_num_threads())
+        if m <= BLOCK_ROWS:  # every part in one call (fast: integer products where the format has them)
+            return blocks.prepared()(x, out, layer.bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
         lo = 0
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
             bias = None if layer.bias is None else layer.bias[lo:hi]
             res = None if residual is None else residual[:, lo:hi]
-            if m <= BLOCK_ROWS:  # fast: integer products where the format has them
-                cpu_blocks.linear(x, data, fmt, k, bias, residual=res, out=out[:, lo:hi],
-                                  fast=cpu_blocks.fast_supported(fmt))
-                lo = hi
-                continue
             step = max(32, SLICE_BYTES // (4 * k))  # longer steps: slices of each part through the row kernel
             for r0 in range(0, hi - lo, step):
                 r1 = min(r0 + step, hi - lo)
@@ -270,13 +265,13 @@ class BlockWeights(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
               residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
-        if 0 < x.shape[0] <= BLOCK_ROWS and not self.fast and x.dtype == torch.float32 and (
+        if 0 < x.shape[0] <= BLOCK_ROWS and x.dtype == torch.float32 and (
                 norm is None or norm.weight.dtype == torch.float32):  # the prologue inside the one call
             blocks: BlockMatrix = layer.weight
             out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
             return blocks.prepared()(x.contiguous(), out, layer.bias, residual,
                                      None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-                                     swiglu, torch.get_num_threads())
+                                     swiglu, torch.get_num_threads(), self.fast)
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
 
 

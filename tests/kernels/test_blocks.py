@@ -168,20 +168,27 @@ def test_fast_is_refused_for_a_format_without_integer_products():
         cpu_blocks.linear(torch.randn(1, 256), raw, "Q5_K", 256, fast=True)
 
 
-def test_parts_in_one_call_equal_each_part_alone():
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("m", [3, 6])
+def test_parts_in_one_call_equal_each_part_alone(fast, m):
     """A matrix stored as parts of different formats (a Q4_K_M fused q/k/v): one call equals
-    each part's product in its columns, bias and residual included."""
-    k, m = 512, 3
-    parts = [("Q4_K", 40), ("Q5_K", 9), ("Q6_K", 17), ("Q8_0", 5)]
+    each part's product in its columns, bias and residual included. fast: the parts with
+    integer products take them (Q5_K has none and stays exact), as each part alone does."""
+    k = 512
+    parts = [("Q4_K", 40), ("Q5_K", 9), ("Q6_K", 17), ("Q8_0", 5), ("Q4_1", 3)]
     raws = [torch.from_numpy(random_blocks(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(parts)]
     codes = [cpu_blocks.FORMATS[fmt] for fmt, _ in parts]
     total = sum(n for _, n in parts)
     x, bias, residual = torch.randn(m, k), torch.randn(total), torch.randn(m, total)
-    got = cpu_blocks.linear_parts(x, raws, codes, k, bias, residual=residual)
+    got = cpu_blocks.linear_parts(x, raws, codes, k, bias, residual=residual, fast=fast)
     lo = 0
     for raw, (fmt, n) in zip(raws, parts):
-        alone = cpu_blocks.linear(x, raw, fmt, k, bias[lo:lo + n], residual=residual[:, lo:lo + n])
+        alone = cpu_blocks.linear(x, raw, fmt, k, bias[lo:lo + n], residual=residual[:, lo:lo + n],
+                                  fast=fast and cpu_blocks.fast_supported(fmt))
         assert torch.equal(got[:, lo:lo + n], alone), fmt
+        if fast and cpu_blocks.fast_supported(fmt):  # the integer products, not the exact ones
+            assert not torch.equal(alone, cpu_blocks.linear(x, raw, fmt, k, bias[lo:lo + n],
+                                                            residual=residual[:, lo:lo + n])), fmt
         lo += n
     with pytest.raises(ValueError, match="rejected"):
         cpu_blocks.linear_parts(x[:, :256], raws, codes, 256)
@@ -214,5 +221,11 @@ def test_prologues_inside_the_call_match_float64(prologue, m):
     expect = taken @ w.T
     scale = np.abs(taken) @ np.abs(w).T
     assert np.all(np.abs(got.numpy() - expect) <= 2e-5 * scale + 1e-6), prologue
+    if cpu_blocks.fast_supported("Q4_K"):  # fast: the same prologue, then x rounded to int8 in blocks of 32
+        fast = cpu_blocks.linear_parts(x, raws, codes, k, fast=True,
+                                       **({"norm_weight": weight, "eps": eps} if prologue == "rmsnorm" else {"swiglu": True}))
+        rounded = _rounded_x(torch.from_numpy(taken)).numpy()
+        assert np.all(np.abs(fast.numpy() - rounded @ w.T) <= 2e-5 * scale + 1e-5), prologue
+        assert not np.allclose(fast.numpy(), got.numpy(), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="two different prologues"):
         cpu_blocks.linear_parts(torch.randn(m, 2 * k), raws, codes, k, norm_weight=torch.ones(k), swiglu=True)
