@@ -18,7 +18,11 @@ and ``n_ubatch`` 512; prefill_s is ``eval`` of the prompt, decode the mean of
 must agree (the bar: the same tokens); llama.cpp's are reported as the count of leading tokens
 equal to blocks'.
 
-Usage:  python benchmarks/run.py quant -- [--ctx 4096] [--new-tokens 32] [--threads 2]
+``--rounds R`` runs the engines R times in the same order (each in a fresh process) and reports
+each engine's median and every round's figures: on these shared machines one engine's decode
+moved by up to ~60% between runs of an hour.
+
+Usage:  python benchmarks/run.py quant -- [--ctx 4096] [--new-tokens 32] [--threads 2] [--rounds R]
         (or python benchmarks/bench_quant.py ... [--out FILE])
 Writes its JSON only to ``--out FILE`` (benchmarks/run.py quant records it as
 benchmarks/results/quant/<machine>/<git rev>.json); without ``--out`` it writes nothing.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +127,10 @@ def main() -> int:
     ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
                     help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) quantized "
                          "by llama.cpp to Q8_0 or Q4_K_M")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the engines this many times, in the same order each round (a shared machine's "
+                         "speed drifts: each row then reports the median prefill and decode of its rounds, "
+                         "and every round's figures)")
     ap.add_argument("--out")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -134,7 +143,7 @@ def main() -> int:
 
         gguf = quant_model.ensure()[args.model.removeprefix("1b-")]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
-    for engine in args.engines:
+    for engine in [e for _ in range(args.rounds) for e in args.engines]:
         if engine in ("llama.cpp", "llama.cpp-q8kv"):
             if importlib.util.find_spec("llama_cpp") is None:
                 print("llama.cpp: llama-cpp-python is not installed; skipped")
@@ -160,6 +169,18 @@ def main() -> int:
         if not rows:
             row["prompt_ids"] = ids
         rows.append(row)
+    if args.rounds > 1:  # one row per engine: the medians, and each round's figures
+        merged = {}
+        for row in rows:
+            merged.setdefault(row["engine"], []).append(row)
+        rows = []
+        for runs in merged.values():
+            row = dict(runs[0])
+            for key in ("load_s", "prefill_s", "decode_ms", "peak_rss_gib"):
+                row[key] = statistics.median(r[key] for r in runs)
+                row[key + "_rounds"] = [r[key] for r in runs]
+            row["tokens_same_every_round"] = all(r["tokens"] == runs[0]["tokens"] for r in runs)
+            rows.append(row)
     base = rows[0]
     for row in rows:
         row["same_tokens_as_first"] = sum(1 for _ in iter_equal(row["tokens"], base["tokens"]))
