@@ -454,6 +454,22 @@ static inline void q4k_scales8(const uint8_t *blk, float ds[8], float dm[8]) {
     _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mn));
 }
 
+/* Q6_K: half h (0, 1) of a super-block's quants as four quarters of 32 bytes, 0..63 each (the
+ * low 4 bits from ql, the high 2 from qh; subtract 32 for the signed quant) */
+static inline void q6k_join(const uint8_t *blk, int h, __m256i q[4]) {
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+}
+
 /* 8 bytes from memory, each zero-extended to a 32-bit lane (one vpmovzxbd with a memory
  * operand: no register shuffles to bring the bytes down) */
 static inline __m256i bytes8_u32(const uint8_t *p) {
@@ -545,7 +561,7 @@ static inline __attribute__((always_inline)) void q6k_rows256(const uint8_t *row
     __m256 a[4][4];
     for (int r = 0; r < NR; r++)
         a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
-    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+    const __m256i b32 = _mm256_set1_epi8(32);
     float scale[16];
     int8_t qb[128] __attribute__((aligned(32)));
     for (int64_t sb = 0; sb < k / 256; sb++) {
@@ -555,19 +571,10 @@ static inline __attribute__((always_inline)) void q6k_rows256(const uint8_t *row
         _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
         _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
         for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
-            _mm256_store_si256((__m256i *)qb, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m15),
-                _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)), b32));
-            _mm256_store_si256((__m256i *)(qb + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m15),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4)), b32));
-            _mm256_store_si256((__m256i *)(qb + 64), _mm256_sub_epi8(_mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4)), b32));
-            _mm256_store_si256((__m256i *)(qb + 96), _mm256_sub_epi8(_mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4)), b32));
+            __m256i q[4];
+            q6k_join(blk, h, q);
+            for (int t = 0; t < 4; t++)
+                _mm256_store_si256((__m256i *)(qb + 32 * t), _mm256_sub_epi8(q[t], b32));
             __asm__ volatile("" ::: "memory"); /* the quants and scales are read back as loads */
             for (int j = 0; j < 128; j += 16) {
                 const __m256 s = _mm256_set1_ps(scale[h * 8 + j / 16]);
@@ -727,7 +734,7 @@ static inline __attribute__((always_inline)) void q6k_rows512(const uint8_t *row
     __m512 a[4][2];
     for (int r = 0; r < NR; r++)
         a[r][0] = a[r][1] = _mm512_setzero_ps();
-    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), b32 = _mm256_set1_epi8(32);
+    const __m256i b32 = _mm256_set1_epi8(32);
     float scale[16];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
@@ -736,17 +743,8 @@ static inline __attribute__((always_inline)) void q6k_rows512(const uint8_t *row
                                                      _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))))));
         __asm__ volatile("" ::: "memory"); /* read the scales back as broadcast loads */
         for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+            q6k_join(blk, h, q);
             for (int t = 0; t < 4; t++) {
                 const __m256i qs = _mm256_sub_epi8(q[t], b32);
                 const int si = h * 8 + 2 * t;
@@ -1195,7 +1193,6 @@ static inline __attribute__((always_inline)) void fast_q6k_rows(const uint8_t *r
     for (int r = 0; r < NR; r++)
         acc[r][0] = acc[r][1] = off[r] = _mm256_setzero_ps();
     const int64_t nb = k / 32;
-    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
@@ -1209,17 +1206,8 @@ static inline __attribute__((always_inline)) void fast_q6k_rows(const uint8_t *r
             off[r] = _mm256_fmadd_ps(scf[1], _mm256_loadu_ps(s16 + 8), off[r]);
         }
         for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
             __m256i q[4]; /* 0..63 */
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+            q6k_join(blk, h, q);
             for (int t = 0; t < 4; t++) {
                 const int g = h * 4 + t; /* the 32-block of the super-block: scales 2g and 2g + 1 */
                 const __m256 lanes = _mm256_permutevar8x32_ps(scf[g >> 2], _mm256_add_epi32(pair, _mm256_set1_epi32(2 * (g & 3))));
