@@ -19,7 +19,9 @@ modes interleaved within each round, so a slow spell of a shared machine hits al
 
 Usage:  python benchmarks/run.py blocks -- [--repeats 30] [--formats Q4_K Q6_K ...]
         (or python benchmarks/bench_blocks.py ... [--out FILE])
-Writes its JSON only to ``--out FILE``; prints a table (us per call, GB/s of weight bytes).
+Writes its JSON only to ``--out FILE`` (benchmarks/run.py blocks records it as
+benchmarks/results/blocks/<machine>/<git rev>.json); without ``--out`` it writes nothing.
+Prints a table (us per call, GB/s of weight bytes).
 """
 
 from __future__ import annotations
