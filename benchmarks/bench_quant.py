@@ -28,6 +28,11 @@ Writes its JSON only to ``--out FILE`` (benchmarks/run.py quant records it as
 benchmarks/results/quant/<machine>/<git rev>.json); without ``--out`` it writes nothing.
 Prints a table.
 
+``int8``, ``int4``, ``int4-g128``: an HF folder of the same weights (``quant_model.hf_folder``:
+the file expanded by transformers' GGUF loader and saved as fp32 safetensors; for the 1B model
+from its F32 file, for the default model from its Q4_1 file) quantized at load
+(``quantization=...``).
+
 Not measured here: vLLM-CPU (not installed on these machines).
 """
 
@@ -55,7 +60,9 @@ mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
 extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
-         "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"}}.get(mode, {"gguf_weights": mode})
+         "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
+         "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+         "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
           max_model_len=ctx + n_new + 8, kv_cache_gb=0.5 * -(-ctx // 4096))
 load_s = time.perf_counter() - t0
@@ -112,6 +119,9 @@ print(json.dumps({"engine": "llama.cpp" + ("" if kv == "f16" else " q8_0 KV"), "
 '''
 
 
+QUANTIZED = ("int8", "int4", "int4-g128")  # engines on the HF folder, quantized at load
+
+
 def _last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
@@ -123,7 +133,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
                     help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), fast "
-                         "(block_numerics='fast'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV)")
+                         "(block_numerics='fast'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
+                         "int8, int4, int4-g128: the model's HF folder (quant_model.hf_folder) quantized "
+                         "at load (quantization=...)")
     ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
                     help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) quantized "
                          "by llama.cpp to Q8_0 or Q4_K_M")
@@ -154,7 +166,12 @@ def main() -> int:
             proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids),
                                    "q8_0" if engine.endswith("q8kv") else "f16"], capture_output=True, text=True)
         else:
-            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(gguf)],
+            model = gguf
+            if engine in QUANTIZED:  # an HF folder of the same weights (the F32 file's, for the 1B model)
+                import quant_model
+
+                model = quant_model.hf_folder(quant_model.ensure()["f32"] if args.model != "default" else gguf)
+            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(model)],
                                   capture_output=True, text=True, cwd=ROOT)
             if proc.returncode == 0 and not rows:  # the prompt's ids, for llama.cpp
                 from longctx.model.tokenizer import load_tokenizer

@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
 GGUF_WEIGHTS = ("auto", "blocks", "float")
+QUANTIZATIONS = ("none", "int8", "int4")
 DEFAULT_HOST_CACHE_GB = 2.0
 DEFAULT_KV_CACHE_GB = 1.0  # the KV pool of each sequence-parallel rank (one process: "auto")
 CPU_KV_SHARE = 0.5  # "auto" on the CPU: this share of the memory available after the weights
@@ -111,6 +112,15 @@ class ModelLoadConfig:
                                            "fast rounds a decode step's activations to int8 in blocks of 32 "
                                            "and multiplies in integers, as llama.cpp does (faster, tokens "
                                            "part from exact's sooner)"})
+    quantization: str = field(
+        default="none", metadata={"help": "none | int8 | int4: quantize an HF folder's matrices at load "
+                                          "into the block kernel's layouts on the CPU (float32 activations): "
+                                          "int8 is Q8_0 (a scale per 32 inputs of each row), int4 is Q4_1 "
+                                          "(scale and minimum per quantization_group_size inputs); the "
+                                          "embedding and LM head take int8 under int4"})
+    quantization_group_size: int = field(
+        default=32, metadata={"help": "int4's group: 32 or 128 inputs per scale and minimum (128 is "
+                                      "stored in 32-input blocks: its rounding, not a smaller size)"})
     enforce_eager: bool = field(
         default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
                                          "instead of replaying CUDA graphs captured at start-up"})
@@ -142,6 +152,22 @@ class ModelLoadConfig:
                f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         _check(self.gguf_weights != "blocks" or self.dtype in ("float32", "auto"),
                f"gguf_weights='blocks' computes in float32, got dtype={self.dtype!r} (use gguf_weights='float')")
+        _check(self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        _check(self.quantization_group_size in (32, 128),
+               f"quantization_group_size must be 32 or 128, got {self.quantization_group_size!r}")
+        _check(self.quantization_group_size == 32 or self.quantization == "int4",
+               f"quantization_group_size is int4's (got {self.quantization_group_size} with "
+               f"quantization={self.quantization!r}; int8 keeps a scale per 32 inputs)")
+        if self.quantization != "none":
+            _check(self.device == "cpu", f"quantization={self.quantization!r} is for the CPU's block kernel, "
+                                         f"got device={self.device!r}")
+            _check(self.dtype in ("float32", "auto"), f"quantization={self.quantization!r} computes in float32, "
+                                                      f"got dtype={self.dtype!r}")
+            _check(self.cpu_matmul == "auto", f"quantization={self.quantization!r} multiplies with the block "
+                                              f"kernel, got cpu_matmul={self.cpu_matmul!r}")
+            _check(self.gguf_weights == "auto", f"quantization={self.quantization!r} is for HF folders, "
+                                                f"got gguf_weights={self.gguf_weights!r}")
         _check(self.gguf_weights != "blocks" or self.device == "cpu",
                f"gguf_weights='blocks' is for the CPU, got device={self.device!r} (use gguf_weights='float')")
 

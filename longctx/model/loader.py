@@ -31,10 +31,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from longctx import settings
+from longctx.kernels import cpu_blocks
 
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from .linear import BLOCKS, BLOCKS_FAST, BlockEmbedding, BlockMatrix
 from .llama import LlamaForCausalLM
+from .quantize import quantize_blocks, scheme_format
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +216,6 @@ def _gguf_blocks(t: Any) -> BlockMatrix | None:
     """A GGUF matrix as stored (a view of the file's memory map, no copy), or None for a
     tensor that is not a matrix or whose format the block kernel does not read."""
     import numpy as np
-
-    from longctx.kernels import cpu_blocks
 
     code = int(t.tensor_type)
     if len(t.shape) != 2 or code not in cpu_blocks.NAMES:
@@ -511,7 +511,43 @@ def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: bool = 
         raise UnsupportedModelError(f"{path} is an HF folder: only .gguf files keep their blocks "
                                     "(gguf_weights='float' reads it as it is)")
     config, _, tensors = read_gguf(path, keep_blocks=True)
-    state = pack_hf_state(config, tensors)
+    return _blocks_model(config, pack_hf_state(config, tensors), rope_scaling, fast, "GGUF")
+
+
+def load_quantized_model(name: str, scheme: str, group_size: int = 32, rope_scaling: dict | None = None,
+                         fast: bool = False) -> LlamaForCausalLM:
+    """A CPU model from an HF folder whose matrices are quantized at load (``quantization``):
+    ``int8`` in Q8_0 blocks, ``int4`` in Q4_1 blocks (scale and minimum per ``group_size``
+    inputs) with the embedding and LM head in Q8_0 (the logits and every token's input read
+    them; llama.cpp's 4-bit mixes keep them wider too). Each matrix is quantized as it is read,
+    so the load never holds more than one float matrix beside the blocks; then the model is
+    the one a GGUF's blocks make (``BlockWeights``)."""
+    path = resolve_model(name)
+    if path.is_file():
+        raise UnsupportedModelError(f"{path} is a .gguf file: quantization is for HF folders (a GGUF's blocks "
+                                    "are kept as stored)")
+    config = ModelConfig.from_hf_folder(path)
+
+    def quantized() -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
+        for hf_name, tensor in _hf_tensors(path):
+            if tensor.dim() != 2:
+                yield hf_name, tensor
+                continue
+            wide = hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+            kind = "int8" if wide else scheme
+            try:
+                data = quantize_blocks(tensor, kind, group_size)
+            except ValueError as e:
+                raise UnsupportedModelError(f"{hf_name} cannot be quantized to {scheme}: {e}") from None
+            yield hf_name, BlockMatrix([(data, cpu_blocks.FORMATS[scheme_format(kind)])], tensor.shape[1])
+
+    return _blocks_model(config, pack_hf_state(config, quantized()), rope_scaling, fast, scheme)
+
+
+def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, fast: bool,
+                  source: str) -> LlamaForCausalLM:
+    """The model whose matrices (and embedding) are ``state``'s ``BlockMatrix`` entries, held
+    by ``BlockWeights``; every other tensor as float32."""
     config = with_rope_scaling(config, rope_scaling)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -525,18 +561,18 @@ def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: bool = 
         if key == "embed_tokens.weight":
             want = (config.vocab_size, config.hidden_size)
             if matrix.shape != want:
-                raise ValueError(f"GGUF token_embd is {matrix.shape}, the model needs {want}")
+                raise ValueError(f"{source} token_embd is {matrix.shape}, the model needs {want}")
             model.embed_tokens = BlockEmbedding(matrix)
             continue
         layer = model.get_submodule(key.removesuffix(".weight_t"))
         in_features, out_features = layer.weight_t.shape
         if matrix.shape != (out_features, in_features):
-            raise ValueError(f"GGUF matrix for {key} is {matrix.shape}, the model needs {(out_features, in_features)}")
+            raise ValueError(f"{source} matrix for {key} is {matrix.shape}, the model needs {(out_features, in_features)}")
         layer.weight = matrix
         layer.hold(BLOCKS_FAST if fast else BLOCKS)
     for module in model.modules():  # the meta placeholders of the block layers are gone; check nothing else is
         for pname, p in module.named_parameters(recurse=False):
             if p.is_meta:
-                raise ValueError(f"GGUF load left {pname} of {type(module).__name__} unset")
+                raise ValueError(f"{source} load left {pname} of {type(module).__name__} unset")
     model.act_dtype = torch.float32
     return model.eval()

@@ -18,7 +18,8 @@ from longctx.kernels import cpu_blocks, cpu_build
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
 from .linear import blocks_available
-from .loader import TORCH_DTYPES, load_blocks_model, load_model, load_row_kernel_model, resolve_model
+from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
+                     resolve_model)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
         # Flushing them to zero changes values below 1e-38 only.
         torch.set_flush_denormal(True)
     dtype = TORCH_DTYPES[load.dtype]
+    if load.quantization != "none":
+        _check_quantization(load)
+        return load_quantized_model(load.model, load.quantization, load.quantization_group_size,
+                                    rope_scaling=load.rope_scaling, fast=load.block_numerics == "fast"), "blocks"
     if device.type == "cpu" and _keeps_blocks(load, dtype):
         fast = load.block_numerics == "fast"
         return load_blocks_model(load.model, rope_scaling=load.rope_scaling, fast=fast), "blocks"
@@ -51,6 +56,16 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     if cpu_matmul == "onednn":
         model.pack_linears_onednn()
     return model, cpu_matmul
+
+
+def _check_quantization(load: ModelLoadConfig) -> None:
+    """``quantization`` is for an HF folder, on a machine where the block kernel runs."""
+    if resolve_model(load.model).is_file():
+        raise ConfigError(f"quantization={load.quantization!r} is for HF folders; {load.model!r} is a .gguf "
+                          "file, whose blocks are kept as stored (gguf_weights)")
+    if not blocks_available():
+        raise ConfigError(f"quantization={load.quantization!r} needs the CPU block and row kernels with their "
+                          f"vector paths (block kernel: {cpu_blocks.status()}, instruction set {cpu_build.isa()})")
 
 
 def _keeps_blocks(load: ModelLoadConfig, dtype: torch.dtype) -> bool:
