@@ -28,7 +28,7 @@ Writes its JSON only to ``--out FILE`` (benchmarks/run.py quant records it as
 benchmarks/results/quant/<machine>/<git rev>.json); without ``--out`` it writes nothing.
 Prints a table.
 
-``int8``, ``int4``, ``int4-g128``: an HF folder of the same weights (``quant_model.hf_folder``:
+``int8``, ``int4``, ``int4-g128``: an HF folder of the same weights (``hf_folder.write_hf_folder``:
 the file expanded by transformers' GGUF loader and saved as fp32 safetensors; for the 1B model
 from its F32 file, for the default model from its Q4_1 file) quantized at load
 (``quantization=...``).
@@ -148,11 +148,11 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from longctx.model.loader import resolve_model
 
+    import quant_model
+
     if args.model == "default":
         gguf = resolve_model("smollm2-135m")
     else:
-        import quant_model
-
         gguf = quant_model.ensure()[args.model.removeprefix("1b-")]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
     for engine in [e for _ in range(args.rounds) for e in args.engines]:
@@ -168,9 +168,9 @@ def main() -> int:
         else:
             model = gguf
             if engine in QUANTIZED:  # an HF folder of the same weights (the F32 file's, for the 1B model)
-                import quant_model
+                import hf_folder
 
-                model = quant_model.hf_folder(quant_model.ensure()["f32"] if args.model != "default" else gguf)
+                model = hf_folder.write_hf_folder(gguf=quant_model.ensure()["f32"] if args.model != "default" else None)
             proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(model)],
                                   capture_output=True, text=True, cwd=ROOT)
             if proc.returncode == 0 and not rows:  # the prompt's ids, for llama.cpp

@@ -53,10 +53,13 @@ def _reusable(dest: Path, stamp: dict) -> bool:
             and (dest / "model.safetensors").is_file() and (dest / "tokenizer.json").is_file())
 
 
-def write_hf_folder(dest: Path | None = None) -> Path:
-    """Write (or reuse) the HF folder of the default model at ``dest``; returns ``dest``."""
+def write_hf_folder(dest: Path | None = None, gguf: Path | None = None) -> Path:
+    """Write (or reuse) the HF folder of the default model (or of the ``gguf`` file given: then
+    ``dest`` defaults to ``hf-<its stem>`` beside the default's) at ``dest``; returns ``dest``."""
+    if dest is None and gguf is not None:
+        dest = default_dest().with_name(f"hf-{Path(gguf).stem}")
     dest = Path(dest or default_dest()).expanduser().resolve()
-    gguf = gguf_path()
+    gguf = Path(gguf) if gguf is not None else gguf_path()
     stamp = _source_stamp(gguf)
     if _reusable(dest, stamp):
         return dest

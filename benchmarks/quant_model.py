@@ -113,28 +113,6 @@ def ensure() -> dict[str, Path]:
     return paths
 
 
-def hf_folder(gguf: Path) -> Path:
-    """An HF folder (fp32 safetensors, config, tokenizer) of ``gguf``'s weights, expanded by
-    transformers' GGUF loader; written once beside the 1B files."""
-    out = folder() / f"hf-{gguf.stem}"
-    if (out / "config.json").exists():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # (transformers refuses to save a "gguf-quantized" model)
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-    tmp.replace(out)
-    return out
-
-
 if __name__ == "__main__":
     for name, p in ensure().items():
         print(name, p, f"{p.stat().st_size / 2**30:.2f} GiB")
