@@ -35,10 +35,32 @@ def cpu_model() -> str:
     return match.group(1).strip() if match else platform.processor() or "unknown"
 
 
+# the vector extensions the CPU kernels dispatch on (lscpu's flag names)
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve")
+
+
+def cpu_id() -> dict:
+    """Vendor, family, model and the dispatched vector extensions: what tells two CPUs with the
+    same model name apart (an AMD EPYC Zen 3 with AVX2 only from a Zen 4 with AVX-512)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+
+    def field(name: str) -> str | None:
+        match = re.search(rf"^{name}\s*:\s*(.*)$", text, re.MULTILINE)
+        return match.group(1).strip() if match else None
+
+    flags = set((field("flags") or field("Features") or "").split())
+    return {"vendor": field("vendor_id"), "family": field("cpu family"), "model": field("model"),
+            "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def machine_info(**extra: object) -> dict:
     import torch
 
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(), "git_rev": git_rev(),
             **extra}
 

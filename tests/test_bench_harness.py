@@ -249,3 +249,16 @@ def test_a_second_run_of_a_revision_keeps_the_first(harness, tmp_path, monkeypat
     rev = harness.git("rev-parse", "--short", "HEAD")
     assert [p.name for p in paths] == [f"{rev}.json", f"{rev}-2.json", f"{rev}-3.json"]
     assert [json.loads(p.read_text())["result"] for p in paths] == [{"n": 1}, {"n": 2}, {"n": 3}]
+
+
+def test_the_record_tells_cpus_of_one_name_apart(harness):
+    """Two AMD EPYCs of different generations share the name: the record keeps family, model and
+    the vector extensions the kernels dispatch on, read from /proc/cpuinfo."""
+    info = harness.machine_info()["cpu_id"]
+    text = Path("/proc/cpuinfo").read_text()
+    flags = set(re.search(r"^(flags|Features)\s*:\s*(.*)$", text, re.MULTILINE).group(2).split())
+    isa_flags = sys.modules["machine"].ISA_FLAGS
+    assert info["isa"] == [f for f in isa_flags if f in flags]
+    assert ("avx2" in info["isa"]) == ("avx2" in flags)
+    if "vendor_id" in text:
+        assert info["vendor"] and info["family"] and info["model"]

@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
 # the KV formats themselves, the exact tail (int8's), and the option's spelled values in config
 FORMAT_MODULES = {"longctx/kv/formats.py", "longctx/kv/exact_tail.py", "longctx/config.py"}
+# the weights' quantization (``quantization="int8"|"int4"``: matrices in Q8_0 / Q4_1 blocks) and
+# its load path: their int8 is the weights', so only a KV mention counts there
+WEIGHT_MODULES = {"longctx/model/quantize.py", "longctx/model/loader.py", "longctx/model/prepare.py"}
 
 
 def _names_and_strings(path: Path) -> list[tuple[int, str]]:
@@ -54,15 +57,19 @@ def _names_and_strings(path: Path) -> list[tuple[int, str]]:
 MENTION = re.compile(r"(^|[^a-z])int8|kv_quant|quantized")  # (uint8, a byte, is no mention)
 
 
-def _int8_mentions(path: Path) -> list[tuple[int, str]]:
-    return [(line, text) for line, text in _names_and_strings(path) if MENTION.search(text.lower())]
+KV_MENTION = re.compile(r"kv_quant|int8_?pages|kv.*int8|int8.*kv|kv.*quantized|quantized.*kv")
+
+
+def _int8_mentions(path: Path, pattern: re.Pattern = MENTION) -> list[tuple[int, str]]:
+    return [(line, text) for line, text in _names_and_strings(path) if pattern.search(text.lower())]
 
 
 def test_no_engine_module_outside_the_formats_names_int8():
     offenders = {}
     for path in sorted((ROOT / "longctx").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel not in FORMAT_MODULES and (found := _int8_mentions(path)):
+        pattern = KV_MENTION if rel in WEIGHT_MODULES else MENTION
+        if rel not in FORMAT_MODULES and (found := _int8_mentions(path, pattern)):
             offenders[rel] = found
     assert offenders == {}
 
@@ -73,6 +80,12 @@ def test_the_check_can_fail(tmp_path):
                    '    # int8 in a comment too\n    return x.dtype == torch.int8 or x.quantized\n')
     bad.write_text(bad.read_text() + "\n\nBYTES = torch.uint8\n")
     assert sorted(t for _, t in _int8_mentions(bad)) == ["int8", "quantized"]
+    # in a weights module, the weights' int8 is no mention; the KV's still is
+    weights = tmp_path / "weights.py"
+    weights.write_text('SCHEME = "int8"\n\n\ndef load_quantized_model():\n    return SCHEME\n')
+    assert _int8_mentions(weights, KV_MENTION) == []
+    weights.write_text(weights.read_text() + "\n\nfrom longctx.kernels import kv_quant\nPAGES = 'Int8Pages'\n")
+    assert sorted(t for _, t in _int8_mentions(weights, KV_MENTION)) == ["Int8Pages", "kv_quant"]
 
 
 def test_no_backend_probes_its_kernels():
