@@ -11,7 +11,8 @@ warm-up, then one greedy request of a ``--ctx``-token prompt (the GPL's text, re
 by hand (``engine.step()`` under ``perf_counter``); prefill_s is ``add_request`` to the step
 that returns the first token, decode ms/token the mean of the following steps. llama.cpp
 (llama-cpp-python): ``n_threads`` as ``--threads``, flash attention on, f16 KV (``llama.cpp-q8kv``:
-q8_0 KV, against longctx's int8 pages in ``blocks-int8kv``), ``n_batch``
+q8_0 KV, against longctx's int8 pages in ``blocks-int8kv``; its f16 KV has the bytes of
+longctx's bfloat16 pages in ``blocks-bf16kv``), ``n_batch``
 and ``n_ubatch`` 512; prefill_s is ``eval`` of the prompt, decode the mean of
 ``eval([token])`` after a greedy pick from the last logits. peak_rss_gib: the process's
 ``ru_maxrss`` at the end (mapped file pages it touched count in it). Tokens: blocks and float
@@ -61,6 +62,7 @@ torch.set_num_threads(threads)
 t0 = time.perf_counter()
 extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
+         "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
          "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
@@ -132,7 +134,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
-                    help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), fast "
+                    help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), blocks-bf16kv (and bfloat16 "
+                         "KV pages), fast "
                          "(block_numerics='fast'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
                          "int8, int4, int4-g128: the model's HF folder (quant_model.hf_folder) quantized "
                          "at load (quantization=...)")

@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
 GGUF_WEIGHTS = ("auto", "blocks", "float")
 QUANTIZATIONS = ("none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")  # longctx.kv.formats' names
 DEFAULT_HOST_CACHE_GB = 2.0
 DEFAULT_KV_CACHE_GB = 1.0  # the KV pool of each sequence-parallel rank (one process: "auto")
 CPU_KV_SHARE = 0.5  # "auto" on the CPU: this share of the memory available after the weights
@@ -205,9 +206,11 @@ class CacheConfig:
                                         "(its file is not read again), and while one is stuck the tier is "
                                         "skipped (reported as stalled on /health)"})
     kv_cache_dtype: str = field(
-        default="auto", metadata={"help": "what KV pages store: auto (the model's dtype) or int8 (symmetric "
-                                          "int8 with an fp32 scale per page, layer, KV head and K/V: about "
-                                          "0.26x the bytes of float32 pages, on every tier)"})
+        default="auto", metadata={"help": "what KV pages store: auto (the model's dtype), bfloat16 (K and V "
+                                          "rounded to bfloat16: half the bytes of a float32 model's pages; "
+                                          "CPU) or int8 (symmetric int8 with an fp32 scale per page, layer, "
+                                          "KV head and K/V: about 0.26x the bytes of float32 pages, on every "
+                                          "tier)"})
     kv_quant_rotation: bool = field(
         default=True, metadata={"help": "quantized KV pages hold rows turned by an orthogonal rotation "
                                         "(queries alike, outputs back): about half the rounding error "
@@ -256,8 +259,8 @@ class CacheConfig:
                f"disk_timeout_s must be a positive number of seconds, got {self.disk_timeout_s!r}")
         _check(isinstance(self.disk_cache_key_file, str),
                f"disk_cache_key_file must be a path (a string), got {self.disk_cache_key_file!r}")
-        _check(self.kv_cache_dtype in ("auto", "int8"),
-               f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {self.kv_cache_dtype!r}")
         _check(isinstance(self.kv_quant_rotation, bool) and isinstance(self.kv_quant_exact_tail, bool),
                "kv_quant_rotation and kv_quant_exact_tail must be True or False")
         _check(isinstance(self.enable_prefix_caching, bool),

@@ -122,7 +122,7 @@ def test_a_page_round_trips_through_its_bytes():
 
 
 def test_kv_cache_dtype_is_checked():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or 'int8', got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of 'auto', 'bfloat16', 'int8', got 'fp8'"):
         CacheConfig(kv_cache_dtype="fp8")
 
 

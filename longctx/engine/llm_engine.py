@@ -27,7 +27,7 @@ from longctx.engine.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, resolve_auto)
 from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
-from longctx.kv.formats import kv_format
+from longctx.kv.formats import check_kv_format, kv_format
 from longctx.kv.mover import KVMover
 from longctx.kv.prefix_cache import PrefixCacheStats
 from longctx.kv.setup import build_prefix_cache, fit_window, size_kv_pool
@@ -54,6 +54,7 @@ class LLMEngine:
         self.load_config, self.cache_config = load, cache
         self.dtype = TORCH_DTYPES[load.dtype]
         path = resolve_model(load.model)
+        check_kv_format(cache, self.dtype, self.device)
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
         self.tokenizer = load_tokenizer(path)

@@ -4,6 +4,9 @@ Owns: one class per format, chosen once from ``CacheConfig.kv_cache_dtype`` by `
 
 - ``FloatPages`` (``auto``): K and V in the model's dtype, per layer ``(K, V)``, each
   ``[NB, BS, Hkv, D]``.
+- ``Bf16Pages`` (``bfloat16``): K and V stored as bfloat16 under a float32 model (half the
+  bytes of its float32 pages, read back in float32 by the kernels, as a bf16 model's pages
+  are on the CPU); with a bf16 model, the same pages as ``auto``.
 - ``Int8Pages`` (``int8``): symmetric int8 values with an fp32 scale per (page, KV head), per
   layer ``(K, V, K scale, V scale)`` (``longctx.kernels.kv_quant``), rows turned by an
   orthogonal rotation (``kv_quant_rotation``; queries alike, outputs back) and each query's
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from longctx.config import ConfigError
 from longctx.kernels import kv_quant
 from longctx.kv.exact_tail import TailStore, tail_store_bytes
 
@@ -61,17 +65,17 @@ class FloatPages:
     @property
     def row_dtype(self) -> torch.dtype:
         """The dtype ``read_rows`` returns."""
-        return self.dtype
+        return self.storage_dtype
 
     def page_bytes(self, block_size: int) -> int:
         """K and V of one page across all layers."""
         m = self.model
-        return 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * _itemsize(self.dtype)
+        return 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * _itemsize(self.storage_dtype)
 
     def page_layout(self, block_size: int) -> tuple[tuple[int, ...], torch.dtype]:
         """A page as the host and disk tiers see it: ``(shape, dtype)``."""
         m = self.model
-        return (m.num_hidden_layers, 2, block_size, m.num_key_value_heads, m.head_dim), self.dtype
+        return (m.num_hidden_layers, 2, block_size, m.num_key_value_heads, m.head_dim), self.storage_dtype
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device,
                  num_layers: int | None = None) -> list[tuple[torch.Tensor, ...]]:
@@ -101,7 +105,7 @@ class FloatPages:
                    host_slots: list[int]) -> None:
         """Write ``rows`` at ``slots`` (``host_slots``: the same slots as a host list)."""
         cache = layer[kv]
-        cache.view(-1, *cache.shape[2:])[slots] = rows
+        cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
 
     def move_slots(self, caches: list[tuple[torch.Tensor, ...]], src: list[int], dst: list[int]) -> None:
         """Copy token slots ``src`` to ``dst`` in every layer, all sources read first."""
@@ -138,6 +142,18 @@ class FloatPages:
               plan: KVStepPlan) -> torch.Tensor:
         """The kernels' output as the model expects it."""
         return out
+
+
+class Bf16Pages(FloatPages):
+    """bfloat16 pages whatever the model's dtype: K and V are rounded to bfloat16 as they are
+    written (``write_kv``'s cast, round to nearest even) and the kernels read them back as
+    float32, so a float32 model's attention streams half its pages' bytes."""
+
+    name = "bfloat16"
+
+    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+        super().__init__(model, dtype)
+        self.storage_dtype = torch.bfloat16
 
 
 class Int8Pages(FloatPages):
@@ -257,7 +273,17 @@ class Int8Pages(FloatPages):
         return out
 
 
-KV_FORMATS = {FloatPages.name: FloatPages, Int8Pages.name: Int8Pages}
+KV_FORMATS = {FloatPages.name: FloatPages, Bf16Pages.name: Bf16Pages, Int8Pages.name: Int8Pages}
+
+
+def check_kv_format(cache: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Refuse, before the model loads, a format the device's kernels do not take: bfloat16
+    pages under float32 compute are read by the CPU kernels only (the Triton kernels take K
+    and V in q's dtype; on CUDA, dtype='bfloat16' gives bfloat16 pages)."""
+    if (cache.kv_cache_dtype == Bf16Pages.name and torch.device(device).type != "cpu"
+            and dtype != torch.bfloat16):
+        raise ConfigError(f"kv_cache_dtype='bfloat16' under {str(dtype).removeprefix('torch.')} compute is for "
+                          f"the CPU; on {torch.device(device).type} give dtype='bfloat16' (its pages are bfloat16)")
 
 
 def kv_format(cache: Any, model: Any, dtype: torch.dtype) -> FloatPages:
@@ -266,4 +292,6 @@ def kv_format(cache: Any, model: Any, dtype: torch.dtype) -> FloatPages:
         raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_FORMATS)}, got {cache.kv_cache_dtype!r}")
     if cache.kv_cache_dtype == Int8Pages.name:
         return Int8Pages(model, dtype, cache.kv_quant_rotation, cache.kv_quant_exact_tail)
+    if cache.kv_cache_dtype == Bf16Pages.name:
+        return Bf16Pages(model, dtype)
     return FloatPages(model, dtype)
