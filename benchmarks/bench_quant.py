@@ -15,7 +15,7 @@ q8_0 KV, against longctx's int8 pages in ``blocks-int8kv``; its f16 KV has the b
 longctx's bfloat16 pages in ``blocks-bf16kv``), ``n_batch``
 and ``n_ubatch`` 512; prefill_s is ``eval`` of the prompt, decode the mean of
 ``eval([token])`` after a greedy pick from the last logits. peak_rss_gib: the process's
-``ru_maxrss`` at the end (mapped file pages it touched count in it). Tokens: blocks and float
+VmHWM at the end (its own high-water mark; mapped file pages it touched count in it). Tokens: blocks and float
 must agree (the bar: the same tokens); llama.cpp's are reported as the count of leading tokens
 equal to blocks'.
 
@@ -54,7 +54,21 @@ from machine import machine_info, save_result  # noqa: E402
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 
-LONGCTX = r'''
+# Each engine's own peak: /proc/self/status's VmHWM (the high-water mark of this process's own
+# memory). ru_maxrss is not it: Linux carries a parent's high-water mark into a child through
+# fork and exec, so a run that built the 1B model in the parent (~4.5 GiB) reported that for
+# every engine (d520a75).
+PEAK_RSS = r'''
+import resource
+def peak_rss_gib():
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+'''
+
+LONGCTX = PEAK_RSS + r'''
 import json, resource, sys, time, torch
 from longctx import LLM, SamplingParams
 mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
@@ -88,10 +102,10 @@ while eng.has_unfinished():
         steps.append(dt)
 print(json.dumps({"engine": "longctx " + mode, "cpu_matmul": eng.cpu_matmul, "load_s": load_s,
                   "prefill_s": prefill_s, "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "peak_rss_gib": peak_rss_gib()}))
 '''
 
-LLAMA_CPP = r'''
+LLAMA_CPP = PEAK_RSS + r'''
 import json, resource, sys, time
 import numpy as np
 from llama_cpp import Llama
@@ -117,7 +131,7 @@ for i in range(n_new):
     steps.append(time.perf_counter() - t)
 print(json.dumps({"engine": "llama.cpp" + ("" if kv == "f16" else " q8_0 KV"), "load_s": load_s, "prefill_s": prefill_s,
                   "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "peak_rss_gib": peak_rss_gib()}))
 '''
 
 
