@@ -6,7 +6,8 @@ with ctypes. Never: deciding whether a kernel is used (each kernel module does, 
 not).
 
 The instruction set is chosen at run time (``isa()``), from the CPU's features: on x86
-``avx512bf16`` (AVX-512 F/BW/VL/DQ/CD + AVX-512 BF16), ``avx512``, ``avx2`` (AVX2 + FMA) or
+``avx512bf16`` (AVX-512 F/BW/VL/DQ/CD + AVX-512 BF16 and VNNI: every CPU with the first has the
+second), ``avx512``, ``avx2`` (AVX2 + FMA) or
 ``portable`` (x86-64 baseline: SSE2, no AVX2, FMA or AVX-512); elsewhere (ARM) ``native``
 (the compiler's ``-march=native``: NEON and what else the core has) or ``portable``. The
 sources pick their paths by the compiler's macros (``__AVX512F__``, ``__AVX2__`` ...), so one
@@ -56,7 +57,8 @@ _V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 X86_LEVELS = {
-    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"], _V4 | {"avx512_bf16"}),
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"],
+                   _V4 | {"avx512_bf16", "avx512_vnni"}),
     "avx512": (["-march=x86-64-v4", "-mtune=native"], _V4),
     "avx2": (["-march=x86-64-v3", "-mtune=native"], _V3),
     "portable": (["-march=x86-64", "-mtune=native"], set()),

@@ -1287,98 +1287,165 @@ static void fast_row256(const uint8_t *row, int fmt, int64_t k, const QuantX *qx
 #endif
 
 #if HAVE_AVX512 && defined(__AVX512BW__)
-/* Two blocks (64 weights) a step in 512-bit registers: the weights' bytes unsigned (Q8_0's
- * magnitudes, its signs moved onto x), maddubs + madd give 16 int32 lanes (lanes 0-7 the first
- * block, 8-15 the second), scaled per lane by the weight's and x's block scales; offsets (the
- * unsigned quants' zero points) per 16 elements through x's sums. Needs k / 32 even. */
-static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
-    __m512 acc[4];
-    __m128 offacc[4];
-    for (int r = 0; r < 4; r++)
-        acc[r] = _mm512_setzero_ps(), offacc[r] = _mm_setzero_ps();
-    const int64_t nb = k / 32, pairs = nb / 2;
-    const __m512i ones = _mm512_set1_epi16(1), m15 = _mm512_set1_epi8(15);
-    const __m512i lane_of4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    for (int64_t pr = 0; pr < pairs; pr++) {
-        __m512i w;
-        __m512 wsc;                 /* the weight's scale per lane */
-        __m128 coef;                /* offset per unit of x's sum, per 16 elements */
-        __mmask64 neg = 0;          /* Q8_0: where the weight is negative (x's sign flips there) */
-        switch (fmt) {
-        case F_Q8_0: {
-            const uint8_t *b0 = row + 2 * pr * 34, *b1 = b0 + 34;
-            const __m512i sw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                                  _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
-            neg = _mm512_movepi8_mask(sw);
-            w = _mm512_abs_epi8(sw);
-            wsc = _mm512_insertf32x8(_mm512_set1_ps(h2f(b0)), _mm256_set1_ps(h2f(b1)), 1);
-            coef = _mm_setzero_ps();
-            break;
-        }
-        case F_Q4_0: case F_Q4_1: {
-            const int one = fmt == F_Q4_1, bb = one ? 20 : 18, qo = one ? 4 : 2;
-            const uint8_t *b0 = row + 2 * pr * bb, *b1 = b0 + bb;
-            const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b1 + qo)),
-                                               _mm_loadu_si128((const __m128i *)(b0 + qo)));
-            const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-            const __m512i lh = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); /* lo0 lo1 hi0 hi1 */
-            w = _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0));                /* lo0 hi0 lo1 hi1 */
-            const float d0 = h2f(b0), d1 = h2f(b1);
-            wsc = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-            const float m0 = one ? h2f(b0 + 2) : -8.0f * d0, m1 = one ? h2f(b1 + 2) : -8.0f * d1;
-            coef = _mm_setr_ps(m0, m0, m1, m1);
-            break;
-        }
-        case F_Q4_K: {
-            const uint8_t *blk = row + (pr >> 2) * 144;
-            const int c = (int)(pr & 3);
-            int sc0, mn0, sc1, mn1;
-            scale_min_k4(2 * c, blk + 4, &sc0, &mn0);
-            scale_min_k4(2 * c + 1, blk + 4, &sc1, &mn1);
-            const float d = h2f(blk), dmin = h2f(blk + 2);
+/* The integer products in 512-bit registers, one function per format with a compile-time row
+ * count NR (1..4), as the AVX2 forms above: 64 weights (two blocks of x) a step, the weights'
+ * bytes unsigned, x's int8 bytes contiguous, 16 int32 lanes of 4-element sums (lanes 0-7 the
+ * first block of 32, 8-15 the second), converted and scaled per lane by the weight's scale
+ * (hoisted out of the rows) times x's block scale (qx->d8: each block's 8 times, one load).
+ * With AVX-512 VNNI the 4-element sums are one vpdpbusd; without, maddubs + madd (the same
+ * sums: no pair of products here reaches int16's limit, 2 * 128 * 127 at most). Offsets (the
+ * unsigned quants' zero points) go through x's block sums: Q4_K 8 blocks a multiply-add, Q6_K
+ * 16 half blocks in one; Q4_0 / Q4_1 per block. Needs k / 32 even (fast_dot checks). The
+ * per-step format switch, scalar scale unpacking and runtime row count of the form this
+ * replaces made it slower than the exact path on Zen 4 (1B Q4_K_M decode 149 vs 100 ms). */
+static inline __m512i sums4_512(__m512i w_unsigned, __m512i xs) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_unsigned, xs);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(w_unsigned, xs), _mm512_set1_epi16(1));
+#endif
+}
+
+static inline __m512i join256(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline float hsum_tail(__m512 a0, __m512 a1) { return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)); }
+
+static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                              int i0, const int NR, float *out) {
+    __m512 acc[4][2];
+    __m256 off[4];
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
+    const int64_t nb = k / 32;
+    const __m512i m15 = _mm512_set1_epi8(15);
+    float ds[8], dm[8];
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 144;
+        q4k_scales8(blk, ds, dm);
+        const __m256 dmv = _mm256_loadu_ps(dm);
+        for (int r = 0; r < NR; r++)
+            off[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(qx->s32 + (i0 + r) * nb + sb * 8), off[r]);
+        for (int c = 0; c < 4; c++) {
             const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
-            w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, _mm256_set1_epi8(15))),
-                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15)), 1);
-            wsc = _mm512_insertf32x8(_mm512_set1_ps(d * (float)sc0), _mm256_set1_ps(d * (float)sc1), 1);
-            const float o0 = -dmin * (float)mn0, o1 = -dmin * (float)mn1;
-            coef = _mm_setr_ps(o0, o0, o1, o1);
-            break;
-        }
-        default: { /* F_Q6_K: groups 2t and 2t + 1 of the super-block */
-            const uint8_t *blk = row + (pr >> 2) * 210;
-            const int t = (int)(pr & 3), h = t >> 1, q0 = (t & 1) * 2;
-            const __m512i l = _mm512_loadu_si512((const void *)(blk + h * 64));
-            const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(l, 4 * (t & 1)), m15);
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
-            const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * q0)), _mm256_set1_epi8(3));
-            const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * q0 + 2)), _mm256_set1_epi8(3));
-            const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
-            w = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)); /* 0..63 (bits stay in their bytes) */
-            const int8_t *sc = (const int8_t *)(blk + 192) + 4 * t;
-            const __m128 s4 = _mm_mul_ps(_mm_set1_ps(h2f(blk + 208)),
-                                         _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(*(const int32_t *)sc))));
-            wsc = _mm512_permutexvar_ps(lane_of4, _mm512_castps128_ps512(s4));
-            coef = _mm_mul_ps(s4, _mm_set1_ps(-32.0f));
-            break;
-        }
-        }
-        for (int r = 0; r < R; r++) {
-            const int i = i0 + r;
-            __m512i xq = _mm512_loadu_si512((const void *)(qx->q + (int64_t)i * k + pr * 64));
-            if (fmt == F_Q8_0)
-                xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
-            const __m512 f = _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(w, xq), ones));
-            const __m512 dx = _mm512_loadu_ps(qx->d8 + ((int64_t)i * nb + 2 * pr) * 8);
-            acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(wsc, dx), acc[r]);
-            offacc[r] = _mm_fmadd_ps(coef, _mm_loadu_ps(qx->s16 + (int64_t)i * (k / 16) + 4 * pr), offacc[r]);
+            const __m512i w = _mm512_and_si512(join256(b, _mm256_srli_epi16(b, 4)), m15); /* blocks 2c, 2c + 1 */
+            const __m512 wsc = _mm512_insertf32x8(_mm512_set1_ps(ds[2 * c]), _mm256_set1_ps(ds[2 * c + 1]), 1);
+            for (int r = 0; r < NR; r++) {
+                const int64_t i = i0 + r;
+                const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + i * k + sb * 256 + c * 64));
+                const __m512 f = _mm512_cvtepi32_ps(sums4_512(w, xq));
+                const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (i * nb + sb * 8 + 2 * c) * 8));
+                acc[r][c & 1] = _mm512_fmadd_ps(f, sc, acc[r][c & 1]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 o = offacc[r];
-        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        o = _mm_add_ss(o, _mm_movehdup_ps(o));
-        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(o);
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum_tail(acc[r][0], acc[r][1]) - hsum8(off[r]);
+}
+
+static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                              int i0, const int NR, float *out) {
+    __m512 acc[4][2], off[4];
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = off[r] = _mm512_setzero_ps();
+    const int64_t nb = k / 32;
+    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = row + sb * 210;
+        /* d * the 16 scales: scf's lane g is the scale of elements 16g .. 16g + 15 */
+        const __m512 scf = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
+                                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        for (int r = 0; r < NR; r++) /* the -32 of every quant: d * sc * 32 * x's half-block sums */
+            off[r] = _mm512_fmadd_ps(scf, _mm512_loadu_ps(qx->s16 + (i0 + r) * (k / 16) + sb * 16), off[r]);
+        for (int h = 0; h < 2; h++) {
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + h * 64));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            const __m512i hb01 = join256(hb, _mm256_srli_epi16(hb, 2)), hb23 = _mm512_srli_epi16(hb01, 4);
+            __m512i w[2]; /* 0..63: elements h * 128 + 0..63 and + 64..127 */
+            w[0] = _mm512_or_si512(_mm512_and_si512(l, m15), _mm512_slli_epi16(_mm512_and_si512(hb01, m3), 4));
+            w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m15),
+                                   _mm512_slli_epi16(_mm512_and_si512(hb23, m3), 4));
+            for (int t = 0; t < 2; t++) {
+                const int g = h * 2 + t; /* 64 elements 64g ..: scales 4g .. 4g + 3, blocks 2g, 2g + 1 */
+                const __m512 wsc = _mm512_permutexvar_ps(
+                    _mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                                     _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), scf);
+                for (int r = 0; r < NR; r++) {
+                    const int64_t i = i0 + r;
+                    const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + i * k + sb * 256 + g * 64));
+                    const __m512 f = _mm512_cvtepi32_ps(sums4_512(w[t], xq));
+                    const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (i * nb + sb * 8 + 2 * g) * 8));
+                    acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum_tail(acc[r][0], acc[r][1]) - 32.0f * _mm512_reduce_add_ps(off[r]);
+}
+
+/* Q8_0 (kind -1: magnitudes, the signs moved onto x), Q4_0 (0: nibbles, offset -8 d) and Q4_1
+ * (1: nibbles, offset m), two blocks a step */
+static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                              int i0, const int NR, const int kind, float *out) {
+    __m512 acc[4][2];
+    float off[4][2] = {{0}};
+    for (int r = 0; r < NR; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t nb = k / 32;
+    const int bb = kind < 0 ? 34 : kind ? 20 : 18, qo = kind == 1 ? 4 : 2;
+    const __m256i m15 = _mm256_set1_epi8(15);
+    for (int64_t p = 0; p < nb / 2; p++) {
+        const uint8_t *b0 = row + 2 * p * bb, *b1 = b0 + bb;
+        const float d0 = h2f(b0), d1 = h2f(b1);
+        __m512i w;
+        __mmask64 neg = 0;
+        if (kind < 0) {
+            const __m512i sw = join256(_mm256_loadu_si256((const __m256i *)(b0 + 2)),
+                                       _mm256_loadu_si256((const __m256i *)(b1 + 2)));
+            neg = _mm512_movepi8_mask(sw);
+            w = _mm512_abs_epi8(sw);
+        } else { /* byte j of a block: elements j (low nibble) and j + 16 (high) */
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + qo)), q1 = _mm_loadu_si128((const __m128i *)(b1 + qo));
+            const __m256i lo = _mm256_and_si256(_mm256_set_m128i(q1, q0), m15);                        /* lo0 lo1 */
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_set_m128i(q1, q0), 4), m15); /* hi0 hi1 */
+            const __m512i lh = join256(lo, hi);
+            w = _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+        }
+        const __m512 wsc = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+        const float m0 = kind == 1 ? h2f(b0 + 2) : -8.0f * d0, m1 = kind == 1 ? h2f(b1 + 2) : -8.0f * d1;
+        for (int r = 0; r < NR; r++) {
+            const int64_t i = i0 + r;
+            __m512i xq = _mm512_loadu_si512((const void *)(qx->q + i * k + p * 64));
+            if (kind < 0)
+                xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+            const __m512 f = _mm512_cvtepi32_ps(sums4_512(w, xq));
+            const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (i * nb + 2 * p) * 8));
+            acc[r][p & 1] = _mm512_fmadd_ps(f, sc, acc[r][p & 1]);
+            if (kind >= 0) {
+                off[r][0] += m0 * qx->s32[i * nb + 2 * p];
+                off[r][1] += m1 * qx->s32[i * nb + 2 * p + 1];
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r] = hsum_tail(acc[r][0], acc[r][1]) + (off[r][0] + off[r][1]);
+}
+
+#define FAST512_Q4K(NR) fast512_q4k(row, k, qx, i0, NR, out)
+#define FAST512_Q6K(NR) fast512_q6k(row, k, qx, i0, NR, out)
+#define FAST512_Q80(NR) fast512_q32(row, k, qx, i0, NR, -1, out)
+#define FAST512_Q40(NR) fast512_q32(row, k, qx, i0, NR, 0, out)
+#define FAST512_Q41(NR) fast512_q32(row, k, qx, i0, NR, 1, out)
+
+static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+    switch (fmt) {
+    case F_Q4_K: FAST_SWITCH(FAST512_Q4K)
+    case F_Q6_K: FAST_SWITCH(FAST512_Q6K)
+    case F_Q8_0: FAST_SWITCH(FAST512_Q80)
+    case F_Q4_0: FAST_SWITCH(FAST512_Q40)
+    default: FAST_SWITCH(FAST512_Q41)
     }
 }
 #define HAVE_FAST512 1

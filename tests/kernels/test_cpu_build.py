@@ -29,7 +29,8 @@ def cpu(monkeypatch):
     cpu_build._choose_isa.cache_clear()
 
 
-@pytest.mark.parametrize("flags,level", [(AVX512 + " avx512_bf16", "avx512bf16"), (AVX512, "avx512"),
+@pytest.mark.parametrize("flags,level", [(AVX512 + " avx512_bf16 avx512_vnni", "avx512bf16"), (AVX512, "avx512"),
+                                         (AVX512 + " avx512_bf16", "avx512"),  # the level's VNNI products missing
                                          (V3, "avx2"), (V3.replace("movbe", ""), "portable"),
                                          ("avx avx2 fma", "portable"), ("", "portable")])
 def test_the_best_level_the_cpu_has(cpu, monkeypatch, flags, level):
@@ -75,8 +76,8 @@ def test_a_forced_level(cpu, monkeypatch):
 def test_a_level_the_cpu_cannot_run_or_an_unknown_one_is_refused(cpu, monkeypatch):
     cpu(V3)
     monkeypatch.setenv("LONGCTX_CPU_ISA", "avx512bf16")
-    with pytest.raises(RuntimeError, match="needs CPU features this machine lacks: avx512_bf16, avx512bw, "
-                                           "avx512cd, avx512dq, avx512f, avx512vl"):
+    with pytest.raises(RuntimeError, match="needs CPU features this machine lacks: avx512_bf16, avx512_vnni, "
+                                           "avx512bw, avx512cd, avx512dq, avx512f, avx512vl"):
         cpu_build.isa()
     monkeypatch.setenv("LONGCTX_CPU_ISA", "sse9")
     with pytest.raises(RuntimeError, match="'sse9' is not one of avx512bf16, avx512, avx2, portable, native"):
