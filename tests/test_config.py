@@ -537,3 +537,19 @@ def test_lookahead_takes_a_bool_or_a_config_object():
         split_engine_kwargs({"lookahead_max_tokens": 0})
     with pytest.raises(ConfigError, match="lookahead must be True or False"):
         split_engine_kwargs({"lookahead": "yes"})
+
+
+@pytest.mark.parametrize("max_len,seqs", [(4100, 1), (129, 2), (128, 2)])
+def test_auto_pool_on_the_cpu_holds_a_window_that_ends_inside_a_page(max_len, seqs):
+    """The "auto" pool counts whole pages per request: a max_model_len one token past a page
+    (4,100 with the default model's pages of 64 was refused as more than the pool held) is
+    served, with no page more than the requests can use."""
+    from longctx import LLM
+
+    llm = LLM(device="cpu", block_size=64, max_model_len=max_len, max_num_seqs=seqs,
+              enable_prefix_caching=False, lookahead=False)
+    try:
+        assert llm.engine.max_model_len == max_len
+        assert llm.engine.kv.num_blocks == -(-max_len // 64) * seqs
+    finally:
+        llm.close()

@@ -47,7 +47,8 @@ def size_kv_pool(cache: CacheConfig, sched: SchedulerConfig, max_len: int, fmt: 
         budget -= fmt.tail_bytes(sched.max_num_seqs, cache.block_size) / (1 << 30)
         note = f"auto: {budget:.2f} GiB of gpu_memory_utilization {cache.gpu_memory_utilization:g}"
     else:  # the CPU: a share of what the weights leave, at most what the requests can use
-        need = max_len * sched.max_num_seqs * pool_page_bytes(fmt, cache.block_size, ring) / cache.block_size
+        # whole pages: a window that ends inside a page still takes that page
+        need = -(-max_len // cache.block_size) * sched.max_num_seqs * pool_page_bytes(fmt, cache.block_size, ring)
         # weights kept as a mapped file's pages count as available (page cache) but must stay
         # resident: take them off, so the pool never pushes them out
         held = {id(b): b for m in model.modules() for b in (getattr(m, "weight", None), getattr(m, "blocks", None))
