@@ -22,7 +22,7 @@ def test_engine_config_defaults():
                                                 attention_backend="auto", enforce_eager=False)
     assert CacheConfig() == CacheConfig(block_size=None, kv_cache_gb=None, num_blocks=0,
                                         host_cache_gb=None, gpu_memory_utilization=0.9)
-    assert SchedulerConfig() == SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64,
+    assert SchedulerConfig() == SchedulerConfig(max_num_batched_tokens=None, max_num_seqs=64,
                                                 max_model_len=0)
 
 
@@ -41,6 +41,40 @@ def test_kv_cache_gb_auto_is_the_default():
     assert CacheConfig(kv_cache_gb="auto") == CacheConfig()
     with pytest.raises(ConfigError, match='kv_cache_gb must be positive or "auto", got \'lots\''):
         CacheConfig(kv_cache_gb="lots")
+
+
+@pytest.mark.parametrize("intermediate,device,chunk", [
+    (1536, "cpu", 2048),   # SmolLM2-135M: 18 KiB of activations a token
+    (8192, "cpu", 512),    # Llama-3.2-1B: 96 KiB a token
+    (14336, "cpu", 256),   # Llama-3.1-8B
+    (200000, "cpu", 256),  # never below 256
+    (8192, "cuda", 2048),
+])
+def test_auto_batched_tokens_bound_a_cpu_chunks_activations(intermediate, device, chunk):
+    from longctx.config import CPU_ACTIVATION_BYTES, batched_tokens_for
+
+    got = batched_tokens_for(SchedulerConfig(max_num_batched_tokens="auto"), intermediate, device)
+    assert got.max_num_batched_tokens == chunk
+    if device == "cpu" and chunk < 2048:
+        assert 2 * chunk * intermediate * 12 > CPU_ACTIVATION_BYTES  # the next power of two would not fit
+    # a given budget is kept as given
+    assert batched_tokens_for(SchedulerConfig(max_num_batched_tokens=4096), intermediate, device) \
+        .max_num_batched_tokens == 4096
+
+
+def test_the_engine_resolves_auto_batched_tokens(tiny_engine_folder):
+    from longctx import LLM
+    from longctx.config import batched_tokens_for
+
+    with LLM(tiny_engine_folder, device="cpu") as llm:
+        mc = llm.engine.model_config
+        want = batched_tokens_for(SchedulerConfig(), mc.intermediate_size, "cpu").max_num_batched_tokens
+        assert llm.engine.sched_config.max_num_batched_tokens == want == llm.engine.scheduler.config.max_num_batched_tokens
+    from longctx.entrypoints import cli
+
+    parse = cli.build_parser().parse_args
+    assert parse(["generate", "hi", "--max-num-batched-tokens", "auto"]).max_num_batched_tokens == "auto"
+    assert parse(["generate", "hi", "--max-num-batched-tokens", "512"]).max_num_batched_tokens == 512
 
 
 def test_kv_cache_gb_flag_takes_a_number_or_auto(capsys):
@@ -140,8 +174,9 @@ def test_cache_config_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
-    (dict(max_num_batched_tokens=-8), "max_num_batched_tokens must be >= 1, got -8"),
+    (dict(max_num_batched_tokens=0), 'max_num_batched_tokens must be >= 1 or "auto", got 0'),
+    (dict(max_num_batched_tokens=-8), 'max_num_batched_tokens must be >= 1 or "auto", got -8'),
+    (dict(max_num_batched_tokens="lots"), 'max_num_batched_tokens must be >= 1 or "auto", got \'lots\''),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
     (dict(max_model_len=-1), "max_model_len must be >= 0, got -1"),
 ])

@@ -25,7 +25,7 @@ from longctx.attention import flash_attn_available, select_backend
 from longctx.cache.block_pool import BlockPool
 from longctx.engine.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
-                            SchedulerConfig, resolve_auto)
+                            SchedulerConfig, batched_tokens_for, resolve_auto)
 from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
 from longctx.kv.formats import check_kv_format, kv_format
 from longctx.kv.mover import KVMover
@@ -57,6 +57,8 @@ class LLMEngine:
         check_kv_format(cache, self.dtype, self.device)
         self.model, self.cpu_matmul = prepare_model(load, parallel, self.device)
         self.model_config = self.model.config
+        sched = batched_tokens_for(sched, self.model_config.intermediate_size, self.device.type)
+        self.sched_config = sched
         self.tokenizer = load_tokenizer(path)
         max_len = sched.max_model_len or model_window(self.model_config)
         check_window(max_len, self.model_config, sched.allow_long_context)
