@@ -118,7 +118,9 @@ def servers(request, folder, slow_folder, tmp_path_factory) -> dict[str, ServerP
         # API key on; one running slot and one queue place, so a third request gets 429
         "strict": (slow_folder, "--no-lookahead", "--api-key", API_KEY, "--max-num-seqs", "1",
                    "--max-queued-requests", "1"),
-        "sigterm": (slow_folder, "--no-lookahead", "--graceful-shutdown-timeout", "3"),
+        # a grace period a short request finishes in on a loaded machine (its 40 tokens took
+        # over 3 s beside other CPU-bound jobs) and the long one (4,000 tokens, ~25 s) outlasts
+        "sigterm": (slow_folder, "--no-lookahead", "--graceful-shutdown-timeout", "10"),
     }
     launched = {}
     for name, (model, *extra) in flags.items():
@@ -509,8 +511,8 @@ def test_queue_full_gets_429_and_the_server_recovers(strict_server):
 
 
 def test_sigterm_drains_then_cancels_and_exits_0(servers):
-    """After SIGTERM a short request still finishes; one that outlasts the grace period (3 s
-    here; 3,000 tokens take the slow model about 20 s) ends with an error event; the process
+    """After SIGTERM a short request still finishes; one that outlasts the grace period (10 s
+    here; 4,000 tokens take the slow model about 25 s) ends with an error event; the process
     exits with code 0."""
     check_sigterm_drain(servers["sigterm"])
 
@@ -521,7 +523,7 @@ def check_sigterm_drain(server: "ServerProcess") -> None:
     url = server.url + "/v1/completions"
     short = {"prompt": "last words", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True,
              "stream_options": {"include_usage": True}}
-    long = {**short, "prompt": "never finishes", "max_tokens": 3000}
+    long = {**short, "prompt": "never finishes", "max_tokens": 4000}
     with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, \
             a.stream("POST", url, json=long) as long_response, \
             b.stream("POST", url, json=short) as short_response:

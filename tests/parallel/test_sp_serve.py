@@ -42,7 +42,7 @@ def servers(request, folder, slow_folder, tmp_path_factory) -> dict[str, ServerP
         # 3,000 tokens of the slow model take many seconds. The last test kills a rank here.
         "slow": (slow_folder, "--sequence-parallel-size", "2", "--no-lookahead", "--max-num-seqs", "1",
                  "--max-queued-requests", "1", "--sp-timeout-s", "10"),
-        "sigterm": (slow_folder, "--sp", "2", "--no-lookahead", "--graceful-shutdown-timeout", "3"),
+        "sigterm": (slow_folder, "--sp", "2", "--no-lookahead", "--graceful-shutdown-timeout", "10"),
     }
     launched = {}
     for name, (model, *extra) in flags.items():
@@ -239,7 +239,7 @@ def test_killed_rank_fails_requests_in_flight_and_health(servers):
 
 def test_sigterm_drains_then_cancels_and_exits_0(servers):
     """As in test_server.py, with two ranks: a short request finishes after SIGTERM, one that
-    outlasts the grace period (3 s) gets an error event, the process exits 0, and its rank
+    outlasts the grace period (10 s) gets an error event, the process exits 0, and its rank
     processes are gone."""
     server = servers["sigterm"]
     ranks, everything = _ranks(server), _descendants(server)
