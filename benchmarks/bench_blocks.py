@@ -5,7 +5,7 @@ A decode step of a quantized model is one pass over every weight matrix with one
 lookahead verify step or a batch: a few rows). This times ``cpu_blocks.linear`` on random
 blocks (valid fp16 scales, random quants; numpy seed 0) for each format at two shapes of
 Llama-3.2-1B (the MLP's up projection, 8192 x 2048, and its down projection, 2048 x 8192), for
-m = 1 and m = 4 rows, exact and fast numerics, one thread and all threads. The matrices rotate
+m = 1 and m = 4 rows, exact, fast and fast2 numerics (x as one or two int8 terms), one thread and all threads. The matrices rotate
 through enough copies (``--pool-mb``, default 96 MB, above this kind of machine's L3) that each
 call reads its weights from memory, as a decode step does, not from the cache.
 
@@ -87,7 +87,7 @@ def main() -> int:
     floors: dict[tuple, list[float]] = {}
     xs = {(m, k): torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) for m in args.rows
           for k in {c[4] for c in cases}}
-    modes = ["exact"] + ([] if args.no_fast else ["fast"])
+    modes = ["exact"] + ([] if args.no_fast else ["fast", "fast2"])  # fast2: x as two int8 terms
     for rep in range(args.repeats + 2):  # the first two rounds warm up
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -99,11 +99,11 @@ def main() -> int:
                     floors.setdefault((fmt, shape, threads), []).append(floor)
                 for m in args.rows:
                     for mode in modes:
-                        if mode == "fast" and not cpu_blocks.fast_supported(fmt):
+                        if mode != "exact" and not cpu_blocks.fast_supported(fmt):
                             continue
                         w = pool[(rep + 1) % len(pool)]
                         t = time.perf_counter()
-                        cpu_blocks.linear(xs[(m, k)], w, fmt, k, num_threads=threads, fast=mode == "fast")
+                        cpu_blocks.linear(xs[(m, k)], w, fmt, k, num_threads=threads, fast={"exact": 0, "fast": 1, "fast2": 2}[mode])
                         dt = time.perf_counter() - t
                         if rep >= 2:
                             timings.setdefault((fmt, shape, threads, m, mode), []).append(dt)

@@ -4,7 +4,8 @@ float32 at load (``"float"``) and against llama.cpp on the same file, on the def
 weights quantized by llama.cpp to Q8_0 or Q4_K_M (``--model``, ``benchmarks/quant_model.py``).
 
 Each engine runs in a fresh process of its own, one after the other (``--engines``, default
-blocks, fast (the blocks with ``block_numerics="fast"``), float, llama.cpp where
+blocks, fast (the blocks with ``block_numerics="fast"``; ``fast2``: ``"fast2"``, not in the
+default list), float, llama.cpp where
 llama-cpp-python is installed): load, an untimed 64-token
 warm-up, then one greedy request of a ``--ctx``-token prompt (the GPL's text, repeated) and
 ``--new-tokens`` new tokens. longctx: prefix caching and lookahead off, the request stepped
@@ -75,6 +76,7 @@ mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
 extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
+         "fast2": {"gguf_weights": "blocks", "block_numerics": "fast2"},
          "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
          "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
@@ -150,7 +152,7 @@ def main() -> int:
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
                     help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), blocks-bf16kv (and bfloat16 "
                          "KV pages), fast "
-                         "(block_numerics='fast'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
+                         "(block_numerics='fast'), fast2 (block_numerics='fast2'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
                          "int8, int4, int4-g128: the model's HF folder (quant_model.hf_folder) quantized "
                          "at load (quantization=...)")
     ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],

@@ -39,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_blocks_linear.restype = i32
     lib.longctx_blocks_linear.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, i64, ptr, ptr, i64, ptr, i64, i32]
     lib.longctx_blocks_linear_fast.restype = i32
-    lib.longctx_blocks_linear_fast.argtypes = lib.longctx_blocks_linear.argtypes
+    lib.longctx_blocks_linear_fast.argtypes = lib.longctx_blocks_linear.argtypes + [i32]
     lib.longctx_blocks_fast_supported.restype = i32
     lib.longctx_blocks_fast_supported.argtypes = [i32]
     lib.longctx_blocks_linear_parts.restype = i32
@@ -85,14 +85,22 @@ def _check_blocks(blocks: torch.Tensor, code: int, k: int) -> None:
 
 
 def fast_supported(fmt: int | str) -> bool:
-    """Whether ``linear(..., fast=True)`` has integer products for ``fmt`` here (AVX2 builds:
+    """Whether ``linear(..., fast=1 or 2)`` has integer products for ``fmt`` here (AVX2 builds:
     Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)."""
     lib = _load()
     return lib is not None and bool(lib.longctx_blocks_fast_supported(_format_id(fmt)))
 
 
+def _terms(fast: bool | int) -> int:
+    """``fast`` as the number of x's int8 terms: 0 (exact), 1 or 2."""
+    terms = int(fast)
+    if terms not in (0, 1, 2) or isinstance(fast, float):
+        raise ValueError(f"fast must be False/0 (exact), True/1 or 2 (x's int8 terms), got {fast!r}")
+    return terms
+
+
 def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None, num_threads: int, out: torch.Tensor, fast: bool = False) -> None:
+                   residual: torch.Tensor | None, num_threads: int, out: torch.Tensor, fast: int = 0) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU block kernel is {status()}")
@@ -111,14 +119,14 @@ def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias
         raise ValueError("bias must be contiguous")
     if out.dtype != torch.float32 or tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"out must be float32 ({m}, {n}) with contiguous rows, got {out.dtype} {tuple(out.shape)}")
-    if fast and not lib.longctx_blocks_fast_supported(fmt):
+    terms = _terms(fast)
+    if terms and not lib.longctx_blocks_fast_supported(fmt):
         raise ValueError(f"no integer products for {NAMES[fmt]} here (fast_supported)")
-    entry = lib.longctx_blocks_linear_fast if fast else lib.longctx_blocks_linear
-    rc = entry(
-        x.data_ptr(), max(x.stride(0), k), m, blocks.data_ptr(), blocks.shape[1], fmt, n, k,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), n),
-        None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), n),
-        num_threads)
+    args = (x.data_ptr(), max(x.stride(0), k), m, blocks.data_ptr(), blocks.shape[1], fmt, n, k,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), n),
+            None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), n),
+            num_threads)
+    rc = lib.longctx_blocks_linear_fast(*args, terms) if terms else lib.longctx_blocks_linear(*args)
     if rc != 0:
         raise ValueError(f"blocks_linear rejected its arguments (code {rc}): x {tuple(x.shape)}, "
                          f"blocks {tuple(blocks.shape)} {NAMES[fmt]}")
@@ -126,18 +134,20 @@ def _blocks_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int, bias
 
 blocks_linear = cpu_build.define_op(
     "blocks_linear(Tensor x, Tensor blocks, int fmt, int k, Tensor? bias, Tensor? residual, int num_threads, "
-    "Tensor(a!) out, bool fast=False) -> ()", _blocks_linear)
+    "Tensor(a!) out, int fast=0) -> ()", _blocks_linear)
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: torch.Tensor | None = None, *,
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           num_threads: int | None = None, fast: bool = False) -> torch.Tensor:
+           num_threads: int | None = None, fast: bool | int = False) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(blocks).T (+ bias [N]) (+ residual [M, N]) -> [M, N] float32.
     ``blocks``: [N, row_bytes] uint8, N rows of K weights in ``fmt`` (a name of ``FORMATS`` or
     its GGML id). ``out``: an [M, N] float32 tensor with contiguous rows to write into (it may
-    be a column slice of a wider one). ``fast``: x rounded to int8 in blocks of 32 and integer
-    products, as llama.cpp computes (``fast_supported``); else float32 products on the exactly
-    dequantized weights. Runs ``torch.ops.longctx.blocks_linear``."""
+    be a column slice of a wider one). ``fast`` (True or 1): x rounded to int8 in blocks of 32
+    and integer products, as llama.cpp computes (``fast_supported``); 2: x as two int8 terms (x
+    rounded, then what the rounding left, rounded again), the integer products of both summed;
+    False or 0: float32 products on the exactly dequantized weights. Runs
+    ``torch.ops.longctx.blocks_linear``."""
     code = _format_id(fmt)
     if x.dim() == 2 and x.stride(1) != 1:
         x = x.contiguous()
@@ -145,7 +155,7 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: 
         out = torch.empty(x.shape[0] if x.dim() == 2 else 0, blocks.shape[0] if blocks.dim() == 2 else 0,
                           dtype=torch.float32)
     blocks_linear(x, blocks, code, k, bias, residual, torch.get_num_threads() if num_threads is None else num_threads,
-                  out, fast)
+                  out, _terms(fast))
     return out
 
 
@@ -171,12 +181,12 @@ class PreparedParts:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 swiglu: bool = False, num_threads: int = 1, fast: bool = False) -> torch.Tensor:
+                 swiglu: bool = False, num_threads: int = 1, fast: bool | int = False) -> torch.Tensor:
         """out [M, total] = prologue(x) @ W^T (+ bias) (+ residual); the prologue is RMSNorm with
         ``norm_weight`` and ``eps``, or (``swiglu``, x [M, 2K]) silu(x[:, :K]) * x[:, K:].
-        ``fast``: the parts whose format has integer products (``fast_supported``) take x (after
-        the prologue) rounded to int8 in blocks of 32, as ``linear(..., fast=True)``; the others
-        stay exact."""
+        ``fast`` (1 or 2 terms): the parts whose format has integer products (``fast_supported``)
+        take x (after the prologue) rounded to int8 in blocks of 32, as ``linear(..., fast)``;
+        the others stay exact."""
         lib = _load()
         if lib is None:
             raise RuntimeError(f"the CPU block kernel is {status()}")
@@ -197,7 +207,7 @@ class PreparedParts:
             x.data_ptr(), max(x.stride(0), width), m, self.n, *self.arrays, k,
             None if bias is None else bias.data_ptr(), out.data_ptr(), max(out.stride(0), total),
             None if residual is None else residual.data_ptr(), 0 if residual is None else max(residual.stride(0), total),
-            num_threads, prologue, None if norm_weight is None else norm_weight.data_ptr(), float(eps), int(fast))
+            num_threads, prologue, None if norm_weight is None else norm_weight.data_ptr(), float(eps), _terms(fast))
         if rc != 0:
             raise ValueError(f"blocks_linear_parts rejected its arguments (code {rc}): x {tuple(x.shape)}, parts "
                              f"{[tuple(t.shape) for t in self.parts]} {[NAMES.get(f, f) for f in self.fmts]}")
@@ -207,14 +217,14 @@ class PreparedParts:
 def _blocks_linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k: int,
                          bias: torch.Tensor | None, residual: torch.Tensor | None, num_threads: int,
                          out: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                         swiglu: bool = False, fast: bool = False) -> None:
+                         swiglu: bool = False, fast: int = 0) -> None:
     PreparedParts(parts, fmts, k)(x, out, bias, residual, norm_weight, eps, swiglu, num_threads, fast)
 
 
 blocks_linear_parts = cpu_build.define_op(
     "blocks_linear_parts(Tensor x, Tensor[] parts, int[] fmts, int k, Tensor? bias, Tensor? residual, "
     "int num_threads, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool swiglu=False, "
-    "bool fast=False) -> ()",
+    "int fast=0) -> ()",
     _blocks_linear_parts)
 
 
@@ -222,7 +232,7 @@ def linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k:
                  bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, num_threads: int | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-                 fast: bool = False) -> torch.Tensor:
+                 fast: bool | int = False) -> torch.Tensor:
     """``linear`` over a matrix stored as ``parts`` stacked along the output rows, each in its
     format (GGML ids), in one call: [M, sum of the parts' rows] float32. ``norm_weight``/``eps``
     (RMSNorm) or ``swiglu`` (x is [M, 2K]: silu of its first half times its second): the
@@ -234,7 +244,7 @@ def linear_parts(x: torch.Tensor, parts: list[torch.Tensor], fmts: list[int], k:
         out = torch.empty(x.shape[0] if x.dim() == 2 else 0, sum(t.shape[0] for t in parts), dtype=torch.float32)
     blocks_linear_parts(x, parts, list(fmts), k, bias, residual,
                         torch.get_num_threads() if num_threads is None else num_threads, out,
-                        norm_weight, eps, swiglu, fast)
+                        norm_weight, eps, swiglu, _terms(fast))
     return out
 
 

@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 CPU_MATMULS = ("auto", "kernel", "onednn", "blas")
 GGUF_WEIGHTS = ("auto", "blocks", "float")
+# block_numerics -> x's int8 terms in the block kernel's decode products (0: float32, exact)
+BLOCK_TERMS = {"exact": 0, "fast": 1, "fast2": 2}
 QUANTIZATIONS = ("none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")  # longctx.kv.formats' names
 DEFAULT_HOST_CACHE_GB = 2.0
@@ -108,11 +110,13 @@ class ModelLoadConfig:
                                           "dtype at load (cached). auto: blocks where the block kernel runs "
                                           "and dtype is float32, else float"})
     block_numerics: str = field(
-        default="exact", metadata={"help": "exact | fast: with GGUF blocks, exact multiplies float32 "
+        default="exact", metadata={"help": "exact | fast | fast2: with GGUF blocks, exact multiplies float32 "
                                            "activations by the exactly dequantized weights (HF's numbers); "
                                            "fast rounds a decode step's activations to int8 in blocks of 32 "
                                            "and multiplies in integers, as llama.cpp does (faster, tokens "
-                                           "part from exact's sooner)"})
+                                           "part from exact's sooner); fast2 takes them as two int8 terms "
+                                           "(the rounding's remainder rounded again: ~250x closer to exact, "
+                                           "twice the integer work on the same weight bytes)"})
     quantization: str = field(
         default="none", metadata={"help": "none | int8 | int4: quantize an HF folder's matrices at load "
                                           "into the block kernel's layouts on the CPU (float32 activations): "
@@ -147,8 +151,8 @@ class ModelLoadConfig:
                f"cpu_matmul='kernel' is for float32 and bfloat16 models, got dtype={self.dtype!r} "
                "(use cpu_matmul='auto' or 'blas')")
         _check(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
-        _check(self.block_numerics in ("exact", "fast"),
-               f"block_numerics must be exact or fast, got {self.block_numerics!r}")
+        _check(self.block_numerics in BLOCK_TERMS,
+               f"block_numerics must be one of {', '.join(BLOCK_TERMS)}, got {self.block_numerics!r}")
         _check(self.gguf_weights in GGUF_WEIGHTS,
                f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         _check(self.gguf_weights != "blocks" or self.dtype in ("float32", "auto"),

@@ -896,9 +896,10 @@ int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
 int longctx_blocks_fast_supported(int fmt);
 #if HAVE_AVX2
 typedef struct QuantX QuantX; /* x rounded to int8 in blocks of 32 (the "fast" numerics, below) */
-static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k);
+static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k, int terms);
 static void free_quant_x(QuantX *qx);
-static void fast_dot(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out);
+static void fast_dot_terms(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int terms, int i0, int R,
+                           float *out);
 #endif
 
 /* One product over a matrix stored as parts stacked along the output rows (a fused q/k/v whose
@@ -909,6 +910,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
                                 const int64_t *row_bytes, const int *fmts, const int64_t *rows, int64_t k,
                                 const float *bias, float *y, int64_t ldy, const float *res, int64_t ldr,
                                 int nthreads, int prologue, const float *norm_w, float eps, int fast) {
+    /* fast: 0 exact; 1 or 2 x's int8 terms for the formats with integer products (quantize_x) */
     enum { MAX_PARTS = 8 };
     if (nparts < 1 || nparts > MAX_PARTS)
         return 2;
@@ -923,7 +925,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
     }
     const int64_t n = first_col[nparts];
     if (m < 1 || ldx < (prologue == 2 ? 2 * k : k) || ldy < n || (res != NULL && ldr < n) || nthreads < 1 ||
-        prologue < 0 || prologue > 2 || (prologue == 1 && norm_w == NULL))
+        prologue < 0 || prologue > 2 || (prologue == 1 && norm_w == NULL) || fast < 0 || fast > 2)
         return 2;
     float *pro = NULL; /* the rows the product takes after the prologue (RMSNorm, SwiGLU), once */
     if (prologue != 0) {
@@ -946,7 +948,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
     for (int p = 0; p < nparts && fast && qx == NULL; p++) {
         if (!longctx_blocks_fast_supported(fmts[p]))
             continue;
-        if ((qx = new_quant_x(x, ldx, m, k)) == NULL) {
+        if ((qx = new_quant_x(x, ldx, m, k, fast)) == NULL) {
             free(pro);
             return 3;
         }
@@ -998,12 +1000,13 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
                 if (!use_fast && !in_registers)
                     dequant_row(wr, fmt, k, buf);
                 const float b = bias ? bias[col] : 0.0f;
-                for (int i = 0; i < m; i += 4) {
-                    const int nr = m - i < 4 ? m - i : 4;
+                const int step = use_fast ? 4 / fast : 4; /* x's rows a call (2 terms: 2 rows, 4 of qx's) */
+                for (int i = 0; i < m; i += step) {
+                    const int nr = m - i < step ? m - i : step;
                     float out[4];
 #if HAVE_AVX2
                     if (use_fast)
-                        fast_dot(wr, fmt, k, qx, i, nr, out);
+                        fast_dot_terms(wr, fmt, k, qx, fast, i, nr, out);
                     else if (in_registers && x_order(fmt) >= 0)
                         in_registers(wr, k, xo[x_order(fmt)] + (int64_t)i * k, k, nr, out);
                     else if (in_registers)
@@ -1090,43 +1093,60 @@ static void free_quant_x(QuantX *qx) { /* a calloc'ed QuantX and what quantize_x
     free(qx);
 }
 
-static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, QuantX *qx) {
-    qx->q = (int8_t *)malloc((size_t)m * k);
-    qx->d = (float *)malloc((size_t)m * (k / 32) * sizeof(float));
-    qx->s16 = (float *)malloc((size_t)m * (k / 16) * sizeof(float));
-    qx->d8 = (float *)malloc((size_t)m * (k / 32) * 8 * sizeof(float));
-    qx->s32 = (float *)malloc((size_t)m * (k / 32) * sizeof(float));
+/* One block of 32 floats to int8 at qx's row i, block b (scale amax / 127, round to nearest);
+ * rest (or NULL): what the rounding left, xb - d * q. */
+static void quantize_block(const float *xb, QuantX *qx, int64_t i, int64_t b, int64_t k, float *rest) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++)
+        amax = fmaxf(amax, fabsf(xb[j]));
+    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int8_t *qb = qx->q + i * k + b * 32;
+    int sum0 = 0, sum1 = 0;
+    for (int j = 0; j < 32; j++) {
+        const int v = (int)nearbyintf(xb[j] * id);
+        qb[j] = (int8_t)v;
+        if (j < 16) sum0 += v; else sum1 += v;
+        if (rest)
+            rest[j] = xb[j] - d * (float)v;
+    }
+    qx->d[i * (k / 32) + b] = d;
+    for (int j = 0; j < 8; j++)
+        qx->d8[(i * (k / 32) + b) * 8 + j] = d;
+    qx->s16[i * (k / 16) + 2 * b] = d * (float)sum0;
+    qx->s16[i * (k / 16) + 2 * b + 1] = d * (float)sum1;
+    qx->s32[i * (k / 32) + b] = d * (float)(sum0 + sum1);
+}
+
+/* terms 1: row i of x is qx's row i. terms 2: x's row i is qx's rows 2i (x rounded) and 2i + 1
+ * (what that rounding left, rounded again): their products' sum is x's to ~1/32000 of each
+ * block's largest element instead of 1/254, for twice the integer work on the same weights. */
+static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, QuantX *qx) {
+    const size_t rows = (size_t)m * (size_t)terms;
+    qx->q = (int8_t *)malloc(rows * k);
+    qx->d = (float *)malloc(rows * (k / 32) * sizeof(float));
+    qx->s16 = (float *)malloc(rows * (k / 16) * sizeof(float));
+    qx->d8 = (float *)malloc(rows * (k / 32) * 8 * sizeof(float));
+    qx->s32 = (float *)malloc(rows * (k / 32) * sizeof(float));
     if (!qx->q || !qx->d || !qx->s16 || !qx->d8 || !qx->s32)
         return 1;
-    for (int i = 0; i < m; i++) {
+    for (int i = 0; i < m; i++)
         for (int64_t b = 0; b < k / 32; b++) {
             const float *xb = x + (int64_t)i * ldx + b * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++)
-                amax = fmaxf(amax, fabsf(xb[j]));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *qb = qx->q + (int64_t)i * k + b * 32;
-            int sum0 = 0, sum1 = 0;
-            for (int j = 0; j < 32; j++) {
-                const int v = (int)nearbyintf(xb[j] * id);
-                qb[j] = (int8_t)v;
-                if (j < 16) sum0 += v; else sum1 += v;
+            if (terms == 1) {
+                quantize_block(xb, qx, i, b, k, NULL);
+            } else {
+                float rest[32];
+                quantize_block(xb, qx, 2 * (int64_t)i, b, k, rest);
+                quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, NULL);
             }
-            qx->d[(int64_t)i * (k / 32) + b] = d;
-            for (int j = 0; j < 8; j++)
-                qx->d8[((int64_t)i * (k / 32) + b) * 8 + j] = d;
-            qx->s16[(int64_t)i * (k / 16) + 2 * b] = d * (float)sum0;
-            qx->s16[(int64_t)i * (k / 16) + 2 * b + 1] = d * (float)sum1;
-            qx->s32[(int64_t)i * (k / 32) + b] = d * (float)(sum0 + sum1);
         }
-    }
     return 0;
 }
 
-/* x [m, k] rounded to int8 (quantize_x), or NULL when out of memory */
-static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k) {
+/* x [m, k] rounded to int8 in 1 or 2 terms (quantize_x), or NULL when out of memory */
+static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k, int terms) {
     QuantX *qx = (QuantX *)calloc(1, sizeof *qx);
-    if (qx == NULL || quantize_x(x, ldx, m, k, qx) != 0) {
+    if (qx == NULL || quantize_x(x, ldx, m, k, terms, qx) != 0) {
         free_quant_x(qx);
         return NULL;
     }
@@ -1464,6 +1484,19 @@ static void fast_dot(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, i
 #endif
     fast_row256(row, fmt, k, qx, i0, R, out);
 }
+
+/* x's rows i0 .. i0 + R - 1 (R <= 4 / terms) against one weight row, from qx in `terms` terms */
+static void fast_dot_terms(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int terms, int i0, int R,
+                           float *out) {
+    if (terms == 1) {
+        fast_dot(row, fmt, k, qx, i0, R, out);
+        return;
+    }
+    float both[4];
+    fast_dot(row, fmt, k, qx, 2 * i0, 2 * R, both);
+    for (int j = 0; j < R; j++)
+        out[j] = both[2 * j] + both[2 * j + 1];
+}
 #endif
 
 int longctx_blocks_fast_supported(int fmt) {
@@ -1477,16 +1510,16 @@ int longctx_blocks_fast_supported(int fmt) {
 
 int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t *w, int64_t row_bytes, int fmt,
                                int n, int64_t k, const float *bias, float *y, int64_t ldy, const float *res,
-                               int64_t ldr, int nthreads) {
+                               int64_t ldr, int nthreads, int terms) {
     if (!longctx_blocks_fast_supported(fmt))
         return 5;
     int64_t expect;
     if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
         return 1;
-    if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1)
+    if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1 || terms < 1 || terms > 2)
         return 2;
 #if HAVE_AVX2
-    QuantX *qx = new_quant_x(x, ldx, m, k);
+    QuantX *qx = new_quant_x(x, ldx, m, k, terms);
     if (qx == NULL)
         return 3;
     const int64_t chunks = (n + CHUNK - 1) / CHUNK;
@@ -1495,10 +1528,10 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
         const int64_t r1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
         for (int64_t r = c * CHUNK; r < r1; r++) {
             const float b = bias ? bias[r] : 0.0f;
-            for (int i = 0; i < m; i += 4) {
-                const int rows = m - i < 4 ? m - i : 4;
+            for (int i = 0; i < m; i += 4 / terms) {
+                const int rows = m - i < 4 / terms ? m - i : 4 / terms;
                 float out[4];
-                fast_dot(w + r * row_bytes, fmt, k, qx, i, rows, out);
+                fast_dot_terms(w + r * row_bytes, fmt, k, qx, terms, i, rows, out);
                 for (int j = 0; j < rows; j++) {
                     float v = out[j] + b;
                     if (res)

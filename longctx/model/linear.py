@@ -209,14 +209,15 @@ class BlockWeights(LinearMethod):
     chunks) dequantize slices of ``SLICE_BYTES`` into one float32 buffer and run the row
     kernel's panels on each (the prologues as torch ops there), so the model never holds a
     float32 copy.
-    ``fast`` (``block_numerics="fast"``): the block kernel's steps take x rounded to int8 in
+    ``fast`` (``block_numerics="fast"``: 1): the block kernel's steps take x rounded to int8 in
     blocks of 32 and multiply in integers, as llama.cpp does (formats without integer products
-    stay exact); longer steps stay exact."""
+    stay exact); 2 (``"fast2"``): x as two int8 terms, x rounded and what that left rounded
+    again, both multiplied on the same unpacked weights; longer steps stay exact."""
 
     name = "blocks"
 
-    def __init__(self, fast: bool = False) -> None:
-        self.fast = fast  # steps of up to BLOCK_ROWS rows on int8-rounded activations
+    def __init__(self, fast: int = 0) -> None:
+        self.fast = int(fast)  # steps of up to BLOCK_ROWS rows on x in this many int8 terms
         self._local = threading.local()  # the slice buffer: one per thread, never pickled
 
     def __getstate__(self) -> dict:
@@ -295,7 +296,8 @@ def blocks_available() -> bool:
 BLAS = LinearMethod()
 ROW_KERNEL = RowKernelWeights()
 BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buffer
-BLOCKS_FAST = BlockWeights(fast=True)
+# by block_numerics' int8 terms (0: exact); one of each for every layer, as BLOCKS
+BLOCK_METHODS = {0: BLOCKS, 1: BlockWeights(fast=1), 2: BlockWeights(fast=2)}
 
 
 class Linear(nn.Module):

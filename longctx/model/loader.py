@@ -34,7 +34,7 @@ from longctx import settings
 from longctx.kernels import cpu_blocks
 
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
-from .linear import BLOCKS, BLOCKS_FAST, BlockEmbedding, BlockMatrix
+from .linear import BLOCK_METHODS, BlockEmbedding, BlockMatrix
 from .llama import LlamaForCausalLM
 from .quantize import quantize_blocks, scheme_format
 
@@ -500,12 +500,12 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
 
 # ---------------------------------------------------------------- GGUF blocks kept as stored
 
-def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: bool = False) -> LlamaForCausalLM:
+def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: int = 0) -> LlamaForCausalLM:
     """A CPU model whose matrices and embedding are the GGUF file's blocks as stored
     (``BlockWeights``: views of the file's memory map, read by the block kernel; a Llama's
     q/k rows, which llama.cpp permutes, are the one copy), with fp32 norms and biases and
-    fp32 activations. No float32 copy of the weights is made or cached. ``fast``: decode
-    steps on int8-rounded activations (``BlockWeights.fast``)."""
+    fp32 activations. No float32 copy of the weights is made or cached. ``fast`` (1 or 2):
+    decode steps on activations rounded to that many int8 terms (``BlockWeights.fast``)."""
     path = resolve_model(name)
     if not path.is_file():
         raise UnsupportedModelError(f"{path} is an HF folder: only .gguf files keep their blocks "
@@ -515,7 +515,7 @@ def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: bool = 
 
 
 def load_quantized_model(name: str, scheme: str, group_size: int = 32, rope_scaling: dict | None = None,
-                         fast: bool = False) -> LlamaForCausalLM:
+                         fast: int = 0) -> LlamaForCausalLM:
     """A CPU model from an HF folder whose matrices are quantized at load (``quantization``):
     ``int8`` in Q8_0 blocks, ``int4`` in Q4_1 blocks (scale and minimum per ``group_size``
     inputs) with the embedding and LM head in Q8_0 (the logits and every token's input read
@@ -544,13 +544,14 @@ def load_quantized_model(name: str, scheme: str, group_size: int = 32, rope_scal
     return _blocks_model(config, pack_hf_state(config, quantized()), rope_scaling, fast, scheme)
 
 
-def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, fast: bool,
+def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, fast: int,
                   source: str) -> LlamaForCausalLM:
     """The model whose matrices (and embedding) are ``state``'s ``BlockMatrix`` entries, held
     by ``BlockWeights``; every other tensor as float32."""
     config = with_rope_scaling(config, rope_scaling)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    method = BLOCK_METHODS[fast]
     blocks = {k: v for k, v in state.items() if isinstance(v, BlockMatrix)}
     floats = {k: v.float() for k, v in state.items() if not isinstance(v, BlockMatrix)}
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
@@ -569,7 +570,7 @@ def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, f
         if matrix.shape != (out_features, in_features):
             raise ValueError(f"{source} matrix for {key} is {matrix.shape}, the model needs {(out_features, in_features)}")
         layer.weight = matrix
-        layer.hold(BLOCKS_FAST if fast else BLOCKS)
+        layer.hold(method)
     for module in model.modules():  # the meta placeholders of the block layers are gone; check nothing else is
         for pname, p in module.named_parameters(recurse=False):
             if p.is_meta:

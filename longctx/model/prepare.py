@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from longctx.config import ConfigError, ModelLoadConfig, ParallelConfig
+from longctx.config import BLOCK_TERMS, ConfigError, ModelLoadConfig, ParallelConfig
 from longctx.kernels import cpu_blocks, cpu_build
 
 from .config import ModelConfig
@@ -39,10 +39,10 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     if load.quantization != "none":
         _check_quantization(load)
         return load_quantized_model(load.model, load.quantization, load.quantization_group_size,
-                                    rope_scaling=load.rope_scaling, fast=load.block_numerics == "fast"), "blocks"
+                                    rope_scaling=load.rope_scaling, fast=BLOCK_TERMS[load.block_numerics]), "blocks"
     if device.type == "cpu" and _keeps_blocks(load, dtype):
-        fast = load.block_numerics == "fast"
-        return load_blocks_model(load.model, rope_scaling=load.rope_scaling, fast=fast), "blocks"
+        return load_blocks_model(load.model, rope_scaling=load.rope_scaling,
+                                 fast=BLOCK_TERMS[load.block_numerics]), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
         return load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling), cpu_matmul

@@ -142,13 +142,19 @@ def test_lower_level_builds_in_a_subprocess(level):
 FAST = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
-def _rounded_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the fast path takes it: int8 in blocks of 32, scale amax / 127, ties to even (float64)."""
+def _rounded_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
+    """x as the fast path takes it: int8 in blocks of 32, scale amax / 127, ties to even
+    (float64); terms=2: plus what that rounding left (in float32, as the kernel computes it),
+    rounded the same way."""
     m, k = x.shape
-    xb = x.double().view(m, k // 32, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(xb / torch.where(d > 0, d, torch.ones_like(d)))
-    return (q * d).view(m, k)
+    xb = x.float().view(m, k // 32, 32)
+    d = (xb.abs().amax(-1, keepdim=True) / 127).float()  # the kernel's float32 scale
+    q = torch.round(xb.double() / torch.where(d > 0, d, torch.ones_like(d)).double())
+    taken = q * d.double()
+    if terms == 2:
+        rest = (xb - taken.float()).view(m, k)  # xb - d * q in float32 (exact: one rounding at most)
+        taken = taken + _rounded_x(rest).view(m, k // 32, 32)
+    return taken.view(m, k)
 
 
 # the 32-element formats at an odd block count too (k = 288: nine blocks), which the AVX-512
@@ -157,10 +163,12 @@ FAST_CASES = [(fmt, *shape) for fmt in FAST for shape in SHAPES] + \
     [(fmt, m, 11, 288) for fmt in ("Q8_0", "Q4_0", "Q4_1") for m in (1, 6)]
 
 
+@pytest.mark.parametrize("terms", [1, 2])
 @pytest.mark.parametrize("fmt,m,n,k", FAST_CASES)
-def test_fast_products_are_integer_products_on_rounded_x(fmt, m, n, k):
-    """fast=True: the float64 product of the int8-rounded x with the dequantized weights, to
-    float32's accuracy; and apart from the exact product by about x's rounding."""
+def test_fast_products_are_integer_products_on_rounded_x(fmt, m, n, k, terms):
+    """fast=1 (True): the float64 product of the int8-rounded x with the dequantized weights,
+    to float32's accuracy, and apart from the exact product by about x's rounding. fast=2: the
+    same with x's two int8 terms, ~250x closer to the exact product."""
     if not cpu_blocks.fast_supported(fmt):
         pytest.skip(f"no integer products at {cpu_build.isa()}")
     raw = random_blocks(fmt, n, k, seed=m + 7 * n)
@@ -169,21 +177,31 @@ def test_fast_products_are_integer_products_on_rounded_x(fmt, m, n, k):
     x = torch.randn(m, k, generator=g)
     bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
     scale = x.double().abs() @ w.abs().T
-    got = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k, bias, residual=residual, fast=True).double()
-    expect = _rounded_x(x) @ w.T + bias.double() + residual.double()
+    got = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k, bias, residual=residual,
+                            fast=True if terms == 1 else terms).double()
+    expect = _rounded_x(x, terms) @ w.T + bias.double() + residual.double()
     assert torch.all((got - expect).abs() <= 1e-5 * (scale + expect.abs()) + 1e-6), fmt
     exact = x.double() @ w.T + bias.double() + residual.double()
     apart = float(((got - exact).abs() / scale).max())
-    assert 0 < apart < 1e-2  # x's rounding: at most half a step of 1/127 of each block's largest
+    if terms == 1:  # x's rounding: at most half a step of 1/127 of each block's largest
+        assert 1e-4 < apart < 1e-2, apart
+    else:  # half a step of 1/127 of half a step of 1/127, plus float32's sums
+        assert 0 < apart < 1e-4, apart
+        one = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k, bias, residual=residual, fast=1).double()
+        assert apart * 20 < float(((one - exact).abs() / scale).max())
 
 
 def test_fast_is_refused_for_a_format_without_integer_products():
     raw = torch.from_numpy(random_blocks("Q5_K", 4, 256))
     with pytest.raises(ValueError, match="no integer products for Q5_K"):
         cpu_blocks.linear(torch.randn(1, 256), raw, "Q5_K", 256, fast=True)
+    for bad in (3, -1, 1.5):
+        with pytest.raises(ValueError, match="fast must be"):
+            cpu_blocks.linear(torch.randn(1, 256), torch.from_numpy(random_blocks("Q8_0", 4, 256)), "Q8_0", 256,
+                              fast=bad)
 
 
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("fast", [False, True, 2])
 @pytest.mark.parametrize("m", [3, 6])
 def test_parts_in_one_call_equal_each_part_alone(fast, m):
     """A matrix stored as parts of different formats (a Q4_K_M fused q/k/v): one call equals
@@ -199,7 +217,7 @@ def test_parts_in_one_call_equal_each_part_alone(fast, m):
     lo = 0
     for raw, (fmt, n) in zip(raws, parts):
         alone = cpu_blocks.linear(x, raw, fmt, k, bias[lo:lo + n], residual=residual[:, lo:lo + n],
-                                  fast=fast and cpu_blocks.fast_supported(fmt))
+                                  fast=fast if cpu_blocks.fast_supported(fmt) else False)
         assert torch.equal(got[:, lo:lo + n], alone), fmt
         if fast and cpu_blocks.fast_supported(fmt):  # the integer products, not the exact ones
             assert not torch.equal(alone, cpu_blocks.linear(x, raw, fmt, k, bias[lo:lo + n],
