@@ -77,6 +77,8 @@ torch.set_num_threads(threads)
 t0 = time.perf_counter()
 extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "fast2": {"gguf_weights": "blocks", "block_numerics": "fast2"},
+         "fast-bf16kv": {"gguf_weights": "blocks", "block_numerics": "fast", "kv_cache_dtype": "bfloat16"},
+         "fast2-bf16kv": {"gguf_weights": "blocks", "block_numerics": "fast2", "kv_cache_dtype": "bfloat16"},
          "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
          "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
@@ -152,7 +154,8 @@ def main() -> int:
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
                     help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), blocks-bf16kv (and bfloat16 "
                          "KV pages), fast "
-                         "(block_numerics='fast'), fast2 (block_numerics='fast2'), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
+                         "(block_numerics='fast'), fast2 (block_numerics='fast2'), fast-bf16kv and fast2-bf16kv (with "
+                         "bfloat16 KV pages), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
                          "int8, int4, int4-g128: the model's HF folder (quant_model.hf_folder) quantized "
                          "at load (quantization=...)")
     ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
