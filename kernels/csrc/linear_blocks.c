@@ -1311,7 +1311,9 @@ static void fast_row256(const uint8_t *row, int fmt, int64_t k, const QuantX *qx
  * count NR (1..4), as the AVX2 forms above: 64 weights (two blocks of x) a step, the weights'
  * bytes unsigned, x's int8 bytes contiguous, 16 int32 lanes of 4-element sums (lanes 0-7 the
  * first block of 32, 8-15 the second), converted and scaled per lane by the weight's scale
- * (hoisted out of the rows) times x's block scale (qx->d8: each block's 8 times, one load).
+ * (hoisted out of the rows) times x's block scale (Q4_K, Q6_K: x's 8 block scales of a
+ * super-block in one register, each step's pair spread over the lanes by one permute; Q8_0,
+ * Q4_0, Q4_1: qx->d8, each block's 8 times, one load).
  * With AVX-512 VNNI the 4-element sums are one vpdpbusd; without, maddubs + madd (the same
  * sums: no pair of products here reaches int16's limit, 2 * 128 * 127 at most). Offsets (the
  * unsigned quants' zero points) go through x's block sums: Q4_K 8 blocks a multiply-add, Q6_K
@@ -1332,31 +1334,37 @@ static inline __m512i join256(__m256i lo, __m256i hi) {
 
 static inline float hsum_tail(__m512 a0, __m512 a1) { return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)); }
 
+/* lanes 0-7 of the result: lane 2t of v; lanes 8-15: lane 2t + 1 (a 64-weight step's two blocks) */
+static inline __m512i pick_pair(int t) {
+    return _mm512_add_epi32(_mm512_set1_epi32(2 * t), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+}
+
 static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row, int64_t k, const QuantX *qx,
                                                               int i0, const int NR, float *out) {
-    __m512 acc[4][2];
+    __m512 acc[4][2], sx[4];
     __m256 off[4];
     for (int r = 0; r < NR; r++)
         acc[r][0] = acc[r][1] = _mm512_setzero_ps(), off[r] = _mm256_setzero_ps();
     const int64_t nb = k / 32;
     const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512i pick[4] = {pick_pair(0), pick_pair(1), pick_pair(2), pick_pair(3)};
     float ds[8], dm[8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
         q4k_scales8(blk, ds, dm);
-        const __m256 dmv = _mm256_loadu_ps(dm);
-        for (int r = 0; r < NR; r++)
-            off[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(qx->s32 + (i0 + r) * nb + sb * 8), off[r]);
+        const __m256 dsv = _mm256_loadu_ps(ds), dmv = _mm256_loadu_ps(dm);
+        for (int r = 0; r < NR; r++) { /* the 8 blocks' weight scale times x's, once a super-block */
+            const int64_t at = (i0 + r) * nb + sb * 8;
+            sx[r] = _mm512_castps256_ps512(_mm256_mul_ps(dsv, _mm256_loadu_ps(qx->d + at)));
+            off[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(qx->s32 + at), off[r]);
+        }
         for (int c = 0; c < 4; c++) {
             const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
             const __m512i w = _mm512_and_si512(join256(b, _mm256_srli_epi16(b, 4)), m15); /* blocks 2c, 2c + 1 */
-            const __m512 wsc = _mm512_insertf32x8(_mm512_set1_ps(ds[2 * c]), _mm256_set1_ps(ds[2 * c + 1]), 1);
             for (int r = 0; r < NR; r++) {
-                const int64_t i = i0 + r;
-                const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + i * k + sb * 256 + c * 64));
+                const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + (i0 + r) * k + sb * 256 + c * 64));
                 const __m512 f = _mm512_cvtepi32_ps(sums4_512(w, xq));
-                const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (i * nb + sb * 8 + 2 * c) * 8));
-                acc[r][c & 1] = _mm512_fmadd_ps(f, sc, acc[r][c & 1]);
+                acc[r][c & 1] = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(pick[c], sx[r]), acc[r][c & 1]);
             }
         }
     }
@@ -1366,18 +1374,21 @@ static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row
 
 static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row, int64_t k, const QuantX *qx,
                                                               int i0, const int NR, float *out) {
-    __m512 acc[4][2], off[4];
+    __m512 acc[4][2], off[4], xd[4];
     for (int r = 0; r < NR; r++)
         acc[r][0] = acc[r][1] = off[r] = _mm512_setzero_ps();
     const int64_t nb = k / 32;
     const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    const __m512i pick[4] = {pick_pair(0), pick_pair(1), pick_pair(2), pick_pair(3)};
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
         /* d * the 16 scales: scf's lane g is the scale of elements 16g .. 16g + 15 */
         const __m512 scf = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-        for (int r = 0; r < NR; r++) /* the -32 of every quant: d * sc * 32 * x's half-block sums */
+        for (int r = 0; r < NR; r++) { /* the -32 of every quant: d * sc * 32 * x's half-block sums */
             off[r] = _mm512_fmadd_ps(scf, _mm512_loadu_ps(qx->s16 + (i0 + r) * (k / 16) + sb * 16), off[r]);
+            xd[r] = _mm512_castps256_ps512(_mm256_loadu_ps(qx->d + (i0 + r) * nb + sb * 8)); /* x's 8 block scales */
+        }
         for (int h = 0; h < 2; h++) {
             const __m512i l = _mm512_loadu_si512((const void *)(blk + h * 64));
             const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
@@ -1392,10 +1403,9 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
                     _mm512_add_epi32(_mm512_set1_epi32(4 * g),
                                      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), scf);
                 for (int r = 0; r < NR; r++) {
-                    const int64_t i = i0 + r;
-                    const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + i * k + sb * 256 + g * 64));
+                    const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + (i0 + r) * k + sb * 256 + g * 64));
                     const __m512 f = _mm512_cvtepi32_ps(sums4_512(w[t], xq));
-                    const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (i * nb + sb * 8 + 2 * g) * 8));
+                    const __m512 sc = _mm512_mul_ps(wsc, _mm512_permutexvar_ps(pick[g], xd[r]));
                     acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
                 }
             }
