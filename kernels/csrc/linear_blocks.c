@@ -1093,17 +1093,19 @@ static void free_quant_x(QuantX *qx) { /* a calloc'ed QuantX and what quantize_x
     free(qx);
 }
 
-/* One block of 32 floats to int8 at qx's row i, block b (scale amax / 127, round to nearest);
- * rest (or NULL): what the rounding left, xb - d * q. */
-static void quantize_block(const float *xb, QuantX *qx, int64_t i, int64_t b, int64_t k, float *rest) {
+/* One block of 32 floats to int8 at qx's row i, block b, round to nearest: scale amax / 127,
+ * or (d2 > 0) the given scale, the values clamped to +-127. rest (or NULL): what the rounding
+ * left, xb - d * q. Returns the scale. */
+static float quantize_block(const float *xb, QuantX *qx, int64_t i, int64_t b, int64_t k, float d2, float *rest) {
     float amax = 0.0f;
     for (int j = 0; j < 32; j++)
         amax = fmaxf(amax, fabsf(xb[j]));
-    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const float d = d2 > 0.0f ? d2 : amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
     int8_t *qb = qx->q + i * k + b * 32;
     int sum0 = 0, sum1 = 0;
     for (int j = 0; j < 32; j++) {
-        const int v = (int)nearbyintf(xb[j] * id);
+        int v = (int)nearbyintf(xb[j] * id);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
         qb[j] = (int8_t)v;
         if (j < 16) sum0 += v; else sum1 += v;
         if (rest)
@@ -1115,11 +1117,14 @@ static void quantize_block(const float *xb, QuantX *qx, int64_t i, int64_t b, in
     qx->s16[i * (k / 16) + 2 * b] = d * (float)sum0;
     qx->s16[i * (k / 16) + 2 * b + 1] = d * (float)sum1;
     qx->s32[i * (k / 32) + b] = d * (float)(sum0 + sum1);
+    return d;
 }
 
-/* terms 1: row i of x is qx's row i. terms 2: x's row i is qx's rows 2i (x rounded) and 2i + 1
- * (what that rounding left, rounded again): their products' sum is x's to ~1/32000 of each
- * block's largest element instead of 1/254, for twice the integer work on the same weights. */
+/* terms 1: row i of x is qx's row i. terms 2: x's row i is qx's rows 2i (x rounded, scale d)
+ * and 2i + 1 (what that rounding left, at most d / 2, rounded on the scale d / 256): x to
+ * within d / 512 (~1/65000 of each block's largest element) instead of d / 2 (1/254), a 16-bit
+ * value 256 q1 + q2 on the scale d / 256, whose integer sums the AVX-512 forms take as
+ * 256 * (w . q1) + w . q2 in one int32 lane (|w . q1| over 4 elements <= 4 * 255 * 127). */
 static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, QuantX *qx) {
     const size_t rows = (size_t)m * (size_t)terms;
     qx->q = (int8_t *)malloc(rows * k);
@@ -1133,11 +1138,14 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, 
         for (int64_t b = 0; b < k / 32; b++) {
             const float *xb = x + (int64_t)i * ldx + b * 32;
             if (terms == 1) {
-                quantize_block(xb, qx, i, b, k, NULL);
+                quantize_block(xb, qx, i, b, k, 0.0f, NULL);
             } else {
                 float rest[32];
-                quantize_block(xb, qx, 2 * (int64_t)i, b, k, rest);
-                quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, NULL);
+                const float d = quantize_block(xb, qx, 2 * (int64_t)i, b, k, 0.0f, rest);
+                if (d > 0.0f)
+                    quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, d / 256.0f, NULL);
+                else /* an all-zero block: its remainder too */
+                    quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, 0.0f, NULL);
             }
         }
     return 0;
@@ -1328,6 +1336,24 @@ static inline __m512i sums4_512(__m512i w_unsigned, __m512i xs) {
 #endif
 }
 
+/* acc + the same sums (terms 2: the second term's, onto 256 times the first's) */
+static inline __m512i sums4_acc_512(__m512i acc, __m512i w_unsigned, __m512i xs) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w_unsigned, xs);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w_unsigned, xs), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* x's integer sums against w at qx's row qi (T = 1), or 256 times those plus row qi + 1's
+ * (T = 2: the 16-bit value of quantize_x's two terms) */
+static inline __attribute__((always_inline)) __m512i xsums_512(__m512i w, const int8_t *q1, int64_t k, const int T) {
+    const __m512i s1 = sums4_512(w, _mm512_loadu_si512((const void *)q1));
+    if (T == 1)
+        return s1;
+    return sums4_acc_512(_mm512_slli_epi32(s1, 8), w, _mm512_loadu_si512((const void *)(q1 + k)));
+}
+
 static inline __m512i join256(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -1340,7 +1366,7 @@ static inline __m512i pick_pair(int t) {
 }
 
 static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row, int64_t k, const QuantX *qx,
-                                                              int i0, const int NR, float *out) {
+                                                              int i0, const int NR, const int T, float *out) {
     __m512 acc[4][2], sx[4];
     __m256 off[4];
     for (int r = 0; r < NR; r++)
@@ -1354,16 +1380,18 @@ static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row
         q4k_scales8(blk, ds, dm);
         const __m256 dsv = _mm256_loadu_ps(ds), dmv = _mm256_loadu_ps(dm);
         for (int r = 0; r < NR; r++) { /* the 8 blocks' weight scale times x's, once a super-block */
-            const int64_t at = (i0 + r) * nb + sb * 8;
-            sx[r] = _mm512_castps256_ps512(_mm256_mul_ps(dsv, _mm256_loadu_ps(qx->d + at)));
-            off[r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(qx->s32 + at), off[r]);
+            const int64_t at = (int64_t)T * (i0 + r) * nb + sb * 8, last = at + (T - 1) * nb; /* T = 2: d / 256 */
+            sx[r] = _mm512_castps256_ps512(_mm256_mul_ps(dsv, _mm256_loadu_ps(qx->d + last)));
+            __m256 xs = _mm256_loadu_ps(qx->s32 + at);
+            if (T == 2)
+                xs = _mm256_add_ps(xs, _mm256_loadu_ps(qx->s32 + last));
+            off[r] = _mm256_fmadd_ps(dmv, xs, off[r]);
         }
         for (int c = 0; c < 4; c++) {
             const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
             const __m512i w = _mm512_and_si512(join256(b, _mm256_srli_epi16(b, 4)), m15); /* blocks 2c, 2c + 1 */
             for (int r = 0; r < NR; r++) {
-                const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + (i0 + r) * k + sb * 256 + c * 64));
-                const __m512 f = _mm512_cvtepi32_ps(sums4_512(w, xq));
+                const __m512 f = _mm512_cvtepi32_ps(xsums_512(w, qx->q + (int64_t)T * (i0 + r) * k + sb * 256 + c * 64, k, T));
                 acc[r][c & 1] = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(pick[c], sx[r]), acc[r][c & 1]);
             }
         }
@@ -1373,7 +1401,7 @@ static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row
 }
 
 static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row, int64_t k, const QuantX *qx,
-                                                              int i0, const int NR, float *out) {
+                                                              int i0, const int NR, const int T, float *out) {
     __m512 acc[4][2], off[4], xd[4];
     for (int r = 0; r < NR; r++)
         acc[r][0] = acc[r][1] = off[r] = _mm512_setzero_ps();
@@ -1386,8 +1414,12 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
         const __m512 scf = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
         for (int r = 0; r < NR; r++) { /* the -32 of every quant: d * sc * 32 * x's half-block sums */
-            off[r] = _mm512_fmadd_ps(scf, _mm512_loadu_ps(qx->s16 + (i0 + r) * (k / 16) + sb * 16), off[r]);
-            xd[r] = _mm512_castps256_ps512(_mm256_loadu_ps(qx->d + (i0 + r) * nb + sb * 8)); /* x's 8 block scales */
+            const int64_t qi = (int64_t)T * (i0 + r), last = qi + T - 1;
+            __m512 xs = _mm512_loadu_ps(qx->s16 + qi * (k / 16) + sb * 16);
+            if (T == 2)
+                xs = _mm512_add_ps(xs, _mm512_loadu_ps(qx->s16 + last * (k / 16) + sb * 16));
+            off[r] = _mm512_fmadd_ps(scf, xs, off[r]);
+            xd[r] = _mm512_castps256_ps512(_mm256_loadu_ps(qx->d + last * nb + sb * 8)); /* x's 8 block scales */
         }
         for (int h = 0; h < 2; h++) {
             const __m512i l = _mm512_loadu_si512((const void *)(blk + h * 64));
@@ -1403,8 +1435,7 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
                     _mm512_add_epi32(_mm512_set1_epi32(4 * g),
                                      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), scf);
                 for (int r = 0; r < NR; r++) {
-                    const __m512i xq = _mm512_loadu_si512((const void *)(qx->q + (i0 + r) * k + sb * 256 + g * 64));
-                    const __m512 f = _mm512_cvtepi32_ps(sums4_512(w[t], xq));
+                    const __m512 f = _mm512_cvtepi32_ps(xsums_512(w[t], qx->q + (int64_t)T * (i0 + r) * k + sb * 256 + g * 64, k, T));
                     const __m512 sc = _mm512_mul_ps(wsc, _mm512_permutexvar_ps(pick[g], xd[r]));
                     acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
                 }
@@ -1418,7 +1449,8 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
 /* Q8_0 (kind -1: magnitudes, the signs moved onto x), Q4_0 (0: nibbles, offset -8 d) and Q4_1
  * (1: nibbles, offset m), two blocks a step */
 static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row, int64_t k, const QuantX *qx,
-                                                              int i0, const int NR, const int kind, float *out) {
+                                                              int i0, const int NR, const int kind, const int T,
+                                                              float *out) {
     __m512 acc[4][2];
     float off[4][2] = {{0}};
     for (int r = 0; r < NR; r++)
@@ -1446,16 +1478,24 @@ static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row
         const __m512 wsc = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
         const float m0 = kind == 1 ? h2f(b0 + 2) : -8.0f * d0, m1 = kind == 1 ? h2f(b1 + 2) : -8.0f * d1;
         for (int r = 0; r < NR; r++) {
-            const int64_t i = i0 + r;
-            __m512i xq = _mm512_loadu_si512((const void *)(qx->q + i * k + p * 64));
-            if (kind < 0)
-                xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
-            const __m512 f = _mm512_cvtepi32_ps(sums4_512(w, xq));
-            const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (i * nb + 2 * p) * 8));
+            const int64_t i = (int64_t)T * (i0 + r), last = i + T - 1; /* T = 2: the scale d / 256 is last's */
+            __m512i sum;
+            if (kind < 0) { /* the weights' signs onto x, each term */
+                const __m512i x1 = _mm512_loadu_si512((const void *)(qx->q + i * k + p * 64));
+                sum = sums4_512(w, _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1));
+                if (T == 2) {
+                    const __m512i x2 = _mm512_loadu_si512((const void *)(qx->q + last * k + p * 64));
+                    sum = sums4_acc_512(_mm512_slli_epi32(sum, 8), w, _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2));
+                }
+            } else {
+                sum = xsums_512(w, qx->q + i * k + p * 64, k, T);
+            }
+            const __m512 f = _mm512_cvtepi32_ps(sum);
+            const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (last * nb + 2 * p) * 8));
             acc[r][p & 1] = _mm512_fmadd_ps(f, sc, acc[r][p & 1]);
             if (kind >= 0) {
-                off[r][0] += m0 * qx->s32[i * nb + 2 * p];
-                off[r][1] += m1 * qx->s32[i * nb + 2 * p + 1];
+                off[r][0] += m0 * (qx->s32[i * nb + 2 * p] + (T == 2 ? qx->s32[last * nb + 2 * p] : 0.0f));
+                off[r][1] += m1 * (qx->s32[i * nb + 2 * p + 1] + (T == 2 ? qx->s32[last * nb + 2 * p + 1] : 0.0f));
             }
         }
     }
@@ -1463,13 +1503,29 @@ static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row
         out[r] = hsum_tail(acc[r][0], acc[r][1]) + (off[r][0] + off[r][1]);
 }
 
-#define FAST512_Q4K(NR) fast512_q4k(row, k, qx, i0, NR, out)
-#define FAST512_Q6K(NR) fast512_q6k(row, k, qx, i0, NR, out)
-#define FAST512_Q80(NR) fast512_q32(row, k, qx, i0, NR, -1, out)
-#define FAST512_Q40(NR) fast512_q32(row, k, qx, i0, NR, 0, out)
-#define FAST512_Q41(NR) fast512_q32(row, k, qx, i0, NR, 1, out)
+#define FAST512_Q4K(NR) fast512_q4k(row, k, qx, i0, NR, 1, out)
+#define FAST512_Q6K(NR) fast512_q6k(row, k, qx, i0, NR, 1, out)
+#define FAST512_Q80(NR) fast512_q32(row, k, qx, i0, NR, -1, 1, out)
+#define FAST512_Q40(NR) fast512_q32(row, k, qx, i0, NR, 0, 1, out)
+#define FAST512_Q41(NR) fast512_q32(row, k, qx, i0, NR, 1, 1, out)
+#define FAST512_Q4K_2(NR) fast512_q4k(row, k, qx, i0, NR, 2, out)
+#define FAST512_Q6K_2(NR) fast512_q6k(row, k, qx, i0, NR, 2, out)
+#define FAST512_Q80_2(NR) fast512_q32(row, k, qx, i0, NR, -1, 2, out)
+#define FAST512_Q40_2(NR) fast512_q32(row, k, qx, i0, NR, 0, 2, out)
+#define FAST512_Q41_2(NR) fast512_q32(row, k, qx, i0, NR, 1, 2, out)
 
-static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+/* x's rows i0 .. i0 + R - 1 (R <= 4) against one weight row: qx's rows i0 .. (T = 1), or its
+ * pairs 2i, 2i + 1 (T = 2, quantize_x's two terms) */
+static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, int T, float *out) {
+    if (T == 2) {
+        switch (fmt) {
+        case F_Q4_K: FAST_SWITCH(FAST512_Q4K_2)
+        case F_Q6_K: FAST_SWITCH(FAST512_Q6K_2)
+        case F_Q8_0: FAST_SWITCH(FAST512_Q80_2)
+        case F_Q4_0: FAST_SWITCH(FAST512_Q40_2)
+        default: FAST_SWITCH(FAST512_Q41_2)
+        }
+    }
     switch (fmt) {
     case F_Q4_K: FAST_SWITCH(FAST512_Q4K)
     case F_Q6_K: FAST_SWITCH(FAST512_Q6K)
@@ -1485,25 +1541,22 @@ static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx
 
 #if HAVE_AVX2
 /* out[i] = row . x_i for R (1..4) quantized rows of qx (from i0), in the widest form here */
-static void fast_dot(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, float *out) {
+/* x's rows i0 .. i0 + R - 1 (R <= 4 / terms) against one weight row, from qx in `terms` terms,
+ * in the widest form here (the AVX2 forms take the two terms as two rows of qx and add them) */
+static void fast_dot_terms(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int terms, int i0, int R,
+                           float *out) {
 #if HAVE_FAST512
     if ((k / 32) % 2 == 0) {
-        fast_row512(row, fmt, k, qx, i0, R, out);
+        fast_row512(row, fmt, k, qx, i0, R, terms, out);
         return;
     }
 #endif
-    fast_row256(row, fmt, k, qx, i0, R, out);
-}
-
-/* x's rows i0 .. i0 + R - 1 (R <= 4 / terms) against one weight row, from qx in `terms` terms */
-static void fast_dot_terms(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int terms, int i0, int R,
-                           float *out) {
     if (terms == 1) {
-        fast_dot(row, fmt, k, qx, i0, R, out);
+        fast_row256(row, fmt, k, qx, i0, R, out);
         return;
     }
     float both[4];
-    fast_dot(row, fmt, k, qx, 2 * i0, 2 * R, both);
+    fast_row256(row, fmt, k, qx, 2 * i0, 2 * R, both);
     for (int j = 0; j < R; j++)
         out[j] = both[2 * j] + both[2 * j + 1];
 }

@@ -143,17 +143,18 @@ FAST = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def _rounded_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
-    """x as the fast path takes it: int8 in blocks of 32, scale amax / 127, ties to even
+    """x as the fast path takes it: int8 in blocks of 32, scale d = amax / 127, ties to even
     (float64); terms=2: plus what that rounding left (in float32, as the kernel computes it),
-    rounded the same way."""
+    rounded on the scale d / 256 and clamped to +-127."""
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32)
     d = (xb.abs().amax(-1, keepdim=True) / 127).float()  # the kernel's float32 scale
-    q = torch.round(xb.double() / torch.where(d > 0, d, torch.ones_like(d)).double())
-    taken = q * d.double()
+    safe = torch.where(d > 0, d, torch.ones_like(d)).double()
+    taken = torch.round(xb.double() / safe) * d.double()
     if terms == 2:
-        rest = (xb - taken.float()).view(m, k)  # xb - d * q in float32 (exact: one rounding at most)
-        taken = taken + _rounded_x(rest).view(m, k // 32, 32)
+        rest = xb - taken.float()  # xb - d * q in float32 (exact: one rounding at most)
+        d2 = (d / 256).double()
+        taken = taken + torch.round(rest.double() / (safe / 256)).clamp(-127, 127) * d2
     return taken.view(m, k)
 
 
