@@ -161,6 +161,27 @@ def test_two_sequence_parallel_ranks_keep_the_tokens(model_file, float_reference
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_tokens
 
 
+@pytest.mark.parametrize("numerics", ["fast", "fast2"])
+def test_integer_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file, numerics):
+    """fast and fast2 inside the other modes: lookahead's verification steps (several rows a
+    product), a prefix hit, int8 pages and two sequence-parallel ranks give the tokens the
+    same numerics give alone (each row of a product is computed as a one-row step's)."""
+    follow = PROMPT[:80] + random_tokens(12, seed=22)
+    with _llm(model_file, block_numerics=numerics, lookahead=False) as llm:
+        alone = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in (PROMPT, follow)]
+    with _llm(model_file, block_numerics=numerics, lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
+        assert llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids == alone[1]
+        assert llm.cache_stats().hit_tokens["device"] >= 80
+    with _llm(model_file, block_numerics=numerics, kv_cache_dtype="int8", lookahead=False) as llm:
+        int8_pages = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    with _llm(model_file, block_numerics=numerics, kv_cache_dtype="int8", lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == int8_pages
+    with _llm(model_file, block_numerics=numerics, sequence_parallel_size=2, lookahead=False) as llm:
+        assert all(m.method.fast == BLOCK_TERMS[numerics] for m in llm.engine.model.modules() if isinstance(m, Linear))
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
+
+
 def test_blocks_refused_where_they_cannot_serve(tmp_path):
     hf_folder = tmp_path / "hf"
     make_checkpoint(hf_folder, "llama-default")
