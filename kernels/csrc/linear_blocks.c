@@ -1142,10 +1142,7 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, 
             } else {
                 float rest[32];
                 const float d = quantize_block(xb, qx, 2 * (int64_t)i, b, k, 0.0f, rest);
-                if (d > 0.0f)
-                    quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, d / 256.0f, NULL);
-                else /* an all-zero block: its remainder too */
-                    quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, 0.0f, NULL);
+                quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, d / 256.0f, NULL); /* d = 0: all zeros */
             }
         }
     return 0;
@@ -1345,13 +1342,21 @@ static inline __m512i sums4_acc_512(__m512i acc, __m512i w_unsigned, __m512i xs)
 #endif
 }
 
-/* x's integer sums against w at qx's row qi (T = 1), or 256 times those plus row qi + 1's
- * (T = 2: the 16-bit value of quantize_x's two terms) */
-static inline __attribute__((always_inline)) __m512i xsums_512(__m512i w, const int8_t *q1, int64_t k, const int T) {
-    const __m512i s1 = sums4_512(w, _mm512_loadu_si512((const void *)q1));
+/* x's integer sums against w at qx's row q1 (T = 1), or 256 times those plus the next row's
+ * (T = 2: the 16-bit value of quantize_x's two terms); flip: x's bytes negated where neg is
+ * set first (Q8_0's weight signs) */
+static inline __attribute__((always_inline)) __m512i xsums_512(__m512i w, const int8_t *q1, int64_t k, const int T,
+                                                               const int flip, __mmask64 neg) {
+    __m512i x1 = _mm512_loadu_si512((const void *)q1);
+    if (flip)
+        x1 = _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1);
+    const __m512i s1 = sums4_512(w, x1);
     if (T == 1)
         return s1;
-    return sums4_acc_512(_mm512_slli_epi32(s1, 8), w, _mm512_loadu_si512((const void *)(q1 + k)));
+    __m512i x2 = _mm512_loadu_si512((const void *)(q1 + k));
+    if (flip)
+        x2 = _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2);
+    return sums4_acc_512(_mm512_slli_epi32(s1, 8), w, x2);
 }
 
 static inline __m512i join256(__m256i lo, __m256i hi) {
@@ -1391,7 +1396,7 @@ static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row
             const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + 16 + c * 32));
             const __m512i w = _mm512_and_si512(join256(b, _mm256_srli_epi16(b, 4)), m15); /* blocks 2c, 2c + 1 */
             for (int r = 0; r < NR; r++) {
-                const __m512 f = _mm512_cvtepi32_ps(xsums_512(w, qx->q + (int64_t)T * (i0 + r) * k + sb * 256 + c * 64, k, T));
+                const __m512 f = _mm512_cvtepi32_ps(xsums_512(w, qx->q + (int64_t)T * (i0 + r) * k + sb * 256 + c * 64, k, T, 0, 0));
                 acc[r][c & 1] = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(pick[c], sx[r]), acc[r][c & 1]);
             }
         }
@@ -1435,7 +1440,7 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
                     _mm512_add_epi32(_mm512_set1_epi32(4 * g),
                                      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), scf);
                 for (int r = 0; r < NR; r++) {
-                    const __m512 f = _mm512_cvtepi32_ps(xsums_512(w[t], qx->q + (int64_t)T * (i0 + r) * k + sb * 256 + g * 64, k, T));
+                    const __m512 f = _mm512_cvtepi32_ps(xsums_512(w[t], qx->q + (int64_t)T * (i0 + r) * k + sb * 256 + g * 64, k, T, 0, 0));
                     const __m512 sc = _mm512_mul_ps(wsc, _mm512_permutexvar_ps(pick[g], xd[r]));
                     acc[r][t] = _mm512_fmadd_ps(f, sc, acc[r][t]);
                 }
@@ -1479,18 +1484,8 @@ static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row
         const float m0 = kind == 1 ? h2f(b0 + 2) : -8.0f * d0, m1 = kind == 1 ? h2f(b1 + 2) : -8.0f * d1;
         for (int r = 0; r < NR; r++) {
             const int64_t i = (int64_t)T * (i0 + r), last = i + T - 1; /* T = 2: the scale d / 256 is last's */
-            __m512i sum;
-            if (kind < 0) { /* the weights' signs onto x, each term */
-                const __m512i x1 = _mm512_loadu_si512((const void *)(qx->q + i * k + p * 64));
-                sum = sums4_512(w, _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1));
-                if (T == 2) {
-                    const __m512i x2 = _mm512_loadu_si512((const void *)(qx->q + last * k + p * 64));
-                    sum = sums4_acc_512(_mm512_slli_epi32(sum, 8), w, _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2));
-                }
-            } else {
-                sum = xsums_512(w, qx->q + i * k + p * 64, k, T);
-            }
-            const __m512 f = _mm512_cvtepi32_ps(sum);
+            /* kind < 0: the weights' signs onto x, each term */
+            const __m512 f = _mm512_cvtepi32_ps(xsums_512(w, qx->q + i * k + p * 64, k, T, kind < 0, neg));
             const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (last * nb + 2 * p) * 8));
             acc[r][p & 1] = _mm512_fmadd_ps(f, sc, acc[r][p & 1]);
             if (kind >= 0) {
@@ -1503,29 +1498,15 @@ static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row
         out[r] = hsum_tail(acc[r][0], acc[r][1]) + (off[r][0] + off[r][1]);
 }
 
-#define FAST512_Q4K(NR) fast512_q4k(row, k, qx, i0, NR, 1, out)
-#define FAST512_Q6K(NR) fast512_q6k(row, k, qx, i0, NR, 1, out)
-#define FAST512_Q80(NR) fast512_q32(row, k, qx, i0, NR, -1, 1, out)
-#define FAST512_Q40(NR) fast512_q32(row, k, qx, i0, NR, 0, 1, out)
-#define FAST512_Q41(NR) fast512_q32(row, k, qx, i0, NR, 1, 1, out)
-#define FAST512_Q4K_2(NR) fast512_q4k(row, k, qx, i0, NR, 2, out)
-#define FAST512_Q6K_2(NR) fast512_q6k(row, k, qx, i0, NR, 2, out)
-#define FAST512_Q80_2(NR) fast512_q32(row, k, qx, i0, NR, -1, 2, out)
-#define FAST512_Q40_2(NR) fast512_q32(row, k, qx, i0, NR, 0, 2, out)
-#define FAST512_Q41_2(NR) fast512_q32(row, k, qx, i0, NR, 1, 2, out)
+#define FAST512_Q4K(NR) fast512_q4k(row, k, qx, i0, NR, T, out)
+#define FAST512_Q6K(NR) fast512_q6k(row, k, qx, i0, NR, T, out)
+#define FAST512_Q80(NR) fast512_q32(row, k, qx, i0, NR, -1, T, out)
+#define FAST512_Q40(NR) fast512_q32(row, k, qx, i0, NR, 0, T, out)
+#define FAST512_Q41(NR) fast512_q32(row, k, qx, i0, NR, 1, T, out)
 
-/* x's rows i0 .. i0 + R - 1 (R <= 4) against one weight row: qx's rows i0 .. (T = 1), or its
- * pairs 2i, 2i + 1 (T = 2, quantize_x's two terms) */
-static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, int T, float *out) {
-    if (T == 2) {
-        switch (fmt) {
-        case F_Q4_K: FAST_SWITCH(FAST512_Q4K_2)
-        case F_Q6_K: FAST_SWITCH(FAST512_Q6K_2)
-        case F_Q8_0: FAST_SWITCH(FAST512_Q80_2)
-        case F_Q4_0: FAST_SWITCH(FAST512_Q40_2)
-        default: FAST_SWITCH(FAST512_Q41_2)
-        }
-    }
+static inline __attribute__((always_inline)) void fast_row512_terms(const uint8_t *row, int fmt, int64_t k,
+                                                                    const QuantX *qx, int i0, int R, const int T,
+                                                                    float *out) {
     switch (fmt) {
     case F_Q4_K: FAST_SWITCH(FAST512_Q4K)
     case F_Q6_K: FAST_SWITCH(FAST512_Q6K)
@@ -1533,6 +1514,15 @@ static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx
     case F_Q4_0: FAST_SWITCH(FAST512_Q40)
     default: FAST_SWITCH(FAST512_Q41)
     }
+}
+
+/* x's rows i0 .. i0 + R - 1 (R <= 4) against one weight row: qx's rows i0 .. (T = 1), or its
+ * pairs 2i, 2i + 1 (T = 2, quantize_x's two terms); T a compile-time constant in each form */
+static void fast_row512(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int i0, int R, int T, float *out) {
+    if (T == 2)
+        fast_row512_terms(row, fmt, k, qx, i0, R, 2, out);
+    else
+        fast_row512_terms(row, fmt, k, qx, i0, R, 1, out);
 }
 #define HAVE_FAST512 1
 #else
@@ -1576,37 +1566,11 @@ int longctx_blocks_linear_fast(const float *x, int64_t ldx, int m, const uint8_t
                                int64_t ldr, int nthreads, int terms) {
     if (!longctx_blocks_fast_supported(fmt))
         return 5;
-    int64_t expect;
-    if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
-        return 1;
-    if (m < 1 || n < 1 || ldx < k || ldy < n || (res != NULL && ldr < n) || nthreads < 1 || terms < 1 || terms > 2)
+    if (terms < 1 || terms > 2)
         return 2;
-#if HAVE_AVX2
-    QuantX *qx = new_quant_x(x, ldx, m, k, terms);
-    if (qx == NULL)
-        return 3;
-    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t r1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
-        for (int64_t r = c * CHUNK; r < r1; r++) {
-            const float b = bias ? bias[r] : 0.0f;
-            for (int i = 0; i < m; i += 4 / terms) {
-                const int rows = m - i < 4 / terms ? m - i : 4 / terms;
-                float out[4];
-                fast_dot_terms(w + r * row_bytes, fmt, k, qx, terms, i, rows, out);
-                for (int j = 0; j < rows; j++) {
-                    float v = out[j] + b;
-                    if (res)
-                        v += res[(int64_t)(i + j) * ldr + r];
-                    y[(int64_t)(i + j) * ldy + r] = v;
-                }
-            }
-        }
-    }
-    free_quant_x(qx);
-    return 0;
-#else
-    return 5;
-#endif
+    const uint8_t *ws[1] = {w};
+    const int64_t bytes[1] = {row_bytes}, rows[1] = {n};
+    const int fmts[1] = {fmt};
+    return longctx_blocks_linear_parts(x, ldx, m, 1, ws, bytes, fmts, rows, k, bias, y, ldy, res, ldr, nthreads, 0,
+                                       NULL, 0.0f, terms);
 }
