@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine import cpu_model, machine_info
+from machine import cpu_id, cpu_model, machine_info
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -73,10 +73,13 @@ def tree_is_dirty(cwd: Path = HERE) -> bool:
     return bool(git("status", "--porcelain", "--", ":/", ":(top,exclude)benchmarks/results", cwd=cwd))
 
 
-def machine_slug(cpu: str, cores: int | None) -> str:
-    """``Intel(R) Xeon(R) Processor``, 2 -> ``intel-xeon-processor-2c``."""
+def machine_slug(cpu: str, cores: int | None, isa: list[str] | None = None) -> str:
+    """``Intel(R) Xeon(R) Processor``, 2 -> ``intel-xeon-processor-2c``. An x86 CPU with AVX2
+    and no AVX-512 gets ``-avx2`` before the cores: a VM's model name can be just ``AMD EPYC``
+    for a Zen 3 (AVX2) and a Zen 4 (AVX-512) alike, and the kernels differ between the two."""
     words = re.sub(r"\((r|tm)\)", " ", cpu.lower())
-    return "-".join(re.findall(r"[a-z0-9]+", words)) + f"-{cores or 0}c"
+    level = "-avx2" if isa and "avx2" in isa and "avx512f" not in isa else ""
+    return "-".join(re.findall(r"[a-z0-9]+", words)) + f"{level}-{cores or 0}c"
 
 
 def gpu_slug(gpu: str) -> str:
@@ -95,7 +98,7 @@ def machine_folder(info: dict, result: object) -> str:
     """The folder of a result: the GPU it ran on where it names one, else this machine's CPU
     and cores."""
     gpu = result_gpu(result)
-    return gpu_slug(gpu) if gpu else machine_slug(cpu_model(), info.get("cores"))
+    return gpu_slug(gpu) if gpu else machine_slug(cpu_model(), info.get("cores"), cpu_id().get("isa"))
 
 
 def result_path(name: str, machine: str, rev: str, root: Path = RESULTS) -> Path:

@@ -189,6 +189,8 @@ def machine_name(rec: Record) -> str:
     if m.get("gpu"):
         return str(m["gpu"])
     cpu = re.sub(r"\s*\((R|TM|r|tm)\)", "", str(m.get("cpu") or "unknown CPU")).strip()
+    if re.search(r"-avx2-\d+c$", rec.folder):  # the harness's folder of an AVX2-only x86 CPU
+        cpu += " (AVX2 only)"
     return f"{cpu}, {m['cores']} cores" if m.get("cores") else cpu
 
 

@@ -42,6 +42,10 @@ def _script(tmp_path: Path, body: str) -> Path:
 def test_machine_folder_names(harness):
     assert harness.machine_slug("Intel(R) Xeon(R) Processor", 2) == "intel-xeon-processor-2c"
     assert harness.machine_slug("AMD EPYC 9R14 96-Core Processor", 2) == "amd-epyc-9r14-96-core-processor-2c"
+    # one model name, two CPU kinds: a Zen 3 (AVX2 only) is filed apart from a Zen 4 (AVX-512)
+    assert harness.machine_slug("AMD EPYC", 2, ["avx2", "fma", "f16c"]) == "amd-epyc-avx2-2c"
+    assert harness.machine_slug("AMD EPYC", 2, ["avx2", "fma", "avx512f", "avx512_vnni"]) == "amd-epyc-2c"
+    assert harness.machine_slug("ARM Neoverse", 2, ["asimd"]) == "arm-neoverse-2c"
 
 
 def test_a_run_is_recorded_with_its_machine_and_revision(harness, tmp_path, monkeypatch):
@@ -50,7 +54,7 @@ def test_a_run_is_recorded_with_its_machine_and_revision(harness, tmp_path, monk
     rc, path = harness.run("e2e", ["--n", "21"], script=script, root=tmp_path / "results")
     assert rc == 0
     rev = harness.git("rev-parse", "--short", "HEAD")
-    machine = harness.machine_slug(harness.cpu_model(), harness.machine_info()["cores"])
+    machine = harness.machine_slug(harness.cpu_model(), harness.machine_info()["cores"], harness.cpu_id().get("isa"))
     assert path == tmp_path / "results" / "e2e" / machine / f"{rev}.json"
     record = json.loads(path.read_text())
     assert record["schema_version"] == harness.SCHEMA_VERSION == 1
@@ -132,7 +136,7 @@ def test_a_gpu_result_is_filed_under_its_gpu(harness, tmp_path, monkeypatch):
     assert rc == 0 and path.parent.name == "nvidia-h100-80gb-hbm3"
     assert json.loads(path.read_text())["machine"]["gpu"] == "NVIDIA H100 80GB HBM3"
     # no GPU named (bench_kernels on a CPU says gpu None): the CPU's folder
-    cpu = harness.machine_slug(harness.cpu_model(), harness.machine_info()["cores"])
+    cpu = harness.machine_slug(harness.cpu_model(), harness.machine_info()["cores"], harness.cpu_id().get("isa"))
     assert harness.machine_folder({"cores": harness.machine_info()["cores"]}, {"machine": {"gpu": None}}) == cpu
     assert harness.machine_folder({"cores": harness.machine_info()["cores"]}, [1, 2]) == cpu
 

@@ -197,3 +197,12 @@ def test_ties_and_missing_fields(tables):
     broken = rec("z.json", "2026-02-01T00:00:00+00:00", {"results": {"hf-fp32": {"prefill_s": "oops"},
                                                                       "longctx-fp32": None}})
     assert tables.newest([a, broken], "e2e", lambda r: tables.lengths(r, "hf-fp32", "longctx-fp32")) is a
+
+
+def test_an_avx2_only_folder_is_named_so(tables):
+    def rec(folder: str) -> object:
+        return tables.Record(f"benchmarks/results/quant/{folder}/r.json", f"quant/{folder}/r.json",
+                             {"bench": "quant", "machine": {"cpu": "AMD EPYC", "cores": 2}})
+
+    assert tables.machine_name(rec("amd-epyc-avx2-2c")) == "AMD EPYC (AVX2 only), 2 cores"
+    assert tables.machine_name(rec("amd-epyc-2c")) == "AMD EPYC, 2 cores"
