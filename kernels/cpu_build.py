@@ -56,11 +56,17 @@ FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]  # + the ISA level's
 _V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# The vector width is fixed per level, not left to -mtune: the C files' `omp simd reduction`
+# loops (the RMSNorm's sum of squares, some dot products) sum in as many lanes as the vectorizer
+# picks, and the tunings disagree (this Intel Xeon's, rocketlake, prefers 256 bits; the AMD EPYC
+# Zen 4's 512), so one revision at one level gave other float32 sums on the two CPUs. fast's
+# tokens followed (4 of 5 real prompts kept on the Zen 4, 1 of 5 on the Xeon, the same 4 with
+# -mprefer-vector-width=512 there; 2026-12-03).
 X86_LEVELS = {
-    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"],
-                   _V4 | {"avx512_bf16", "avx512_vnni"}),
-    "avx512": (["-march=x86-64-v4", "-mtune=native"], _V4),
-    "avx2": (["-march=x86-64-v3", "-mtune=native"], _V3),
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native",
+                    "-mprefer-vector-width=512"], _V4 | {"avx512_bf16", "avx512_vnni"}),
+    "avx512": (["-march=x86-64-v4", "-mtune=native", "-mprefer-vector-width=512"], _V4),
+    "avx2": (["-march=x86-64-v3", "-mtune=native", "-mprefer-vector-width=256"], _V3),
     "portable": (["-march=x86-64", "-mtune=native"], set()),
     # only when the CPU's features cannot be read (no /proc/cpuinfo), or when forced
     "native": (["-march=native"], set()),

@@ -117,3 +117,48 @@ def test_each_level_builds_its_own_library(tmp_path, monkeypatch):
     monkeypatch.setenv("LONGCTX_CPU_ISA", "portable")
     cpu_build.build(source)
     assert len(list((tmp_path / "cpu_kernels").glob("linear_rows-*.so"))) == 2
+
+
+SIMD_SUM = r"""
+#include <stdio.h>
+#include <string.h>
+static float sum(const float *x, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+int main(void) {
+    static float x[4099];
+    unsigned state = 12345u;
+    for (int i = 0; i < 4099; i++) { state = state * 1664525u + 1013904223u; x[i] = (float)(state >> 8) / 16777216.0f - 0.5f; }
+    volatile int n = 4099;
+    float s = sum(x, n);
+    unsigned bits; memcpy(&bits, &s, 4);
+    printf("%08x\n", bits);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("level", ["avx512bf16", "avx512", "avx2"])
+def test_a_level_sums_alike_under_every_tuning(tmp_path, level):
+    """The C files' `omp simd reduction` sums (the RMSNorm's, some dot products) take as many lanes
+    as the vectorizer picks, and -mtune=native picks differently per CPU (rocketlake prefers 256
+    bits, znver3 512): the level's flags fix the width, so one level sums alike on Intel and AMD.
+    Built with each tuning in place of native and run here, the sums must be the same bits."""
+    needs = cpu_build.X86_LEVELS[level][1]
+    have = set(cpu_build._cpu_flags().split())
+    if cpu_build.platform.machine().lower() not in ("x86_64", "amd64") or not needs <= have:
+        pytest.skip(f"this CPU cannot run the {level} level")
+    compiler = os.environ.get("CC") or "gcc"
+    src = tmp_path / "sum.c"
+    src.write_text(SIMD_SUM)
+    sums = {}
+    for tune in ("rocketlake", "znver3", "generic"):
+        flags = [f if f != "-mtune=native" else f"-mtune={tune}" for f in cpu_build.X86_LEVELS[level][0]]
+        exe = tmp_path / f"sum-{tune}"
+        subprocess.run([compiler, "-O3", "-fopenmp", "-std=c11", *flags, str(src), "-o", str(exe)],
+                       check=True, capture_output=True, text=True)
+        sums[tune] = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.strip()
+    assert len(set(sums.values())) == 1, sums
