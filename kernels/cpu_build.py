@@ -58,7 +58,7 @@ _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsav
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # The vector width is fixed per level, not left to -mtune: the C files' `omp simd reduction`
 # loops (the RMSNorm's sum of squares, some dot products) sum in as many lanes as the vectorizer
-# picks, and the tunings disagree (this Intel Xeon's, rocketlake, prefers 256 bits; the AMD EPYC
+# picks, and the tunings disagree (an Intel Xeon's, rocketlake, prefers 256 bits; the AMD EPYC
 # Zen 4's 512), so one revision at one level gave other float32 sums on the two CPUs. fast's
 # tokens followed (4 of 5 real prompts kept on the Zen 4, 1 of 5 on the Xeon, the same 4 with
 # -mprefer-vector-width=512 there; 2026-12-03).
@@ -103,6 +103,14 @@ def set_omp_threads(num: int) -> None:
     setter = _omp_set_num_threads()
     if setter is not None:
         setter(num)
+
+
+def c_compiler() -> str:
+    """$CC, else cc or gcc on PATH; RuntimeError where there is none."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    return compiler
 
 
 def _levels() -> dict[str, tuple[list[str], set[str]]]:
@@ -184,9 +192,7 @@ def cache_dir() -> Path:
 def build(source: Path) -> ctypes.CDLL:
     """Compile ``source`` (or reuse its cached build) and load it. Raises one of
     ``BUILD_ERRORS`` when there is no compiler or the build fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    compiler = c_compiler()
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it may include
     flags = [*FLAGS[:1], *isa_flags(), *FLAGS[1:]]  # appended FLAGS (tests: -mno-avx2) come last

@@ -194,9 +194,10 @@ def test_fast_numerics_keep_exact_tokens_on_real_prompts(terms):
     texts and a summary request): the bar is the first 32 greedy tokens equal on at least 4 of
     5 (fast 4 at the AVX-512 levels, 1 at AVX2, fast2 5 at both: the AMD EPYC Zen 4 and the
     Intel Xeon alike, the Xeon's AVX-512 fast 1 of 5 before cpu_build fixed the vector width).
-    fast's margin is thin: its tokens followed the last bits of an RMSNorm's sum. One engine: each prompt runs exact, then every layer takes the fast form of the same
-    method and the prompt runs again from its cached prefix (prefill is exact in both, so the
-    cached pages are a fast run's)."""
+    fast's margin is thin: its tokens followed the last bits of an RMSNorm's sum. One engine:
+    each prompt runs exact, then every layer takes the fast form of the same method and the
+    prompt runs again from its cached prefix (prefill is exact in both, so the cached pages are
+    a fast run's)."""
     from longctx.model.linear import BLOCK_METHODS, BLOCKS, Linear
 
     llm = LLM("smollm2-135m", max_num_batched_tokens=2048, lookahead=False)
