@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +80,23 @@ def test_kernels_installs_only_under_longctx(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             check=True)
     assert result.stdout.split() == ["True", "True"]
+
+
+def test_a_checkout_root_on_sys_path_does_not_shadow_pypi_kernels():
+    """Run from the checkout's root, where ``python -c`` / ``python -m`` put the root first on
+    sys.path: after ``import longctx``, top-level ``kernels`` is the PyPI package or absent,
+    never our kernels/ folder (transformers 5.25 imports PyPI ``kernels`` when it builds a
+    model and failed on ours with 'cannot import name CUDAProperties')."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import importlib.util, os, longctx\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "print(spec.origin if spec is not None else 'absent')\n"
+            "print(os.path.realpath(longctx.__file__))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                            check=True)
+    origin, longctx_file = result.stdout.split()
+    assert origin == "absent" or not Path(origin).resolve().is_relative_to(root / "kernels"), origin
+    assert Path(longctx_file).is_relative_to(root / "longctx")  # the checkout's own longctx ran
 
 
 # ---------------------------------------------------------------- the row kernel's layout cache
