@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The kernel-or-BLAS choice for long steps is measured per machine (kernels/cpu_tune.py): off here,
+# so that a run's numerics do not hang on a timing; tests/kernels/test_cpu_tune.py and the forced
+# row counts in tests/test_engine.py cover the tuned path.
+os.environ.setdefault("LONGCTX_CPU_TUNE", "off")
+
 # The disk KV tier makes its HMAC key under $XDG_CONFIG_HOME/longctx/ (server subprocesses inherit it).
 _CONFIG_HOME = tempfile.mkdtemp(prefix="longctx-test-config-")
 os.environ["XDG_CONFIG_HOME"] = _CONFIG_HOME

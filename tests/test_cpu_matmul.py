@@ -63,6 +63,36 @@ def test_row_kernel_linear_matches_blas(rows, bias, limit, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("prologue", ["norm", "swiglu"])
+@pytest.mark.parametrize("rows", [1, 99, 100, 300])
+def test_row_kernel_hands_steps_from_its_tuned_rows_to_blas(rows, prologue, monkeypatch):
+    """``blas_from_rows`` (what kernels/cpu_tune.py measured faster here): steps of that many
+    rows and more go to BLAS on the same [out, in] matrix, fewer stay on the kernel, with the
+    norm or SwiGLU and the residual applied either way."""
+    from longctx.model.linear import RowKernelWeights
+    from longctx.model.llama import RMSNorm
+
+    layer = _linear(72, 200, True)
+    gen = torch.Generator().manual_seed(rows)
+    residual = torch.randn(rows, 200, generator=gen)
+    if prologue == "norm":
+        x, norm = torch.randn(rows, 72, generator=gen), RMSNorm(72, 1e-5)
+        norm.weight.data.copy_(torch.rand(72, generator=gen) + 0.5)
+        expected = layer(norm(x)) + residual
+    else:
+        x, norm = torch.randn(rows, 144, generator=gen), None
+        gate, up = x.chunk(2, dim=-1)
+        expected = layer(torch.nn.functional.silu(gate) * up) + residual
+    layer.hold(RowKernelWeights(blas_from_rows=100))
+    calls = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = layer(x, norm=norm, swiglu=norm is None, residual=residual)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (rows < 100)
+
+
+@needs_kernel
 def test_row_kernel_linear_takes_no_rows():
     layer = _linear(16, 8, True)
     layer.use_row_kernel()
@@ -148,6 +178,29 @@ def test_sequence_parallel_shares_row_kernel_weights(tmp_path):
         out = llm.generate({"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == hf_greedy(hf, prompt, 6)
+
+
+@needs_kernel
+def test_engine_with_prefill_chunks_on_blas(tmp_path, monkeypatch):
+    """LONGCTX_CPU_TUNE as a row count (what a measurement on an Intel Xeon may choose): a
+    float32 model's prefill chunks run on BLAS, decode on the kernel; HF's greedy tokens, in
+    one process and across two sequence-parallel ranks (the ranks get the engine's choice with
+    the model), and again from the prefix cache. A bfloat16 model keeps the kernel."""
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "65")
+    hf = make_engine_checkpoint(tmp_path, tie_word_embeddings=True)
+    prompt = torch.randint(3, 160, (200,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = hf_greedy(hf, prompt, params.max_tokens)
+    for sp in (1, 2):
+        with LLM(str(tmp_path), sequence_parallel_size=sp, max_num_batched_tokens=128, block_size=16) as llm:
+            model = llm.engine.model
+            assert llm.engine.cpu_matmul == "kernel"
+            assert model.layers[0].mlp.down_proj.method.blas_from_rows == 65
+            assert model.layers[-1].self_attn.qkv_proj.method.blas_from_rows == 65
+            for _ in range(2):  # the second run's prefill comes from the prefix cache
+                assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+    with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128, block_size=16) as llm:
+        assert llm.engine.model.layers[0].mlp.down_proj.method.blas_from_rows == cpu_linear.UNBOUNDED
 
 
 @needs_kernel

@@ -99,9 +99,18 @@ class LinearMethod:
 
 class RowKernelWeights(LinearMethod):
     """``weight`` [out, in] contiguous, one copy: the C row kernel for 1..``max_rows()`` rows
-    (with the norm, SwiGLU and residual inside it), BLAS on the same matrix above that."""
+    (with the norm, SwiGLU and residual inside it), BLAS on the same matrix above that, and
+    from ``blas_from_rows`` rows on (what ``cpu_tune`` measured faster on this machine for a
+    float32 model's prefill chunks; by default never)."""
 
     name = "kernel"
+    blas_from_rows = cpu_linear.UNBOUNDED
+
+    def __init__(self, blas_from_rows: int = cpu_linear.UNBOUNDED) -> None:
+        self.blas_from_rows = int(blas_from_rows)
+
+    def kernel_takes(self, rows: int) -> bool:
+        return 0 < rows <= cpu_linear.max_rows() and rows < self.blas_from_rows
 
     def take(self, layer: "Linear") -> None:
         w = layer.weight_t
@@ -113,15 +122,15 @@ class RowKernelWeights(LinearMethod):
         layer.weight_t = None
 
     def product(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= cpu_linear.max_rows():
+        if self.kernel_takes(x.shape[0]):
             return cpu_linear.linear(x, layer.weight, layer.bias)
-        # past max_rows(): BLAS, on float32 copies of bf16 weights
+        # past max_rows() or from blas_from_rows: BLAS, on float32 copies of bf16 weights
         weight = layer.weight if layer.weight.dtype == x.dtype else layer.weight.to(x.dtype)
         return nn.functional.linear(x, weight, layer.bias)
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
               residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
-        if not 0 < x.shape[0] <= cpu_linear.max_rows():  # past the kernel's rows: torch ops, BLAS
+        if not self.kernel_takes(x.shape[0]):  # past the kernel's rows: torch ops, BLAS
             return super().apply(layer, x, norm, swiglu, residual)
         product = product or cpu_linear.linear
         if norm is None:

@@ -45,7 +45,7 @@ from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
 from .linear import (BLAS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
-                     choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
+                     RowKernelWeights, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -266,6 +266,24 @@ class LlamaForCausalLM(nn.Module):
                     if keep_dtype is not None and module not in keep_dtype:
                         data = data.float()
                     module._parameters[name] = nn.Parameter(data.clone(), requires_grad=False)
+
+    def tune_row_kernel(self, blas_from_rows: int) -> int:
+        """Steps of ``blas_from_rows`` rows and more (prefill chunks) through BLAS on the same
+        matrices, for the float32 matrices the row kernel holds (bfloat16 ones keep the kernel:
+        BLAS would need a float32 copy). Returns how many layers took it."""
+        method = RowKernelWeights(blas_from_rows)
+        taken = 0
+        for module in self.modules():
+            if (isinstance(module, Linear) and module.method.name == ROW_KERNEL.name
+                    and module.weight is not None and module.weight.dtype == torch.float32):
+                module.method = method
+                taken += 1
+        return taken
+
+    def mlp_shapes(self) -> list[tuple[int, int]]:
+        """The (in, out) shapes of a decoder layer's MLP products: what dominates a step."""
+        hidden, inter = self.config.hidden_size, self.config.intermediate_size
+        return [(hidden, 2 * inter), (inter, hidden)]
 
     def uses_row_kernel(self) -> bool:
         return any(isinstance(m, Linear) and m.method.name == ROW_KERNEL.name for m in self.modules())

@@ -13,7 +13,7 @@ import math
 import torch
 
 from longctx.config import BLOCK_TERMS, ConfigError, ModelLoadConfig, ParallelConfig
-from longctx.kernels import cpu_blocks, cpu_build
+from longctx.kernels import cpu_blocks, cpu_build, cpu_tune
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
@@ -45,7 +45,10 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
                                  fast=BLOCK_TERMS[load.block_numerics]), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
-        return load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling), cpu_matmul
+        model = load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling)
+        if dtype == torch.float32:  # prefill chunks: the kernel's panels or BLAS, as measured here
+            model.tune_row_kernel(cpu_tune.blas_from_rows(model.mlp_shapes()))
+        return model, cpu_matmul
     model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling)
     if device.type != "cpu":
         return model, None

@@ -1,0 +1,240 @@
+"""Choices measured on this machine at first use and cached per CPU and build, the way Triton's
+autotuner keeps its configs: the CPU products' one such choice today is where a float32 model's
+long steps (prefill chunks) leave the C row kernel's panels for torch's BLAS on the same
+matrix.
+
+Owns: ``blas_from_rows(shapes)``: the row count from which BLAS runs a float32 product
+(``NEVER``: the kernel takes every step), measured once per CPU model, kernel build, torch
+version, thread count and model shape, and cached in ``<cache_root>/cpu_kernels/tune.json``
+(0600, written whole under a lock so that processes starting together, e.g. torchrun's ranks
+on one host, measure once and agree). ``LONGCTX_CPU_TUNE`` overrides it: ``off`` measures
+nothing and keeps the kernel for every step; an integer N sends steps of N rows and more to
+BLAS without measuring. Never: which method a layer holds (``longctx.model``), or failing a
+load: a measurement that cannot run (no kernel, an unwritable cache) keeps the kernel and says
+why in the log.
+
+Why measured rather than fixed: at prefill's rows both are compute-bound products, and which
+is faster is the CPU's business. On the AMD EPYC where the kernel was written its panels beat
+torch's BLAS up to 2,048 rows (benchmarks/bench_linear.py); an Intel Xeon has two 512-bit FMA
+ports and a BLAS (oneDNN/MKL) tuned for them, and the Xeon's float32 prefill trailed vLLM-CPU,
+whose products are oneDNN's, by 8-10% (issue 42). A fixed rule tuned on one of them would lose
+on the other.
+
+What a measurement costs: per candidate row count (``ROWS``), the kernel and BLAS alternate
+``REPEATS`` times on the model's MLP shapes (its gate/up and down matrices, each cut to at most
+``MAX_ELEMENTS`` weights so the whole tune stays near a second), random float32 numbers, on the
+threads the model will use. BLAS must win by ``MARGIN`` at a row count and at every larger one
+to be chosen: a near tie keeps the kernel, whose rows do not depend on the step's other rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from . import cpu_build, cpu_linear
+
+__all__ = ["NEVER", "ROWS", "blas_from_rows", "setting", "measure", "cache_file", "key"]
+
+log = logging.getLogger(__name__)
+
+ENV = "LONGCTX_CPU_TUNE"
+NEVER = cpu_linear.UNBOUNDED  # BLAS from this many rows: never
+ROWS = (128, 512, 2048)  # the row counts measured: a short last chunk, a 1B model's chunk, a 135M's
+MIN_ROWS = 65  # a forced N below this is raised to it: decode and verification steps stay on the kernel
+REPEATS = 3
+MARGIN = 0.03  # BLAS must be this much faster (a fraction of the kernel's time) to be chosen
+MAX_ELEMENTS = 1 << 21  # each measured matrix at most this many weights (8 MB of float32)
+VERSION = 1  # of the measurement: a change here re-measures
+
+
+def setting() -> str | int:
+    """``LONGCTX_CPU_TUNE``: 'auto' (unset: measure at first use), 'off', or a forced row count.
+    Raises ValueError for anything else."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "auto", "1", "on"):
+        return "auto"
+    if raw in ("off", "0", "never"):
+        return "off"
+    try:
+        rows = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV} must be 'auto', 'off' or a row count (BLAS from that many rows), "
+                         f"got {os.environ[ENV]!r}") from None
+    if rows < 1:
+        raise ValueError(f"{ENV} as a row count must be >= 1, got {rows}")
+    return max(rows, MIN_ROWS)
+
+
+def cache_file() -> Path:
+    return cpu_build.cache_dir() / "tune.json"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def key(shapes: Iterable[tuple[int, int]], threads: int) -> str:
+    """What a measurement holds for: the CPU (its model name and feature flags), the row
+    kernel's build (its library's file name carries the hash of its source and flags), torch's
+    version (its BLAS), the threads and the measured shapes."""
+    lib = cpu_linear._load()
+    build = os.path.basename(getattr(lib, "_name", "") or "") if lib is not None else "none"
+    parts = [f"v{VERSION}", _cpu_model(), hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12],
+             build, torch.__version__, f"threads={threads}",
+             ",".join(f"{k}x{n}" for k, n in shapes), ",".join(map(str, ROWS))]
+    return "|".join(parts)
+
+
+def _measured_shape(k: int, n: int) -> tuple[int, int]:
+    """[n, k] cut to at most ``MAX_ELEMENTS`` weights by output rows (a product's time is
+    linear in them), never below 64."""
+    return k, max(64, min(n, MAX_ELEMENTS // max(k, 1)))
+
+
+def _elapsed_ms(fn: Callable[[], object], clock: Callable[[], float]) -> float:
+    t0 = clock()
+    fn()
+    return (clock() - t0) * 1e3
+
+
+def measure(shapes: Iterable[tuple[int, int]], threads: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Time the kernel and BLAS at each of ``ROWS`` on ``shapes`` (``(in, out)`` pairs, cut as
+    ``_measured_shape``), alternating, ``REPEATS`` each after a warm-up. Returns
+    ``{"rows": {R: {"kernel_ms", "blas_ms"}}, "blas_from_rows": R or None}``."""
+    gen = torch.Generator().manual_seed(0)
+    mats = []
+    for k, n in shapes:
+        k, n = _measured_shape(k, n)
+        mats.append(torch.randn(n, k, generator=gen) * k ** -0.5)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows: dict[int, dict[str, float]] = {}
+        for r in ROWS:
+            xs = [torch.randn(r, w.shape[1], generator=gen) for w in mats]
+            outs = [torch.empty(r, w.shape[0]) for w in mats]
+
+            def kernel() -> None:
+                for x, w, o in zip(xs, mats, outs):
+                    cpu_linear.linear(x, w, None, out=o, num_threads=threads)
+
+            def blas() -> None:
+                for x, w, o in zip(xs, mats, outs):
+                    torch.mm(x, w.t(), out=o)
+
+            kernel(), blas()  # warm-up: page the matrices in, let BLAS set up its threads
+            times = {"kernel": [], "blas": []}
+            for _ in range(REPEATS):
+                times["kernel"].append(_elapsed_ms(kernel, clock))
+                times["blas"].append(_elapsed_ms(blas, clock))
+            rows[r] = {f"{name}_ms": round(statistics.median(v), 3) for name, v in times.items()}
+    finally:
+        torch.set_num_threads(prev)
+    return {"rows": rows, "blas_from_rows": choose(rows)}
+
+
+def choose(rows: dict[int, dict[str, float]]) -> int | None:
+    """The smallest measured row count from which BLAS wins by ``MARGIN`` at it and every
+    larger one, else None (the kernel everywhere)."""
+    chosen = None
+    for r in sorted(rows, reverse=True):
+        t = rows[r]
+        if t["blas_ms"] < (1.0 - MARGIN) * t["kernel_ms"]:
+            chosen = r
+        else:
+            break
+    return chosen
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        log.warning("CPU tune cache %s unreadable (%s): measuring again", path, err)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_MEMO: dict[str, int] = {}
+
+
+def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
+    """The row count from which a float32 product of these shapes runs on BLAS, ``NEVER`` for
+    the kernel at every step: ``LONGCTX_CPU_TUNE``'s forced value, else this machine's cached
+    measurement, else a new one (cached). Never raises for a failed measurement."""
+    forced = setting()
+    if forced == "off" or not cpu_linear.available() or cpu_linear.max_rows() < NEVER:
+        return NEVER  # off, or no panel path (then BLAS already takes every long step)
+    if isinstance(forced, int):
+        return forced
+    shapes = [(int(k), int(n)) for k, n in shapes]
+    threads = threads or torch.get_num_threads()
+    k = key(shapes, threads)
+    if k in _MEMO:
+        return _MEMO[k]
+    path = cache_file()
+    try:
+        with _locked(path):
+            record = _read(path).get(k)
+            if not (isinstance(record, dict) and "blas_from_rows" in record):
+                t0 = time.perf_counter()
+                record = measure(shapes, threads)
+                record["seconds"] = round(time.perf_counter() - t0, 2)
+                data = _read(path)
+                data[k] = record
+                _write(path, data)
+                log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs BLAS ms %s; cached in %s",
+                         _cpu_model(), threads, shapes,
+                         f"BLAS from {record['blas_from_rows']} rows" if record["blas_from_rows"]
+                         else "the row kernel at every step",
+                         {r: (t["kernel_ms"], t["blas_ms"]) for r, t in record["rows"].items()}, path)
+    except (OSError, RuntimeError, ValueError) as err:
+        log.warning("CPU tune could not measure or cache (%s): the row kernel takes every step", err)
+        return NEVER
+    value = record["blas_from_rows"]
+    _MEMO[k] = NEVER if value is None else max(int(value), MIN_ROWS)
+    return _MEMO[k]
