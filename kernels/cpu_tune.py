@@ -1,7 +1,7 @@
 """Choices measured on this machine at first use and cached per CPU and build, the way Triton's
-autotuner keeps its configs: the CPU products' one such choice today is where a float32 model's
-long steps (prefill chunks) leave the C row kernel's panels for torch's BLAS on the same
-matrix.
+autotuner keeps its configs: the CPU products' one such choice today is where a model's long
+float32 steps (prefill chunks, on float32 matrices or on the dequantized slices of GGUF blocks)
+leave the C row kernel's panels for torch's BLAS on the same numbers.
 
 Owns: ``blas_from_rows(shapes)``: the row count from which BLAS runs a float32 product
 (``NEVER``: the kernel takes every step), measured once per CPU model, kernel build, torch

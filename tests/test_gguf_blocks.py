@@ -161,6 +161,28 @@ def test_two_sequence_parallel_ranks_keep_the_tokens(model_file, float_reference
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_tokens
 
 
+def test_prefill_chunks_on_blas_keep_the_tokens(model_file, float_reference, monkeypatch):
+    """LONGCTX_CPU_TUNE as a row count (what kernels/cpu_tune.py may measure on a machine whose
+    BLAS is faster at prefill's rows): the 100-token prompt's one chunk multiplies the
+    dequantized slices through BLAS, decode stays on the block kernel; the float expansion's
+    tokens and log-probs in one process, its tokens on two sequence-parallel ranks."""
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "65")
+    expected_tokens, expected = float_reference
+    for sp in (1, 2):
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                prompt_logprobs=1 if sp == 1 else None)  # (SP gives no prompt log-probs)
+        with _llm(model_file, max_num_batched_tokens=128, sequence_parallel_size=sp, lookahead=False) as llm:
+            assert llm.engine.cpu_matmul == "blocks"
+            methods = {m.method for m in llm.engine.model.modules() if isinstance(m, Linear)}
+            assert {m.blas_from_rows for m in methods} == {65}
+            out = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+        assert out.outputs[0].token_ids == expected_tokens
+        if sp == 1:
+            worst = max(abs(out.prompt_logprobs[p][PROMPT[p]] - expected[p][PROMPT[p]])
+                        for p in range(1, len(PROMPT)))
+            assert worst < 1e-4, worst
+
+
 @pytest.mark.parametrize("numerics", ["fast", "fast2"])
 def test_integer_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file, numerics):
     """fast and fast2 inside the other modes: lookahead's verification steps (several rows a

@@ -221,21 +221,25 @@ class BlockWeights(LinearMethod):
     ``fast`` (``block_numerics="fast"``: 1): the block kernel's steps take x rounded to int8 in
     blocks of 32 and multiply in integers, as llama.cpp does (formats without integer products
     stay exact); 2 (``"fast2"``): x as two int8 terms, x rounded and what that left rounded
-    again, both multiplied on the same unpacked weights; longer steps stay exact."""
+    again, both multiplied on the same unpacked weights; longer steps stay exact.
+    ``blas_from_rows``: from that many rows (what ``cpu_tune`` measured faster here), the
+    slices' products are torch's BLAS instead of the row kernel's panels."""
 
     name = "blocks"
 
-    def __init__(self, fast: int = 0) -> None:
+    def __init__(self, fast: int = 0, blas_from_rows: int = cpu_linear.UNBOUNDED) -> None:
         self.fast = int(fast)  # steps of up to BLOCK_ROWS rows on x in this many int8 terms
+        self.blas_from_rows = int(blas_from_rows)
         self._local = threading.local()  # the slice buffer: one per thread, never pickled
 
     def __getstate__(self) -> dict:
         # a buffer sent along to a sequence-parallel rank would be moved into shared memory and
         # written by both processes at once
-        return {"fast": self.fast}
+        return {"fast": self.fast, "blas_from_rows": self.blas_from_rows}
 
     def __setstate__(self, state: dict) -> None:
         self.fast = state["fast"]
+        self.blas_from_rows = state.get("blas_from_rows", cpu_linear.UNBOUNDED)
         self._local = threading.local()
 
     def take(self, layer: "Linear") -> None:
@@ -268,8 +272,13 @@ class BlockWeights(LinearMethod):
                 r1 = min(r0 + step, hi - lo)
                 w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
                 cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
-                cpu_linear.linear(x, w, None if bias is None else bias[r0:r1],
-                                  residual=None if res is None else res[:, r0:r1], out=out[:, lo + r0:lo + r1])
+                b = None if bias is None else bias[r0:r1]
+                r = None if res is None else res[:, r0:r1]
+                if m >= self.blas_from_rows:  # BLAS, measured faster here at these rows
+                    part = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+                    out[:, lo + r0:lo + r1] = part if r is None else part.add_(r)
+                else:
+                    cpu_linear.linear(x, w, b, residual=r, out=out[:, lo + r0:lo + r1])
             lo = hi
         return out
 
@@ -307,6 +316,27 @@ ROW_KERNEL = RowKernelWeights()
 BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buffer
 # by block_numerics' int8 terms (0: exact); one of each for every layer, as BLOCKS
 BLOCK_METHODS = {0: BLOCKS, 1: BlockWeights(fast=1), 2: BlockWeights(fast=2)}
+
+
+def tune_long_steps(model: nn.Module, blas_from_rows: int) -> int:
+    """Steps of ``blas_from_rows`` rows and more (prefill chunks) through BLAS on the same
+    numbers, for ``model``'s float32 row-kernel matrices and its GGUF blocks (their dequantized
+    slices); bfloat16 matrices keep the kernel (BLAS would need a float32 copy). One method
+    object per kind for all layers, as at load. Returns how many layers took it."""
+    made: dict[tuple, LinearMethod] = {}
+    taken = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        method = module.method
+        if method.name == ROW_KERNEL.name and module.weight is not None and module.weight.dtype == torch.float32:
+            module.method = made.setdefault(("kernel",), RowKernelWeights(blas_from_rows))
+        elif isinstance(method, BlockWeights):
+            module.method = made.setdefault(("blocks", method.fast), BlockWeights(method.fast, blas_from_rows))
+        else:
+            continue
+        taken += 1
+    return taken
 
 
 class Linear(nn.Module):

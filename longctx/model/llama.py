@@ -45,7 +45,8 @@ from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
 from .linear import (BLAS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
-                     RowKernelWeights, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
+                     choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
+from .linear import tune_long_steps
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -267,18 +268,10 @@ class LlamaForCausalLM(nn.Module):
                         data = data.float()
                     module._parameters[name] = nn.Parameter(data.clone(), requires_grad=False)
 
-    def tune_row_kernel(self, blas_from_rows: int) -> int:
-        """Steps of ``blas_from_rows`` rows and more (prefill chunks) through BLAS on the same
-        matrices, for the float32 matrices the row kernel holds (bfloat16 ones keep the kernel:
-        BLAS would need a float32 copy). Returns how many layers took it."""
-        method = RowKernelWeights(blas_from_rows)
-        taken = 0
-        for module in self.modules():
-            if (isinstance(module, Linear) and module.method.name == ROW_KERNEL.name
-                    and module.weight is not None and module.weight.dtype == torch.float32):
-                module.method = method
-                taken += 1
-        return taken
+    def tune_long_steps(self, blas_from_rows: int) -> int:
+        """Prefill chunks of ``blas_from_rows`` rows and more through BLAS
+        (``linear.tune_long_steps``). Returns how many layers took it."""
+        return tune_long_steps(self, blas_from_rows)
 
     def mlp_shapes(self) -> list[tuple[int, int]]:
         """The (in, out) shapes of a decoder layer's MLP products: what dominates a step."""

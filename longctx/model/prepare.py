@@ -38,17 +38,15 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     dtype = TORCH_DTYPES[load.dtype]
     if load.quantization != "none":
         _check_quantization(load)
-        return load_quantized_model(load.model, load.quantization, load.quantization_group_size,
-                                    rope_scaling=load.rope_scaling, fast=BLOCK_TERMS[load.block_numerics]), "blocks"
+        return _tuned(load_quantized_model(load.model, load.quantization, load.quantization_group_size,
+                                           rope_scaling=load.rope_scaling, fast=BLOCK_TERMS[load.block_numerics])), "blocks"
     if device.type == "cpu" and _keeps_blocks(load, dtype):
-        return load_blocks_model(load.model, rope_scaling=load.rope_scaling,
-                                 fast=BLOCK_TERMS[load.block_numerics]), "blocks"
+        return _tuned(load_blocks_model(load.model, rope_scaling=load.rope_scaling,
+                                        fast=BLOCK_TERMS[load.block_numerics])), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
         model = load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling)
-        if dtype == torch.float32:  # prefill chunks: the kernel's panels or BLAS, as measured here
-            model.tune_row_kernel(cpu_tune.blas_from_rows(model.mlp_shapes()))
-        return model, cpu_matmul
+        return (_tuned(model) if dtype == torch.float32 else model), cpu_matmul
     model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling)
     if device.type != "cpu":
         return model, None
@@ -59,6 +57,13 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     if cpu_matmul == "onednn":
         model.pack_linears_onednn()
     return model, cpu_matmul
+
+
+def _tuned(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Prefill chunks of a model with float32 activations: the row kernel's panels or BLAS,
+    whichever ``cpu_tune`` measured faster on this machine for its MLP shapes."""
+    model.tune_long_steps(cpu_tune.blas_from_rows(model.mlp_shapes()))
+    return model
 
 
 def _check_quantization(load: ModelLoadConfig) -> None:
