@@ -126,6 +126,11 @@ class ModelLoadConfig:
     quantization_group_size: int = field(
         default=32, metadata={"help": "int4's group: 32 or 128 inputs per scale and minimum (128 is "
                                       "stored in 32-input blocks: its rounding, not a smaller size)"})
+    weight_cache_gb: float = field(
+        default=16.0, metadata={"help": "disk bound (GiB) of the weights that .gguf models expanded to float "
+                                        "(gguf_weights float, bfloat16, GPU) leave in the cache folder for "
+                                        "their next load, all models together: the least recently used go "
+                                        "to make room, a model larger than the bound is not cached; 0: none"})
     enforce_eager: bool = field(
         default=False, metadata={"help": "on CUDA, run decode and lookahead-verify steps eagerly "
                                          "instead of replaying CUDA graphs captured at start-up"})
@@ -144,6 +149,9 @@ class ModelLoadConfig:
                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                f"got {self.attention_backend!r}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(isinstance(self.weight_cache_gb, (int, float)) and not isinstance(self.weight_cache_gb, bool)
+               and math.isfinite(self.weight_cache_gb) and self.weight_cache_gb >= 0,
+               f"weight_cache_gb must be a finite number >= 0, got {self.weight_cache_gb!r}")
         _check(self.cpu_matmul != "onednn" or self.dtype in ("float32", "auto"),
                f"cpu_matmul='onednn' is for float32 models, got dtype={self.dtype!r} "
                "(use cpu_matmul='auto' or 'blas')")

@@ -145,6 +145,9 @@ def test_model_load_config_accepts_known_attention_backends(backend):
     (dict(dtype="int8"), "dtype must be one of auto, float32, bfloat16, float16, got 'int8'"),
     (dict(dtype="fp16"), "dtype must be one of auto, float32, bfloat16, float16, got 'fp16'"),
     (dict(num_threads=-1), "num_threads must be >= 0, got -1"),
+    (dict(weight_cache_gb=-1), "weight_cache_gb must be a finite number >= 0, got -1"),
+    (dict(weight_cache_gb=float("nan")), "weight_cache_gb must be a finite number >= 0, got nan"),
+    (dict(weight_cache_gb="lots"), "weight_cache_gb must be a finite number >= 0, got 'lots'"),
 ])
 def test_model_load_config_errors(kwargs, message):
     with pytest.raises(ConfigError) as info:

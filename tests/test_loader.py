@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from longctx.kernels import cpu_linear
 from longctx.model import loader
 from longctx.model.llama import Linear, LlamaForCausalLM
 from tiny_models import make_checkpoint, write_char_tokenizer, write_gguf
@@ -66,6 +68,72 @@ def test_damaged_cache_is_rebuilt_not_used(tiny_gguf, damage, caplog):
         assert "rebuilding" in caplog.text
     # the rebuilt cache is valid again
     assert loader._load_cached(folder) is not None
+
+
+def _gguf_seeded(tmp_path, name: str, seed: int) -> Path:
+    hf = make_checkpoint(tmp_path / f"hf-{name}", "llama-default", seed=seed)
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(path, hf)
+    return path
+
+
+def _cached(path) -> bool:
+    folder = loader.cache_dir_for(path)
+    return (folder / "weights.safetensors").is_file() and (folder / "weights.json").is_file()
+
+
+def test_caches_stay_within_their_bound_least_recently_used_first(tmp_path, monkeypatch):
+    """weight_cache_gb: a new cache that would pass the bound removes the least recently used
+    (a hit renews a cache's use), never the one being written."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    a, b, c = (_gguf_seeded(tmp_path, n, i) for i, n in enumerate("abc"))
+    loader.load_state(a)
+    one = (loader.cache_dir_for(a) / "weights.safetensors").stat().st_size
+    bound = int(2.5 * one)  # room for two
+    loader.load_state(b, cache_bytes=bound)
+    assert _cached(a) and _cached(b)
+    for i, path in enumerate((a, b)):  # a used before b, well apart
+        os.utime(loader.cache_dir_for(path) / "weights.json", (1000 + i, 1000 + i))
+    _, state_a = loader.load_state(a, cache_bytes=bound)  # a hit: now a is the newer
+    loader.load_state(c, cache_bytes=bound)
+    assert _cached(a) and _cached(c) and not _cached(b)
+    assert not (loader.cache_dir_for(b) / "weights.json").exists()
+    # a's cached tensors were views of its file: still readable after the others changed
+    _, again = loader.load_state(a, cache_bytes=bound)
+    assert _state_equal(state_a, again)
+
+
+def test_a_model_over_the_bound_is_not_cached(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = _gguf_seeded(tmp_path, "a", 0), _gguf_seeded(tmp_path, "b", 1)
+    loader.load_state(a)
+    with caplog.at_level(logging.INFO, logger="longctx.model.loader"):
+        _, state = loader.load_state(b, cache_bytes=1000)
+    assert not _cached(b) and _cached(a)  # nothing removed for a file that could not fit anyway
+    assert "over weight_cache_gb" in caplog.text
+    _, fresh = loader.load_state(b, use_cache=False)
+    assert _state_equal(state, fresh)
+    loader.load_state(b, cache_bytes=0)
+    assert not _cached(b)
+
+
+def test_the_row_kernel_load_writes_one_copy_within_weight_cache_gb(tmp_path, monkeypatch):
+    """A row-kernel model caches its own layout only (no second, converted-layout copy of the
+    same weights), and prepare_model passes weight_cache_gb down (0: nothing written)."""
+    from longctx.config import ModelLoadConfig, ParallelConfig
+    from longctx.model.prepare import prepare_model
+
+    if not cpu_linear.available():
+        pytest.skip(f"row kernel {cpu_linear.status()}")
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_seeded(tmp_path, "rows", 3)
+    folder = loader.cache_dir_for(path)
+    for gb, written in ((0, False), (1.0, True)):
+        model, how = prepare_model(ModelLoadConfig(model=str(path), dtype="float32", gguf_weights="float", cpu_matmul="kernel",
+                                                   weight_cache_gb=gb), ParallelConfig(), torch.device("cpu"))
+        assert how == "kernel" and model.uses_row_kernel()
+        assert loader._row_cache_files(folder, torch.float32)[0].is_file() == written
+        assert not (folder / "weights.safetensors").exists()
 
 
 def test_unknown_model_name_gives_clear_error():

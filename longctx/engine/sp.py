@@ -519,9 +519,10 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
     device = device_for(backend, rank)
     if isinstance(model, str):  # on CUDA every rank loads its own copy onto its GPU
         from longctx.model.loader import load_model
+        from longctx.model.prepare import weight_cache_bytes
 
         model = load_model(model, dtype=TORCH_DTYPES[load.dtype], device=device,
-                           rope_scaling=load.rope_scaling)
+                           rope_scaling=load.rope_scaling, cache_bytes=weight_cache_bytes(load))
     from longctx.attention import select_backend
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels

@@ -9,12 +9,17 @@ GGUF files are dequantized to fp32 with the ``gguf`` package (as transformers do
 Llama's ``attn_q``/``attn_k`` rows are un-permuted from llama.cpp's RoPE layout back to HF's.
 The converted weights are cached as one safetensors file plus a JSON sidecar holding the
 file's SHA-256; a cache file that is missing, truncated or altered fails that check and is
-rebuilt, never used. A CPU model on the row kernel gets a second cache per dtype, in exactly
-the layout the kernel reads, which later loads memory-map (``load_row_kernel_model``).
+rebuilt, never used. A CPU model on the row kernel gets its cache in exactly the layout the
+kernel reads, one per dtype, which later loads memory-map (``load_row_kernel_model``; it
+writes no second, converted-layout copy). All these caches together stay within a bound
+(``weight_cache_gb``, ``DEFAULT_CACHE_BYTES``): the least recently used go to make room, and a
+model larger than the bound is not cached at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -336,11 +341,62 @@ def cache_dir_for(path: Path) -> Path:
     return settings.cache_dir() / f"{path.stem}-{_source_key(path)}"
 
 
+DEFAULT_CACHE_BYTES = 16 << 30  # weight_cache_gb's default: all converted-weight caches together
+
+
+def _cache_files() -> list[tuple[float, int, Path, Path]]:
+    """(last use, bytes, weights, sidecar) of every converted-weight cache in the cache folder;
+    last use is the sidecar's mtime, which a hit renews."""
+    found = []
+    for weights in settings.cache_dir().glob("*/*.safetensors"):
+        if weights.name != "weights.safetensors" and not weights.name.startswith("rows-"):
+            continue
+        sidecar = weights.with_suffix(".json")
+        try:
+            used = sidecar.stat().st_mtime if sidecar.exists() else weights.stat().st_mtime
+            found.append((used, weights.stat().st_size, weights, sidecar))
+        except OSError:  # removed meanwhile
+            continue
+    return sorted(found, key=lambda f: f[0])
+
+
+@contextlib.contextmanager
+def _cache_lock():
+    """One process at a time trims and writes the weight caches (processes loading models
+    together each see the others' files)."""
+    root = settings.cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / "weights.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _make_room(size: int, bound: int, keep: Path) -> bool:
+    """Remove the least recently used caches (never ``keep``, the one about to be written)
+    until ``size`` more bytes fit within ``bound``; False when ``size`` alone is over it."""
+    if size > bound:
+        return False
+    files = [f for f in _cache_files() if f[2] != keep]
+    total = sum(f[1] for f in files)
+    for _, nbytes, weights, sidecar in files:
+        if total + size <= bound:
+            break
+        for f in (sidecar, weights):  # a process mapping the file keeps its pages (unlink, not truncate)
+            f.unlink(missing_ok=True)
+        total -= nbytes
+        log.info("weight cache %s removed (%.2f GiB) to stay within weight_cache_gb=%.2f",
+                 weights, nbytes / 2**30, bound / 2**30)
+    return True
+
+
 def _read_cache(weights: Path, sidecar: Path, expect: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """(sidecar info, tensors) of a cache whose sidecar holds ``expect``'s values and the
     weights file's SHA-256; None when it is missing, fails a check or cannot be read (logged:
     the caller rebuilds it, never uses it). safetensors maps the file: the tensors are views of
-    the page cache, read on first use."""
+    the page cache, read on first use. A hit renews the sidecar's mtime (the cache's last use)."""
     if not weights.is_file() or not sidecar.is_file():
         return None
     try:
@@ -348,6 +404,8 @@ def _read_cache(weights: Path, sidecar: Path, expect: dict) -> tuple[dict, dict[
         if any(info.get(k) != v for k, v in expect.items()) or info.get("sha256") != _file_digest(weights):
             log.warning("weight cache %s failed its checks; rebuilding it", weights)
             return None
+        with contextlib.suppress(OSError):
+            os.utime(sidecar)
         return info, load_file(str(weights))
     except Exception as err:  # noqa: BLE001 - any unreadable cache is rebuilt, never used
         log.warning("weight cache %s is unreadable (%s); rebuilding it", weights, err)
@@ -365,21 +423,31 @@ def _load_cached(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | 
         return None
 
 
-def _write_cache(weights: Path, sidecar: Path, state: dict[str, torch.Tensor], info: dict) -> bool:
+def _write_cache(weights: Path, sidecar: Path, state: dict[str, torch.Tensor], info: dict,
+                 bound: int | None = None) -> bool:
     """Write ``state`` as ``weights`` (safetensors) and ``info`` plus the file's SHA-256 as
-    ``sidecar``, each through a temporary file renamed into place. A cache is optional: any
-    failure (a read-only folder, a full disk: OSError, or safetensors' own error) is logged and
-    leaves no temporary file; returns whether both files were written."""
+    ``sidecar``, each through a temporary file renamed into place, after making room within
+    ``bound`` bytes for all caches (None: ``DEFAULT_CACHE_BYTES``; a state larger than the
+    bound is not written). A cache is optional: any failure (a read-only folder, a full disk:
+    OSError, or safetensors' own error) is logged and leaves no temporary file; returns whether
+    both files were written."""
+    bound = DEFAULT_CACHE_BYTES if bound is None else int(bound)
+    size = sum(t.numel() * t.element_size() for t in state.values())
     tmp = weights.with_name(f"{weights.name}.tmp{os.getpid()}")
     tmp_json = sidecar.with_name(f"{sidecar.name}.tmp{os.getpid()}")
     try:
-        weights.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(tmp))
-        info = {**info, "sha256": _file_digest(tmp)}
-        os.replace(tmp, weights)
-        tmp_json.write_text(json.dumps(info))
-        os.replace(tmp_json, sidecar)
-        return True
+        with _cache_lock():
+            if not _make_room(size, bound, weights):
+                log.info("weight cache not written: %s needs %.2f GiB, over weight_cache_gb=%.2f",
+                         weights, size / 2**30, bound / 2**30)
+                return False
+            weights.parent.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(tmp))
+            info = {**info, "sha256": _file_digest(tmp)}
+            os.replace(tmp, weights)
+            tmp_json.write_text(json.dumps(info))
+            os.replace(tmp_json, sidecar)
+            return True
     except Exception as err:  # noqa: BLE001 - the load goes on without the cache
         log.warning("could not write the weight cache %s: %s", weights, err)
         for t in (tmp, tmp_json):
@@ -390,13 +458,16 @@ def _write_cache(weights: Path, sidecar: Path, state: dict[str, torch.Tensor], i
         return False
 
 
-def _store_cache(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+def _store_cache(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor], bound: int | None) -> None:
     _write_cache(folder / "weights.safetensors", folder / "weights.json", state,
-                 {"format": CACHE_FORMAT, "config": _config_to_json(config)})
+                 {"format": CACHE_FORMAT, "config": _config_to_json(config)}, bound)
 
 
-def load_state(path: Path, use_cache: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, packed state dict in fp32 or the checkpoint dtype) for a resolved model path."""
+def load_state(path: Path, use_cache: bool = True, store: bool = True,
+               cache_bytes: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, packed state dict in fp32 or the checkpoint dtype) for a resolved model path.
+    A GGUF file's conversion is read from its cache when ``use_cache`` and written to it when
+    also ``store``, within ``cache_bytes`` for all caches (None: ``DEFAULT_CACHE_BYTES``)."""
     if path.is_dir():
         config = ModelConfig.from_hf_folder(path)
         return config, pack_hf_state(config, _hf_tensors(path))
@@ -405,8 +476,8 @@ def load_state(path: Path, use_cache: bool = True) -> tuple[ModelConfig, dict[st
         return cached
     config, _, tensors = read_gguf(path)
     state = pack_hf_state(config, tensors)
-    if use_cache:
-        _store_cache(folder, config, state)
+    if use_cache and store:
+        _store_cache(folder, config, state, cache_bytes)
     return config, state
 
 
@@ -420,10 +491,12 @@ def with_rope_scaling(config: ModelConfig, rope_scaling: dict | None) -> ModelCo
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               use_cache: bool = True, rope_scaling: dict | None = None) -> LlamaForCausalLM:
+               use_cache: bool = True, rope_scaling: dict | None = None,
+               cache_bytes: int | None = None) -> LlamaForCausalLM:
     """Build ``LlamaForCausalLM`` with weights from an alias, HF folder or GGUF file;
-    ``rope_scaling`` overrides the checkpoint's RoPE (``with_rope_scaling``)."""
-    config, state = load_state(resolve_model(name), use_cache=use_cache)
+    ``rope_scaling`` overrides the checkpoint's RoPE (``with_rope_scaling``); ``cache_bytes``:
+    the bound of the weight caches (``load_state``)."""
+    config, state = load_state(resolve_model(name), use_cache=use_cache, cache_bytes=cache_bytes)
     return _model_from_state(config, state, dtype, device, rope_scaling)
 
 
@@ -465,22 +538,26 @@ def _load_row_cache(folder: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
         return None
 
 
-def _store_row_cache(folder: Path, dtype: torch.dtype, config: ModelConfig, model: LlamaForCausalLM) -> None:
+def _store_row_cache(folder: Path, dtype: torch.dtype, config: ModelConfig, model: LlamaForCausalLM,
+                     bound: int | None) -> None:
     state, tied = model.row_kernel_state()
     weights, sidecar = _row_cache_files(folder, dtype)
     _write_cache(weights, sidecar, {k: v.contiguous() for k, v in state.items()},
-                 {"format": ROW_CACHE_FORMAT, "dtype": str(dtype), "tied": tied, "config": _config_to_json(config)})
+                 {"format": ROW_CACHE_FORMAT, "dtype": str(dtype), "tied": tied, "config": _config_to_json(config)},
+                 bound)
 
 
 def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cache: bool = True,
-                          rope_scaling: dict | None = None) -> LlamaForCausalLM:
+                          rope_scaling: dict | None = None, cache_bytes: int | None = None) -> LlamaForCausalLM:
     """``load_model(...)`` then ``use_row_kernel()`` on the CPU, with a GGUF model's tensors
-    cached in exactly that layout and dtype (``rows-<dtype>.safetensors`` next to the
-    converted-weights cache, SHA-256 checked like it). A hit memory-maps the file and the
-    model holds views of it: nothing is converted, transposed or copied at load, the pages are
-    read on first use and are shared with any other process mapping the same file. A miss
-    (first load, another dtype, a damaged file) builds the model as before and writes the file.
-    HF folders are read as they are (no cache)."""
+    cached in exactly that layout and dtype (``rows-<dtype>.safetensors`` in the model's cache
+    folder, SHA-256 checked like the converted cache, within ``cache_bytes`` for all caches). A
+    hit memory-maps the file and the model holds views of it: nothing is converted, transposed
+    or copied at load, the pages are read on first use and are shared with any other process
+    mapping the same file. A miss (first load, another dtype, a damaged file) builds the model
+    as before and writes that file only (a converted-layout cache already there is read, none
+    is written: it would be a second copy of the same weights). HF folders are read as they are
+    (no cache)."""
     path = resolve_model(name)
     folder = cache_dir_for(path) if path.is_file() else None
     if use_cache and folder is not None and (hit := _load_row_cache(folder, dtype)) is not None:
@@ -489,12 +566,12 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
             return LlamaForCausalLM.from_row_kernel_state(with_rope_scaling(config, rope_scaling), state, tied)
         except ValueError as err:
             log.warning("row-layout weight cache in %s does not fit the model (%s); rebuilding it", folder, err)
-    config, state = load_state(path, use_cache=use_cache)
+    config, state = load_state(path, use_cache=use_cache, store=False)
     model = _model_from_state(config, state, dtype, "cpu", rope_scaling)
     del state
     model.use_row_kernel()
     if use_cache and folder is not None:
-        _store_row_cache(folder, dtype, config, model)
+        _store_row_cache(folder, dtype, config, model, cache_bytes)
     return model
 
 

@@ -45,9 +45,11 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
                                         fast=BLOCK_TERMS[load.block_numerics])), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
-        model = load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling)
+        model = load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling,
+                                      cache_bytes=weight_cache_bytes(load))
         return (_tuned(model) if dtype == torch.float32 else model), cpu_matmul
-    model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling)
+    model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling,
+                       cache_bytes=weight_cache_bytes(load))
     if device.type != "cpu":
         return model, None
     if cpu_matmul == "onednn" and load.cpu_matmul == "auto" and parallel.sequence_parallel_size > 1:
@@ -57,6 +59,11 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     if cpu_matmul == "onednn":
         model.pack_linears_onednn()
     return model, cpu_matmul
+
+
+def weight_cache_bytes(load: ModelLoadConfig) -> int:
+    """``weight_cache_gb`` in bytes: the bound of the converted-weight caches (the loader's)."""
+    return int(load.weight_cache_gb * 2**30)
 
 
 def _tuned(model: LlamaForCausalLM) -> LlamaForCausalLM:
