@@ -7,7 +7,8 @@ Owns: ``blas_from_rows(shapes)``: the row count from which BLAS runs a float32 p
 (``NEVER``: the kernel takes every step), measured once per CPU model, kernel build, torch
 version, thread count and model shape, and cached in ``<cache_root>/cpu_kernels/tune.json``
 (0600, written whole under a lock so that processes starting together, e.g. torchrun's ranks
-on one host, measure once and agree). ``LONGCTX_CPU_TUNE`` overrides it: ``off`` measures
+on one host, measure once and agree); a measurement taken while the machine is busy (load
+average above ``BUSY_LOAD`` per CPU) serves its process only and is not cached. ``LONGCTX_CPU_TUNE`` overrides it: ``off`` measures
 nothing and keeps the kernel for every step; an integer N sends steps of N rows and more to
 BLAS without measuring. Never: which method a layer holds (``longctx.model``), or failing a
 load: a measurement that cannot run (no kernel, an unwritable cache) keeps the kernel and says
@@ -200,6 +201,18 @@ def _write(path: Path, data: dict) -> None:
 
 
 _MEMO: dict[str, int] = {}
+BUSY_LOAD = 0.75  # a 1-minute load average above this many per CPU: the measurement is not cached
+
+
+def _busy() -> tuple[bool, float]:
+    """Whether other work shares the CPUs now (their timings would be the neighbours'), and the
+    1-minute load average."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False, -1.0
+    return load > BUSY_LOAD * (os.cpu_count() or 1), round(load, 2)
+
 
 
 def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
@@ -221,17 +234,22 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
         with _locked(path):
             record = _read(path).get(k)
             if not (isinstance(record, dict) and "blas_from_rows" in record):
+                busy = _busy()
                 t0 = time.perf_counter()
                 record = measure(shapes, threads)
                 record["seconds"] = round(time.perf_counter() - t0, 2)
-                data = _read(path)
-                data[k] = record
-                _write(path, data)
-                log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs BLAS ms %s; cached in %s",
+                record["load_before"] = busy[1]
+                if not busy[0]:  # a busy machine's timings hold for this process only
+                    data = _read(path)
+                    data[k] = record
+                    _write(path, data)
+                log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs BLAS ms %s; %s",
                          _cpu_model(), threads, shapes,
                          f"BLAS from {record['blas_from_rows']} rows" if record["blas_from_rows"]
                          else "the row kernel at every step",
-                         {r: (t["kernel_ms"], t["blas_ms"]) for r, t in record["rows"].items()}, path)
+                         {r: (t["kernel_ms"], t["blas_ms"]) for r, t in record["rows"].items()},
+                         f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
+                         if busy[0] else f"cached in {path}")
     except (OSError, RuntimeError, ValueError) as err:
         log.warning("CPU tune could not measure or cache (%s): the row kernel takes every step", err)
         return NEVER

@@ -22,10 +22,11 @@ needs_panels = pytest.mark.skipif(not cpu_linear.available() or cpu_linear.max_r
 
 @pytest.fixture
 def tune_cache(tmp_path, monkeypatch):
-    """A fresh cache folder and an empty in-process memo, the setting 'auto'."""
+    """A fresh cache folder and an empty in-process memo, the setting 'auto', an idle machine."""
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
     monkeypatch.setattr(cpu_tune, "_MEMO", {})
+    monkeypatch.setattr(cpu_tune.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
     return tmp_path
 
 
@@ -83,6 +84,23 @@ def test_measured_once_then_cached_privately(tune_cache, monkeypatch):
 
 
 @needs_panels
+def test_a_busy_machine_s_measurement_is_not_cached(tune_cache, monkeypatch, caplog):
+    """Timings taken beside other work are the neighbours' as much as ours: used by this
+    process, not written for the next."""
+    calls = []
+    monkeypatch.setattr(cpu_tune, "measure", _fake_measure(calls, 512))
+    monkeypatch.setattr(cpu_tune.os, "getloadavg", lambda: (4.0 * (os.cpu_count() or 1), 1.0, 1.0))
+    with caplog.at_level(logging.INFO, logger="longctx.kernels.cpu_tune"):
+        assert cpu_tune.blas_from_rows([(64, 256)], threads=2) == 512
+    assert "not cached: the machine was busy" in caplog.text
+    assert not cpu_tune.cache_file().exists() or not json.loads(cpu_tune.cache_file().read_text())
+    monkeypatch.setattr(cpu_tune, "_MEMO", {})  # the next process, on a quiet machine: measures and caches
+    monkeypatch.setattr(cpu_tune.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert cpu_tune.blas_from_rows([(64, 256)], threads=2) == 512 and len(calls) == 2
+    assert len(json.loads(cpu_tune.cache_file().read_text())) == 1
+
+
+@needs_panels
 def test_kernel_everywhere_and_the_overrides(tune_cache, monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_tune, "measure", _fake_measure(calls, None))
@@ -127,6 +145,7 @@ def test_processes_starting_together_measure_once(tune_cache):
             "def slow(*a, **k):\n"
             "    print('measured', flush=True); time.sleep(1.0); return real(*a, **k)\n"
             "cpu_tune.measure = slow\n"
+            "cpu_tune._busy = lambda: (False, 0.0)  # (this suite may run beside other work)\n"
             "print(cpu_tune.blas_from_rows([(64, 128)], threads=1))\n")
     env = {**os.environ, "LONGCTX_CACHE_DIR": str(tune_cache), "LONGCTX_CPU_TUNE": "auto"}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
