@@ -21,10 +21,12 @@ ports and a BLAS (oneDNN/MKL) tuned for them, and the Xeon's float32 prefill tra
 whose products are oneDNN's, by 8-10% (issue 42). A fixed rule tuned on one of them would lose
 on the other.
 
-What a measurement costs: per candidate row count (``ROWS``), the kernel and BLAS alternate
-``REPEATS`` times on the model's MLP shapes (its gate/up and down matrices, each cut to at most
-``MAX_ELEMENTS`` weights so the whole tune stays near a second), random float32 numbers, on the
-threads the model will use. BLAS must win by ``MARGIN`` at a row count and at every larger one
+What a measurement costs: per candidate row count (``ROWS``), the kernel's way and BLAS's
+alternate ``REPEATS`` times on one decoder MLP of the model's shape as the model calls it (the
+norm, SwiGLU and residual fused into the kernel's calls, torch ops around BLAS's; the
+intermediate size cut so the gate/up matrix holds at most ``MAX_ELEMENTS`` weights and the
+whole tune stays near a second or two), random float32 numbers, on the threads the model will
+use. BLAS must win by ``MARGIN`` at a row count and at every larger one
 to be chosen: a near tie keeps the kernel, whose rows do not depend on the step's other rows.
 """
 
@@ -105,10 +107,11 @@ def key(shapes: Iterable[tuple[int, int]], threads: int) -> str:
     return "|".join(parts)
 
 
-def _measured_shape(k: int, n: int) -> tuple[int, int]:
-    """[n, k] cut to at most ``MAX_ELEMENTS`` weights by output rows (a product's time is
-    linear in them), never below 64."""
-    return k, max(64, min(n, MAX_ELEMENTS // max(k, 1)))
+def _measured_mlp(hidden: int, inter: int) -> tuple[int, int]:
+    """(hidden, intermediate) with the intermediate size cut so that the gate/up matrix
+    [2 I, H] holds at most ``MAX_ELEMENTS`` weights (a product's time is linear in its output
+    rows), never below 32."""
+    return hidden, max(32, min(inter, MAX_ELEMENTS // max(2 * hidden, 1)))
 
 
 def _elapsed_ms(fn: Callable[[], object], clock: Callable[[], float]) -> float:
@@ -119,32 +122,43 @@ def _elapsed_ms(fn: Callable[[], object], clock: Callable[[], float]) -> float:
 
 def measure(shapes: Iterable[tuple[int, int]], threads: int,
             clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Time the kernel and BLAS at each of ``ROWS`` on ``shapes`` (``(in, out)`` pairs, cut as
-    ``_measured_shape``), alternating, ``REPEATS`` each after a warm-up. Returns
-    ``{"rows": {R: {"kernel_ms", "blas_ms"}}, "blas_from_rows": R or None}``."""
+    """Time one decoder MLP's two calls as the model makes them, at each of ``ROWS``, the
+    kernel's way against BLAS's, alternating, ``REPEATS`` each after a warm-up. ``shapes``:
+    the model's ``[(H, 2 I), (I, H)]`` (``mlp_shapes``), cut by ``_measured_mlp``. The kernel's
+    way is its fused calls (the RMSNorm inside the gate/up product; SwiGLU and the residual
+    inside the down product); BLAS's is what ``LinearMethod.apply`` then runs: the norm and
+    SwiGLU as torch ops, ``torch.mm``, the residual added. Bare products would favour BLAS:
+    on the AVX2 Zen 3 they did (BLAS 5% ahead at 2,048 rows on the 135M model's shapes) while
+    its prefill took 13% longer on BLAS. Returns ``{"rows": {R: {"kernel_ms", "blas_ms"}},
+    "blas_from_rows": R or None}``."""
+    hidden, twice = (int(v) for v in next(iter(shapes)))  # gate/up's (H, 2 I): the down matrix follows
+    hidden, inter = _measured_mlp(hidden, max(twice // 2, 1))
     gen = torch.Generator().manual_seed(0)
-    mats = []
-    for k, n in shapes:
-        k, n = _measured_shape(k, n)
-        mats.append(torch.randn(n, k, generator=gen) * k ** -0.5)
+    w_up = torch.randn(2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w_down = torch.randn(hidden, inter, generator=gen) * inter ** -0.5
+    norm_w = torch.rand(hidden, generator=gen) + 0.5
+    eps = 1e-5
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         rows: dict[int, dict[str, float]] = {}
         for r in ROWS:
-            xs = [torch.randn(r, w.shape[1], generator=gen) for w in mats]
-            outs = [torch.empty(r, w.shape[0]) for w in mats]
+            x = torch.randn(r, hidden, generator=gen)
+            up = torch.empty(r, 2 * inter)
+            out = torch.empty(r, hidden)
 
             def kernel() -> None:
-                for x, w, o in zip(xs, mats, outs):
-                    cpu_linear.linear(x, w, None, out=o, num_threads=threads)
+                cpu_linear.linear(x, w_up, None, norm_weight=norm_w, eps=eps, out=up, num_threads=threads)
+                cpu_linear.linear(up, w_down, None, swiglu=True, residual=x, out=out, num_threads=threads)
 
             def blas() -> None:
-                for x, w, o in zip(xs, mats, outs):
-                    torch.mm(x, w.t(), out=o)
+                h = norm_w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+                g = torch.mm(h, w_up.t())
+                gate, lin = g.chunk(2, dim=-1)
+                torch.mm(torch.nn.functional.silu(gate) * lin, w_down.t()).add_(x)
 
             kernel(), blas()  # warm-up: page the matrices in, let BLAS set up its threads
-            times = {"kernel": [], "blas": []}
+            times: dict[str, list[float]] = {"kernel": [], "blas": []}
             for _ in range(REPEATS):
                 times["kernel"].append(_elapsed_ms(kernel, clock))
                 times["blas"].append(_elapsed_ms(blas, clock))

@@ -160,7 +160,7 @@ def test_processes_starting_together_measure_once(tune_cache):
 def test_a_real_measurement(tune_cache):
     """On this machine, the tiny shapes: every row count timed for both, a valid choice, and
     the two candidates give the same product."""
-    record = cpu_tune.measure([(48, 96), (96, 48)], threads=1)
+    record = cpu_tune.measure([(48, 192), (96, 48)], threads=1)
     assert sorted(record["rows"]) == sorted(cpu_tune.ROWS)
     assert all(t["kernel_ms"] > 0 and t["blas_ms"] > 0 for t in record["rows"].values())
     assert record["blas_from_rows"] in (None, *cpu_tune.ROWS)
@@ -169,6 +169,6 @@ def test_a_real_measurement(tune_cache):
 
 
 def test_large_shapes_are_cut_to_the_bound():
-    k, n = cpu_tune._measured_shape(8192, 2048)
-    assert k == 8192 and n * k <= cpu_tune.MAX_ELEMENTS and n >= 64
-    assert cpu_tune._measured_shape(64, 128) == (64, 128)
+    hidden, inter = cpu_tune._measured_mlp(2048, 8192)  # Llama-3.2-1B's MLP
+    assert hidden == 2048 and 2 * inter * hidden <= cpu_tune.MAX_ELEMENTS and inter >= 32
+    assert cpu_tune._measured_mlp(64, 128) == (64, 128)
