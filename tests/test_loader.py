@@ -141,22 +141,35 @@ def test_unknown_model_name_gives_clear_error():
         loader.resolve_model("/no/such/model")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"kernels": "cpu_build.py", "parallel": "paged_sp.py"}  # a file only our folder of that name has
+
+
+def _top_level_origins(cwd: Path) -> tuple[dict[str, str], Path]:
+    """In a fresh interpreter run from ``cwd``: after ``import longctx.kernels, longctx.parallel``,
+    where top-level ``kernels`` and ``parallel`` would import from ('absent' when nowhere), and
+    the longctx that ran."""
+    code = ("import importlib.util, os, longctx.kernels, longctx.parallel\n"
+            "for name in ('kernels', 'parallel'):\n"
+            "    spec = importlib.util.find_spec(name)\n"
+            "    print(spec.origin if spec is not None and spec.origin else 'absent')\n"
+            "import longctx; print(os.path.realpath(longctx.__file__))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True)
+    *origins, longctx_file = result.stdout.split()
+    return dict(zip(("kernels", "parallel"), origins)), Path(longctx_file)
+
+
+def _ours(name: str, origin: str) -> bool:
+    """Our folder from the checkout, or a copy of it installed top-level (it has our files)."""
+    return origin != "absent" and (Path(origin).resolve().is_relative_to(ROOT / name)
+                                   or (Path(origin).parent / OURS[name]).exists())
+
+
 def test_kernels_installs_only_under_longctx(tmp_path):
     """``longctx.kernels`` imports; a top-level ``kernels`` or ``parallel`` is never ours (the
     first name belongs to a PyPI package, which transformers >= 5.25 installs: it may be there)."""
-    root = Path(__file__).resolve().parents[1]
-    code = ("import importlib.util, longctx.kernels, longctx.parallel\n"
-            "for name in ('kernels', 'parallel'):\n"
-            "    spec = importlib.util.find_spec(name)\n"
-            "    print(spec.origin if spec is not None and spec.origin else 'absent')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                            check=True)
-    origins = result.stdout.split()
-    assert len(origins) == 2
-    for origin, ours, marker in zip(origins, ("kernels", "parallel"), ("cpu_build.py", "paged_sp.py")):
-        # ours from the checkout, or a copy of ours installed top-level: either has our files
-        assert origin == "absent" or not (Path(origin).resolve().is_relative_to(root / ours)
-                                          or (Path(origin).parent / marker).exists()), origin
+    origins, _ = _top_level_origins(tmp_path)
+    assert not any(_ours(name, origin) for name, origin in origins.items()), origins
 
 
 def test_a_checkout_root_on_sys_path_does_not_shadow_pypi_kernels():
@@ -164,16 +177,9 @@ def test_a_checkout_root_on_sys_path_does_not_shadow_pypi_kernels():
     sys.path: after ``import longctx``, top-level ``kernels`` is the PyPI package or absent,
     never our kernels/ folder (transformers 5.25 imports PyPI ``kernels`` when it builds a
     model and failed on ours with 'cannot import name CUDAProperties')."""
-    root = Path(__file__).resolve().parents[1]
-    code = ("import importlib.util, os, longctx\n"
-            "spec = importlib.util.find_spec('kernels')\n"
-            "print(spec.origin if spec is not None else 'absent')\n"
-            "print(os.path.realpath(longctx.__file__))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                            check=True)
-    origin, longctx_file = result.stdout.split()
-    assert origin == "absent" or not Path(origin).resolve().is_relative_to(root / "kernels"), origin
-    assert Path(longctx_file).is_relative_to(root / "longctx")  # the checkout's own longctx ran
+    origins, longctx_file = _top_level_origins(ROOT)
+    assert not any(_ours(name, origin) for name, origin in origins.items()), origins
+    assert longctx_file.is_relative_to(ROOT / "longctx")  # the checkout's own longctx ran
 
 
 # ---------------------------------------------------------------- the row kernel's layout cache
