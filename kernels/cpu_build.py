@@ -33,7 +33,9 @@ against 2-3 us, and a decode step makes ~240 kernel calls (8 per layer, 30 layer
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -176,6 +178,19 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+@contextlib.contextmanager
+def flocked(lock_file: Path):
+    """Hold an exclusive flock on ``lock_file`` (made 0600, with its folder, if missing): one
+    process at a time past this point, e.g. processes starting together on one cache."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def cache_root() -> Path:

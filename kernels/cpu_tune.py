@@ -8,9 +8,9 @@ Owns: ``blas_from_rows(shapes)``: the row count from which BLAS runs a float32 p
 version, thread count and model shape, and cached in ``<cache_root>/cpu_kernels/tune.json``
 (0600, written whole under a lock so that processes starting together, e.g. torchrun's ranks
 on one host, measure once and agree); a measurement taken while the machine is busy (load
-average above ``BUSY_LOAD`` per CPU) serves its process only and is not cached. ``LONGCTX_CPU_TUNE`` overrides it: ``off`` measures
-nothing and keeps the kernel for every step; an integer N sends steps of N rows and more to
-BLAS without measuring. Never: which method a layer holds (``longctx.model``), or failing a
+average above ``BUSY_LOAD`` per CPU) serves its process only and is not cached.
+``LONGCTX_CPU_TUNE`` overrides it: ``off`` measures nothing and keeps the kernel for every
+step; an integer N sends steps of N rows and more to BLAS without measuring. Never: which method a layer holds (``longctx.model``), or failing a
 load: a measurement that cannot run (no kernel, an unwritable cache) keeps the kernel and says
 why in the log.
 
@@ -26,14 +26,12 @@ alternate ``REPEATS`` times on one decoder MLP of the model's shape as the model
 norm, SwiGLU and residual fused into the kernel's calls, torch ops around BLAS's; the
 intermediate size cut so the gate/up matrix holds at most ``MAX_ELEMENTS`` weights and the
 whole tune stays near a second or two), random float32 numbers, on the threads the model will
-use. BLAS must win by ``MARGIN`` at a row count and at every larger one
-to be chosen: a near tie keeps the kernel, whose rows do not depend on the step's other rows.
+use. BLAS must win by ``MARGIN`` at a row count and at every larger one to be chosen: a near
+tie keeps the kernel, whose rows do not depend on the step's other rows.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -181,17 +179,6 @@ def choose(rows: dict[int, dict[str, float]]) -> int | None:
     return chosen
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -228,7 +215,6 @@ def _busy() -> tuple[bool, float]:
     return load > BUSY_LOAD * (os.cpu_count() or 1), round(load, 2)
 
 
-
 def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
     """The row count from which a float32 product of these shapes runs on BLAS, ``NEVER`` for
     the kernel at every step: ``LONGCTX_CPU_TUNE``'s forced value, else this machine's cached
@@ -245,7 +231,7 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
         return _MEMO[k]
     path = cache_file()
     try:
-        with _locked(path):
+        with cpu_build.flocked(path.with_name(path.name + ".lock")):
             record = _read(path).get(k)
             if not (isinstance(record, dict) and "blas_from_rows" in record):
                 busy = _busy()

@@ -46,7 +46,6 @@ from longctx.kernels import cpu_linear
 from .config import ModelConfig
 from .linear import (BLAS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
                      choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
-from .linear import tune_long_steps
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -267,11 +266,6 @@ class LlamaForCausalLM(nn.Module):
                     if keep_dtype is not None and module not in keep_dtype:
                         data = data.float()
                     module._parameters[name] = nn.Parameter(data.clone(), requires_grad=False)
-
-    def tune_long_steps(self, blas_from_rows: int) -> int:
-        """Prefill chunks of ``blas_from_rows`` rows and more through BLAS
-        (``linear.tune_long_steps``). Returns how many layers took it."""
-        return tune_long_steps(self, blas_from_rows)
 
     def mlp_shapes(self) -> list[tuple[int, int]]:
         """The (in, out) shapes of a decoder layer's MLP products: what dominates a step."""

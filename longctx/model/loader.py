@@ -19,7 +19,6 @@ model larger than the bound is not cached at all.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -36,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from longctx import settings
-from longctx.kernels import cpu_blocks
+from longctx.kernels import cpu_blocks, cpu_build
 
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from .linear import BLOCK_METHODS, BlockEmbedding, BlockMatrix
@@ -360,20 +359,6 @@ def _cache_files() -> list[tuple[float, int, Path, Path]]:
     return sorted(found, key=lambda f: f[0])
 
 
-@contextlib.contextmanager
-def _cache_lock():
-    """One process at a time trims and writes the weight caches (processes loading models
-    together each see the others' files)."""
-    root = settings.cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / "weights.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def _make_room(size: int, bound: int, keep: Path) -> bool:
     """Remove the least recently used caches (never ``keep``, the one about to be written)
     until ``size`` more bytes fit within ``bound``; False when ``size`` alone is over it."""
@@ -436,7 +421,7 @@ def _write_cache(weights: Path, sidecar: Path, state: dict[str, torch.Tensor], i
     tmp = weights.with_name(f"{weights.name}.tmp{os.getpid()}")
     tmp_json = sidecar.with_name(f"{sidecar.name}.tmp{os.getpid()}")
     try:
-        with _cache_lock():
+        with cpu_build.flocked(settings.cache_dir() / "weights.lock"):  # one trimmer and writer at a time
             if not _make_room(size, bound, weights):
                 log.info("weight cache not written: %s needs %.2f GiB, over weight_cache_gb=%.2f",
                          weights, size / 2**30, bound / 2**30)

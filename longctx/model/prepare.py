@@ -17,7 +17,7 @@ from longctx.kernels import cpu_blocks, cpu_build, cpu_tune
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import blocks_available
+from .linear import blocks_available, tune_long_steps
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -69,7 +69,7 @@ def weight_cache_bytes(load: ModelLoadConfig) -> int:
 def _tuned(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """Prefill chunks of a model with float32 activations: the row kernel's panels or BLAS,
     whichever ``cpu_tune`` measured faster on this machine for its MLP shapes."""
-    model.tune_long_steps(cpu_tune.blas_from_rows(model.mlp_shapes()))
+    tune_long_steps(model, cpu_tune.blas_from_rows(model.mlp_shapes()))
     return model
 
 
