@@ -204,6 +204,13 @@ def test_engine_with_prefill_chunks_on_blas(tmp_path, monkeypatch):
 
 
 @needs_kernel
+def test_a_bad_tune_setting_is_a_config_error_naming_it(tiny_engine_folder, monkeypatch):
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "fastest")
+    with pytest.raises(ConfigError, match="LONGCTX_CPU_TUNE must be 'auto', 'off' or a row count"):
+        LLM(tiny_engine_folder)
+
+
+@needs_kernel
 def test_bfloat16_model_on_the_row_kernel(tmp_path):
     """dtype='bfloat16' on the CPU: bf16 matrices and embedding (a tied head shares it), bf16 KV
     pages, fp32 activations. Its first logits equal HF float32's on the bf16-rounded weights

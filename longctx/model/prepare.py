@@ -69,7 +69,11 @@ def weight_cache_bytes(load: ModelLoadConfig) -> int:
 def _tuned(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """Prefill chunks of a model with float32 activations: the row kernel's panels or BLAS,
     whichever ``cpu_tune`` measured faster on this machine for its MLP shapes."""
-    tune_long_steps(model, cpu_tune.blas_from_rows(model.mlp_shapes()))
+    try:
+        rows = cpu_tune.blas_from_rows(model.mlp_shapes())
+    except ValueError as err:  # LONGCTX_CPU_TUNE that is not auto, off or a row count
+        raise ConfigError(str(err)) from None
+    tune_long_steps(model, rows)
     return model
 
 
