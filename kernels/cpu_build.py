@@ -204,13 +204,14 @@ def cache_dir() -> Path:
     return cache_root() / "cpu_kernels"
 
 
-def build(source: Path) -> ctypes.CDLL:
-    """Compile ``source`` (or reuse its cached build) and load it. Raises one of
-    ``BUILD_ERRORS`` when there is no compiler or the build fails."""
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile ``source`` (or reuse its cached build) and load it; ``extra_flags`` follow the
+    level's (e.g. the AMX kernel's ``-mamx-tile``). Raises one of ``BUILD_ERRORS`` when there is
+    no compiler or the build fails."""
     compiler = c_compiler()
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it may include
-    flags = [*FLAGS[:1], *isa_flags(), *FLAGS[1:]]  # appended FLAGS (tests: -mno-avx2) come last
+    flags = [*FLAGS[:1], *isa_flags(), *extra_flags, *FLAGS[1:]]  # appended FLAGS (tests: -mno-avx2) come last
     for part in (source.read_bytes(), *headers, " ".join([compiler, *flags]).encode(),
                  (_cpu_flags() or platform.processor()).encode(), platform.machine().encode()):
         key.update(part)
@@ -255,10 +256,15 @@ def define_op(schema: str, impl: Callable, fake: Callable = _writes_only) -> tor
 class KernelLibrary:
     """One C source's library, built and loaded on first use, never failing the caller:
     ``load()`` gives the library or None, and ``status()`` says 'ok' or why not (switched off,
-    no compiler, a failed build). ``declare`` sets the ctypes signatures after loading."""
+    no compiler, a failed build, a CPU without what it needs). ``declare`` sets the ctypes
+    signatures after loading (and may raise RuntimeError: the library is then not used);
+    ``extra_flags`` go to the compiler after the level's; ``unsupported()``, when given, says why
+    this machine cannot run the source (None: it can), before anything is built."""
 
-    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]) -> None:
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], extra_flags: tuple[str, ...] = (),
+                 unsupported: Callable[[], str | None] | None = None) -> None:
         self.source, self.declare = source, declare
+        self.extra_flags, self.unsupported = tuple(extra_flags), unsupported
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._status: str | None = None  # None: not tried yet
@@ -268,17 +274,22 @@ class KernelLibrary:
             return self._lib
         with self._lock:
             if self._status is None:
+                expected = not enabled()  # the user's choice, or a CPU without what it needs: INFO
                 if not enabled():
                     self._status = "disabled by LONGCTX_CPU_KERNEL=0"
                 else:
                     try:
-                        lib = build(self.source)
+                        why_not = self.unsupported() if self.unsupported else None
+                        if why_not:
+                            expected = True
+                            raise RuntimeError(why_not)
+                        lib = build(self.source, self.extra_flags)
                         self.declare(lib)
                         self._lib, self._status = lib, "ok"
                     except BUILD_ERRORS as exc:
                         self._status = f"unavailable: {exc}"
-                if self._lib is None:  # once per library and process (a choice made by the user: INFO)
-                    log.log(logging.INFO if not enabled() else logging.WARNING,
+                if self._lib is None:  # once per library and process
+                    log.log(logging.INFO if expected else logging.WARNING,
                             "C kernel %s not used (%s): the torch paths run instead", self.source.name, self._status)
         return self._lib
 

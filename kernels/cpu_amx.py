@@ -1,0 +1,102 @@
+"""bfloat16 weight products on AMX tiles (``csrc/linear_amx.c``): built on first use where the CPU
+has AMX-BF16, called through ctypes, registered as the torch operator ``longctx::amx_linear``.
+
+Owns: ``linear(x, weight)`` = ``x @ weight.T`` for float32 ``x`` [M, K] and a bfloat16 ``weight``
+[N, K] (the row kernel's layout: no second copy of the weights), float32 out, with x rounded to
+bfloat16 once and float32 sums: the row kernel's bfloat16 numerics from 17 rows
+(``cpu_linear.rounds_bf16_rows``), on the tile unit, for a bfloat16 model's long steps; and
+saying whether it runs here (``available``/``status``/``supports``). Never: choosing when it
+is used (``cpu_tune`` measures that, the model's ``Linear`` follows), or failing a run: on a CPU
+without AMX, below the ``avx512bf16`` level (``LONGCTX_CPU_ISA``), where the kernel refuses the
+process the tile state, or with ``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable.
+
+Why: the row kernel's bfloat16 product (vdpbf16ps, 512-bit) ran at 85 GFLOP/s on the Intel Xeon
+(AVX-512 BF16, AMX), below its float32 product's 126, so a bfloat16 model's prefill was slower
+than float32's there (issue 42); torch's own bfloat16 product (oneDNN on AMX) ran at 757 but
+rounds its result to bfloat16 as well, which changed the real model's greedy tokens against
+float32's. This keeps the result float32 (figures in docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_build
+
+__all__ = ["available", "status", "supports", "takes_weight", "linear"]
+
+SOURCE = cpu_build.CSRC / "linear_amx.c"
+NEEDS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo flags
+K_MULTIPLE, N_MULTIPLE = 32, 16  # a tile's bfloat16 pairs along K; a tile's columns
+
+
+def _unsupported() -> str | None:
+    have = set(cpu_build._cpu_flags().split())
+    missing = [f for f in NEEDS if f not in have]
+    if missing:
+        return f"this CPU has no {', '.join(missing)}"
+    if cpu_build.isa() != "avx512bf16":
+        return f"the instruction-set level is {cpu_build.isa()}, not avx512bf16"
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.longctx_amx_enable.restype = ctypes.c_int
+    lib.longctx_amx_enable.argtypes = []
+    fn = lib.longctx_amx_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    if lib.longctx_amx_enable() != 0:  # the process may not use the tiles: a fault at the first one
+        raise RuntimeError("the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=("-mamx-tile", "-mamx-bf16"),
+                                   unsupported=_unsupported)
+available = _LIBRARY.available
+status = _LIBRARY.status
+
+
+def takes_weight(weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes this weight (with a float32 x of its width): a contiguous bfloat16
+    [N, K] on the CPU with K a multiple of 32 and N of 16, where the kernel runs."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.shape[1] % K_MULTIPLE == 0 and weight.shape[0] % N_MULTIPLE == 0
+            and available())
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` takes this input for this weight: ``takes_weight`` and a float32 x
+    [M, K] (M > 0) with contiguous rows, on the CPU."""
+    return (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
+            and x.stride(1) == 1 and x.shape[1] == weight.shape[-1] and takes_weight(weight))
+
+
+def _amx_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    rc = _LIBRARY.load().longctx_amx_linear(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(),
+                                            weight.shape[0], out.data_ptr(), out.stride(0), threads)
+    if rc != 0:
+        raise RuntimeError(f"amx_linear refused x {tuple(x.shape)}, weight {tuple(weight.shape)} "
+                           "(K % 32, N % 16, or out of memory)")
+
+
+amx_linear = cpu_build.define_op("amx_linear(Tensor x, Tensor weight, Tensor(a!) out, int threads) -> ()",
+                                 _amx_linear)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K] bfloat16 ^T -> [M, N] float32 (x rounded to bfloat16, sums
+    float32). The caller checks ``supports`` first; RuntimeError where the kernel is not here."""
+    if not available():
+        raise RuntimeError(f"the AMX linear kernel is {status()}")
+    if not supports(x, weight):
+        raise ValueError(f"amx linear takes float32 x [M, K] and a contiguous bfloat16 weight [N, K] with "
+                         f"K % {K_MULTIPLE} == 0 and N % {N_MULTIPLE} == 0, got x {x.dtype} {tuple(x.shape)}, "
+                         f"weight {weight.dtype} {tuple(weight.shape)}")
+    rows = x.shape[0]
+    padded = (rows + 15) // 16 * 16  # the kernel writes whole 16-row tiles
+    out = torch.empty(padded, weight.shape[0], dtype=torch.float32)
+    amx_linear(x, weight, out, torch.get_num_threads() if num_threads is None else num_threads)
+    return out[:rows]

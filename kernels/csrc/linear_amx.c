@@ -1,0 +1,195 @@
+/* bfloat16 weight products on AMX tiles: y[M, N] = x[M, K] @ w[N, K]^T for float32 x and y and a
+ * bfloat16 w in the checkpoint's [out, in] layout (the row kernel's), for the long steps
+ * (prefill chunks) of a bfloat16 model on CPUs with AMX-BF16 (Intel Sapphire Rapids and later).
+ *
+ * Numerics: the row kernel's bf16 panel path's (linear_rows.c, from 17 rows): x's rows rounded
+ * to bfloat16 once per call (vcvtneps2bf16: round to nearest even, subnormals to zero), pairs of
+ * bfloat16 multiplied exactly and summed in float32 (tdpbf16ps), y float32. Only the order of
+ * the float32 sums differs.
+ *
+ * Tiles (8 of 16 rows x 64 bytes): 0-3 the float32 sums of a 32 x 32 block of y (C[mi][ni] =
+ * tile 2 mi + ni), 4-5 two 16-row blocks of x (A: 16 rows of 32 bfloat16 k, straight from the
+ * rounded rows), 6-7 two 16-column blocks of w in pairs along K (B: row r holds
+ * (w[n][k0 + 2r], w[n][k0 + 2r + 1]) for the 16 columns n, one 32-bit word each). Each thread
+ * takes a slice of up to 256 columns, packs it for all of K once (at most ~1 MB: in L2) and runs
+ * every block of 32 rows of x over each 32 columns of it, so w is read once per call and x once
+ * per slice (a slice of 32 columns re-read x from L3 8 times as often).
+ * Needs K % 32 == 0 and N % 16 == 0 (the caller checks; every model dimension here is a
+ * multiple of 64); M is any (x is padded to 16 rows inside).
+ *
+ * Linux grants a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
+ * longctx_amx_enable() asks once; without it the first tile instruction faults. */
+
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* 0 when this process may use the AMX tiles, else -1 (an old kernel, or a VM that hides them). */
+int longctx_amx_enable(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+static void load_tile_config(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* x [M, K] float32 (row stride ldx) -> xb [Mp, K] bfloat16, rows M..Mp-1 zero. */
+static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, uint16_t *xb, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int m = 0; m < Mp; m++) {
+        uint16_t *dst = xb + (int64_t)m * K;
+        if (m >= M) {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)K);
+            continue;
+        }
+        const float *xr = x + (int64_t)m * ldx;
+        for (int k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
+    }
+}
+
+/* r[i] <- column i of the 16 x 16 words r (row i: r[i]). Two rounds of unpacks give, in lane L
+ * of r[4 g + j], words 4 L + j of rows 4 g .. 4 g + 3; two rounds of 128-bit lane shuffles
+ * gather the four groups' lane L into row 4 L + j. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {
+        r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+        t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        t[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* w rows [n0, n0 + 16 * nb) for all of K -> wp[K / 32][nb][16 r][16 n] pairs (one B tile per
+ * 32 k and 16 columns, 1 KB each): each 16 x 16 block of pairs transposed. */
+static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
+    const int kblocks = K / 32;
+    for (int b = 0; b < nb; b++) {
+        const uint32_t *rows = (const uint32_t *)(w + (int64_t)(n0 + 16 * b) * K);  /* K / 2 pairs a row */
+        for (int kb = 0; kb < kblocks; kb++) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(rows + (int64_t)n * (K / 2) + 16 * kb);
+            transpose16(r);
+            uint32_t *tile = wp + ((int64_t)kb * nb + b) * 256;
+            for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 16 * i, r[i]);
+        }
+    }
+}
+
+/* y[m0 .. m0 + 16 mb, n0 .. n0 + 16 nb) over all of K (mb, nb in {1, 2}). */
+static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t *wp, int nb, float *y,
+                       int64_t ldy, int n0) {
+    const int kblocks = K / 32;
+    const int64_t xstride = (int64_t)K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = 0; kb < kblocks; kb++) {
+        const uint16_t *a = xb + (int64_t)m0 * K + 32 * kb;
+        const uint32_t *b = wp + (int64_t)kb * nb * 256;
+        _tile_loadd(4, a, xstride);
+        _tile_loadd(6, b, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb == 2) {
+            _tile_loadd(7, b + 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (mb == 2) {
+            _tile_loadd(5, a + 16 * (int64_t)K, xstride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float *c = y + (int64_t)m0 * ldy + n0;
+    const int64_t cstride = ldy * 4;
+    _tile_stored(0, c, cstride);
+    if (nb == 2) _tile_stored(1, c + 16, cstride);
+    if (mb == 2) {
+        _tile_stored(2, c + 16 * ldy, cstride);
+        if (nb == 2) _tile_stored(3, c + 16 * ldy + 16, cstride);
+    }
+}
+
+/* y [Mp, N] float32 (row stride ldy, Mp = M rounded up to 16: the caller's buffer holds the
+ * padding rows) = x [M, K] float32 (row stride ldx) @ w [N, K] bfloat16 ^T. Returns 0, or -1 for
+ * shapes it does not take (K % 32, N % 16) or a failed allocation (nothing written).
+ * ``threads`` >= 1. */
+int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t *w, int N, float *y, int64_t ldy,
+                       int threads) {
+    if (M <= 0 || K <= 0 || N <= 0 || threads < 1 || K % 32 || N % 16) return -1;
+    const int Mp = (M + 15) / 16 * 16;
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)Mp * (size_t)K);
+    if (!xb) return -1;
+    round_rows(x, ldx, M, Mp, K, xb, threads);
+    /* a thread's slice: up to 8 pairs of 16-column blocks, as many as keep the packed slice near
+     * 1 MB (in L2 with the 32 rows of x it meets) and give each thread two slices or more */
+    int pairs = (int)((1 << 20) / ((int64_t)K * 64));
+    const int blocks32 = (N + 31) / 32, even = blocks32 / (2 * threads);
+    pairs = pairs < 1 ? 1 : pairs > 8 ? 8 : pairs;
+    if (even >= 1 && pairs > even) pairs = even;
+    const int width = 32 * pairs, slices = (N + width - 1) / width;
+    const size_t per_thread = (size_t)width * (size_t)K / 2;  /* the slice's columns x K / 2 pairs */
+    uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * per_thread * (size_t)threads);
+    if (!packed) {
+        free(xb);
+        return -1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        uint32_t *wp = packed + per_thread * (size_t)omp_get_thread_num();
+        load_tile_config();
+#pragma omp for schedule(dynamic, 1)
+        for (int s = 0; s < slices; s++) {
+            const int s0 = width * s, s1 = s0 + width < N ? s0 + width : N;
+            for (int n0 = s0; n0 < s1; n0 += 32)  /* each pair of blocks packed apart: 32 x K / 2 pairs */
+                pack_slice(w, K, n0, s1 - n0 >= 32 ? 2 : 1, wp + (int64_t)(n0 - s0) * (K / 2));
+            for (int m0 = 0; m0 < Mp; m0 += 32)  /* 32 rows of x (in L1/L2) against every pair */
+                for (int n0 = s0; n0 < s1; n0 += 32)
+                    tile_block(xb, K, m0, Mp - m0 >= 32 ? 2 : 1, wp + (int64_t)(n0 - s0) * (K / 2),
+                               s1 - n0 >= 32 ? 2 : 1, y, ldy, n0);
+        }
+        _tile_release();
+    }
+    free(packed);
+    free(xb);
+    return 0;
+}

@@ -1,0 +1,117 @@
+"""The AMX kernel for bfloat16 weights (``kernels/cpu_amx.py``, ``csrc/linear_amx.c``): its
+products against a float64 reference on the same bfloat16-rounded numbers and against the row
+kernel's bfloat16 path (the same numerics), the shapes it refuses, why it is not used on a CPU
+without AMX, and the tuner's measurement of it. The products need a CPU with AMX-BF16 (an Intel
+Xeon of 2023 on): elsewhere they skip, and the refusals still run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx.kernels import cpu_amx, cpu_build, cpu_linear, cpu_tune
+
+needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason=f"AMX kernel {cpu_amx.status()}")
+SHAPES = [(32, 16), (64, 48), (96, 112), (576, 960)]  # (K, N)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double() @ w.double().t()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 33, 100])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_products_match_float64_on_the_rounded_numbers(rows, k, n):
+    """x rounded to bfloat16, exact pair products, float32 sums: within float32 rounding of the
+    float64 product of the same rounded numbers; x's rows may be strided (a column slice)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    wide = torch.randn(rows, k + 40, generator=gen)
+    x = wide[:, 8:8 + k]  # rows k + 40 apart
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+    got = cpu_amx.linear(x, w, num_threads=2)
+    assert got.shape == (rows, n) and got.dtype == torch.float32 and got.is_contiguous()
+    want = _reference(x, w)
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    assert err < 2e-6, err
+
+
+@needs_amx
+@pytest.mark.skipif(not cpu_linear.available() or cpu_linear.rounds_bf16_rows() == 0,
+                    reason="the row kernel has no bfloat16 panels here")
+def test_the_same_numbers_as_the_row_kernel_s_bfloat16_panels():
+    """From ``rounds_bf16_rows()`` rows the row kernel rounds x to bfloat16 too: the two differ
+    only in the order of their float32 sums."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 576, generator=gen)
+    w = (torch.randn(960, 576, generator=gen) * 0.04).to(torch.bfloat16)
+    torch.testing.assert_close(cpu_amx.linear(x, w), cpu_linear.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("k,n,dtype", [(48, 32, torch.bfloat16), (64, 24, torch.bfloat16),
+                                       (64, 32, torch.float16), (64, 32, torch.float32)])
+def test_shapes_and_types_it_does_not_take_are_refused(k, n, dtype):
+    x, w = torch.randn(20, k), torch.randn(n, k).to(dtype)
+    assert not cpu_amx.supports(x, w) and not cpu_amx.takes_weight(w)
+    with pytest.raises(ValueError, match="K % 32 == 0 and N % 16 == 0"):
+        cpu_amx.linear(x, w)
+
+
+@needs_amx
+def test_an_input_of_another_width_or_type_is_refused():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    assert cpu_amx.takes_weight(w)
+    for x in (torch.randn(5, 32), torch.randn(5, 64).to(torch.bfloat16), torch.randn(0, 64), torch.randn(64, 5).t()):
+        assert not cpu_amx.supports(x, w)
+
+
+def test_why_it_is_not_used_without_amx(monkeypatch):
+    """A CPU without the AMX flags, or a level below avx512bf16 (``LONGCTX_CPU_ISA``), is named
+    as the reason, before anything is built."""
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: " fpu avx2 fma avx512f avx512_bf16")
+    assert "amx_tile, amx_bf16" in cpu_amx._unsupported()
+    monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: " avx2 amx_tile amx_bf16")
+    monkeypatch.setattr(cpu_build, "isa", lambda: "avx2")
+    assert cpu_amx._unsupported() == "the instruction-set level is avx2, not avx512bf16"
+    monkeypatch.setattr(cpu_build, "isa", lambda: "avx512bf16")
+    assert cpu_amx._unsupported() is None
+
+
+def test_an_unsupported_library_is_not_built(monkeypatch, tmp_path):
+    """``KernelLibrary``'s ``unsupported`` answer is its status; the compiler never runs."""
+    monkeypatch.setattr(cpu_build, "build", lambda *a, **k: pytest.fail("built"))
+    lib = cpu_build.KernelLibrary(cpu_amx.SOURCE, lambda lib: None, unsupported=lambda: "no tiles here")
+    assert not lib.available() and lib.status() == "unavailable: no tiles here"
+
+
+def test_the_tuner_keeps_the_kernel_where_there_is_no_amx(monkeypatch):
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
+    monkeypatch.setattr(cpu_amx, "available", lambda: False)
+    monkeypatch.setattr(cpu_tune, "measure", lambda *a, **k: pytest.fail("measured"))
+    assert cpu_tune.amx_from_rows([(64, 192), (96, 64)]) == cpu_tune.NEVER
+
+
+@needs_amx
+@pytest.mark.skipif(not cpu_linear.available() or cpu_linear.max_rows() < cpu_linear.UNBOUNDED,
+                    reason="row kernel without its panel path")
+def test_a_real_amx_measurement(tmp_path, monkeypatch):
+    """The tuner times the kernel's bfloat16 calls against the AMX kernel's on this machine
+    (shapes cut to the tiles' multiples), caches the answer under a key of its own, and a forced
+    row count skips it."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
+    monkeypatch.setattr(cpu_tune, "_MEMO", {})
+    monkeypatch.setattr(cpu_tune.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    shapes = [(64, 200), (100, 64)]  # an intermediate of 100: measured as 96
+    assert cpu_tune._measured_mlp(64, 100, cpu_amx.K_MULTIPLE) == (64, 96)
+    record = cpu_tune.measure(shapes, threads=1, way="amx")
+    assert sorted(record["rows"]) == sorted(cpu_tune.ROWS)
+    assert all(t["kernel_ms"] > 0 and t["blas_ms"] > 0 for t in record["rows"].values())
+    rows = cpu_tune.amx_from_rows(shapes, threads=1)
+    assert rows in (cpu_tune.NEVER, *(max(r, cpu_tune.MIN_ROWS) for r in cpu_tune.ROWS))
+    assert cpu_tune.key(shapes, 1, "amx") != cpu_tune.key(shapes, 1, "blas")
+    cached = cpu_tune._read(cpu_tune.cache_file())
+    assert cpu_tune.key(shapes, 1, "amx") in cached and cpu_tune.key(shapes, 1, "blas") not in cached
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "300")
+    assert cpu_tune.amx_from_rows(shapes, threads=1) == 300
