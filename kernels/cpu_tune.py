@@ -1,9 +1,11 @@
 """Choices measured on this machine at first use and cached per CPU and build, the way Triton's
-autotuner keeps its configs: the CPU products' one such choice today is where a model's long
-float32 steps (prefill chunks, on float32 matrices or on the dequantized slices of GGUF blocks)
-leave the C row kernel's panels for torch's BLAS on the same numbers.
+autotuner keeps its configs: where a model's long float32 steps (prefill chunks, on float32
+matrices or on the dequantized slices of GGUF blocks) leave the C row kernel's panels for torch's
+BLAS on the same numbers, and where a bfloat16 model's leave them for the AMX tiles
+(``cpu_amx``: the same numerics, on CPUs that have AMX-BF16).
 
-Owns: ``blas_from_rows(shapes)``: the row count from which BLAS runs a float32 product
+Owns: ``blas_from_rows(shapes)`` (and ``amx_from_rows``, the same for bfloat16 matrices and
+the AMX kernel, keyed apart): the row count from which BLAS runs a float32 product
 (``NEVER``: the kernel takes every step), measured once per CPU model, kernel build, torch
 version, thread count and model shape, and cached in ``<cache_root>/cpu_kernels/tune.json``
 (0600, written whole under a lock so that processes starting together, e.g. torchrun's ranks
@@ -45,9 +47,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import cpu_build, cpu_linear
+from . import cpu_amx, cpu_build, cpu_linear
 
-__all__ = ["NEVER", "ROWS", "blas_from_rows", "setting", "measure", "cache_file", "key"]
+__all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "amx_from_rows", "setting", "measure", "cache_file", "key"]
 
 log = logging.getLogger(__name__)
 
@@ -93,23 +95,31 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def key(shapes: Iterable[tuple[int, int]], threads: int) -> str:
+WAYS = ("blas", "amx")  # float32 matrices: the kernel or BLAS; bfloat16 ones: the kernel or the AMX tiles
+
+
+def _build_name(lib) -> str:
+    return os.path.basename(getattr(lib, "_name", "") or "") if lib is not None else "none"
+
+
+def key(shapes: Iterable[tuple[int, int]], threads: int, way: str = "blas") -> str:
     """What a measurement holds for: the CPU (its model name and feature flags), the row
     kernel's build (its library's file name carries the hash of its source and flags), torch's
-    version (its BLAS), the threads and the measured shapes."""
-    lib = cpu_linear._load()
-    build = os.path.basename(getattr(lib, "_name", "") or "") if lib is not None else "none"
+    version (its BLAS) or the AMX kernel's build, the threads and the measured shapes."""
     parts = [f"v{VERSION}", _cpu_model(), hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12],
-             build, torch.__version__, f"threads={threads}",
+             _build_name(cpu_linear._load()), torch.__version__, f"threads={threads}",
              ",".join(f"{k}x{n}" for k, n in shapes), ",".join(map(str, ROWS))]
+    if way != "blas":  # (the float32 keys stay as they were: their cached measurements hold)
+        parts += [way, _build_name(cpu_amx._LIBRARY.load())]
     return "|".join(parts)
 
 
-def _measured_mlp(hidden: int, inter: int) -> tuple[int, int]:
+def _measured_mlp(hidden: int, inter: int, multiple: int = 1) -> tuple[int, int]:
     """(hidden, intermediate) with the intermediate size cut so that the gate/up matrix
     [2 I, H] holds at most ``MAX_ELEMENTS`` weights (a product's time is linear in its output
-    rows), never below 32."""
-    return hidden, max(32, min(inter, MAX_ELEMENTS // max(2 * hidden, 1)))
+    rows), never below 32, and to a multiple of ``multiple`` (the AMX tiles' 32)."""
+    inter = max(32, min(inter, MAX_ELEMENTS // max(2 * hidden, 1)))
+    return hidden, max(multiple, inter // multiple * multiple)
 
 
 def _elapsed_ms(fn: Callable[[], object], clock: Callable[[], float]) -> float:
@@ -119,7 +129,7 @@ def _elapsed_ms(fn: Callable[[], object], clock: Callable[[], float]) -> float:
 
 
 def measure(shapes: Iterable[tuple[int, int]], threads: int,
-            clock: Callable[[], float] = time.perf_counter) -> dict:
+            clock: Callable[[], float] = time.perf_counter, way: str = "blas") -> dict:
     """Time one decoder MLP's two calls as the model makes them, at each of ``ROWS``, the
     kernel's way against BLAS's, alternating, ``REPEATS`` each after a warm-up. ``shapes``:
     the model's ``[(H, 2 I), (I, H)]`` (``mlp_shapes``), cut by ``_measured_mlp``. The kernel's
@@ -127,13 +137,24 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int,
     inside the down product); BLAS's is what ``LinearMethod.apply`` then runs: the norm and
     SwiGLU as torch ops, ``torch.mm``, the residual added. Bare products would favour BLAS:
     on the AVX2 Zen 3 they did (BLAS 5% ahead at 2,048 rows on the 135M model's shapes) while
-    its prefill took 13% longer on BLAS. Returns ``{"rows": {R: {"kernel_ms", "blas_ms"}},
-    "blas_from_rows": R or None}``."""
+    its prefill took 13% longer on BLAS. ``way="amx"``: bfloat16 matrices, the kernel's fused
+    calls against the same torch ops around the AMX kernel's products (``cpu_amx``); the
+    result's "blas_ms" and "blas_from_rows" are then the AMX kernel's. Returns ``{"rows": {R:
+    {"kernel_ms", "blas_ms"}}, "blas_from_rows": R or None}``."""
+    if way not in WAYS:
+        raise ValueError(f"way must be one of {WAYS}, got {way!r}")
+    amx = way == "amx"
     hidden, twice = (int(v) for v in next(iter(shapes)))  # gate/up's (H, 2 I): the down matrix follows
-    hidden, inter = _measured_mlp(hidden, max(twice // 2, 1))
+    hidden, inter = _measured_mlp(hidden, max(twice // 2, 1), cpu_amx.K_MULTIPLE if amx else 1)
     gen = torch.Generator().manual_seed(0)
     w_up = torch.randn(2 * inter, hidden, generator=gen) * hidden ** -0.5
     w_down = torch.randn(hidden, inter, generator=gen) * inter ** -0.5
+    if amx:
+        w_up, w_down = w_up.to(torch.bfloat16), w_down.to(torch.bfloat16)
+
+    def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cpu_amx.linear(a, w, num_threads=threads) if amx else torch.mm(a, w.t())
+
     norm_w = torch.rand(hidden, generator=gen) + 0.5
     eps = 1e-5
     prev = torch.get_num_threads()
@@ -151,9 +172,9 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int,
 
             def blas() -> None:
                 h = norm_w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-                g = torch.mm(h, w_up.t())
+                g = mm(h, w_up)
                 gate, lin = g.chunk(2, dim=-1)
-                torch.mm(torch.nn.functional.silu(gate) * lin, w_down.t()).add_(x)
+                mm(torch.nn.functional.silu(gate) * lin, w_down).add_(x)
 
             kernel(), blas()  # warm-up: page the matrices in, let BLAS set up its threads
             times: dict[str, list[float]] = {"kernel": [], "blas": []}
@@ -219,6 +240,19 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
     """The row count from which a float32 product of these shapes runs on BLAS, ``NEVER`` for
     the kernel at every step: ``LONGCTX_CPU_TUNE``'s forced value, else this machine's cached
     measurement, else a new one (cached). Never raises for a failed measurement."""
+    return _from_rows(shapes, threads, "blas")
+
+
+def amx_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
+    """The row count from which a bfloat16 product of these shapes runs on the AMX tiles
+    (``cpu_amx``), ``NEVER`` for the row kernel at every step (always where the CPU has no
+    AMX): as ``blas_from_rows``, measured and cached separately."""
+    if not cpu_amx.available():
+        return NEVER
+    return _from_rows(shapes, threads, "amx")
+
+
+def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str) -> int:
     forced = setting()
     if forced == "off" or not cpu_linear.available() or cpu_linear.max_rows() < NEVER:
         return NEVER  # off, or no panel path (then BLAS already takes every long step)
@@ -226,7 +260,7 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
         return forced
     shapes = [(int(k), int(n)) for k, n in shapes]
     threads = threads or torch.get_num_threads()
-    k = key(shapes, threads)
+    k = key(shapes, threads, way)
     if k in _MEMO:
         return _MEMO[k]
     path = cache_file()
@@ -236,17 +270,18 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
             if not (isinstance(record, dict) and "blas_from_rows" in record):
                 busy = _busy()
                 t0 = time.perf_counter()
-                record = measure(shapes, threads)
+                record = measure(shapes, threads, way=way)
                 record["seconds"] = round(time.perf_counter() - t0, 2)
                 record["load_before"] = busy[1]
                 if not busy[0]:  # a busy machine's timings hold for this process only
                     data = _read(path)
                     data[k] = record
                     _write(path, data)
-                log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs BLAS ms %s; %s",
+                other = "BLAS" if way == "blas" else "the AMX tiles"
+                log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs %s ms %s; %s",
                          _cpu_model(), threads, shapes,
-                         f"BLAS from {record['blas_from_rows']} rows" if record["blas_from_rows"]
-                         else "the row kernel at every step",
+                         f"{other} from {record['blas_from_rows']} rows" if record["blas_from_rows"]
+                         else "the row kernel at every step", other,
                          {r: (t["kernel_ms"], t["blas_ms"]) for r, t in record["rows"].items()},
                          f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
                          if busy[0] else f"cached in {path}")

@@ -23,9 +23,10 @@ ENV_VARS: dict[str, str] = {
     "LONGCTX_CPU_KERNEL": "0: never build or use the compiled C kernels (torch paths only)",
     "LONGCTX_CPU_ISA": "build the C kernels for this instruction-set level (avx512bf16, avx512, "
                        "avx2, portable, native) instead of the best the CPU supports",
-    "LONGCTX_CPU_TUNE": "where a float32 model's prefill chunks leave the C row kernel for BLAS: auto (default: "
-                        "measured at first use, cached per CPU and build in the cache folder's cpu_kernels/tune.json), "
-                        "off (the kernel for every step) or a row count (BLAS from that many rows)",
+    "LONGCTX_CPU_TUNE": "where a float32 model's prefill chunks leave the C row kernel for BLAS (a bfloat16 "
+                        "model's: for the AMX tiles, where the CPU has them): auto (default: measured at first use, "
+                        "cached per CPU and build in the cache folder's cpu_kernels/tune.json), off (the kernel for "
+                        "every step) or a row count (BLAS or AMX from that many rows)",
     "LONGCTX_API_KEY": "the API key `longctx serve` requires when --api-key is not given",
     "LONGCTX_SP_TORCHRUN": "internal: set by `python -m longctx.entrypoints.torchrun` on rank 0 (the ranks' "
                            "torchrun variables, handed to the engine)",

@@ -9,7 +9,7 @@ import torch
 
 from longctx import LLM, SamplingParams
 from longctx.config import ConfigError
-from longctx.kernels import cpu_linear
+from longctx.kernels import cpu_amx, cpu_linear
 from longctx.model.llama import Linear, choose_cpu_matmul, onednn_linear_available
 from tiny_models import first_logits_and_tokens, hf_greedy, make_engine_checkpoint
 
@@ -210,21 +210,27 @@ def test_a_bad_tune_setting_is_a_config_error_naming_it(tiny_engine_folder, monk
         LLM(tiny_engine_folder)
 
 
+def _bf16_rounded_reference(folder, num_prompt: int):
+    """A tiny checkpoint in ``folder`` whose weights are bfloat16-rounded, a prompt, greedy
+    params, and HF float32's greedy tokens and last-position logits on it."""
+    hf = make_engine_checkpoint(folder, tie_word_embeddings=True)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(param.bfloat16().float())
+    prompt = torch.randint(3, 160, (num_prompt,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    return prompt, params, hf_greedy(hf, prompt, params.max_tokens), hf_logits
+
+
 @needs_kernel
 def test_bfloat16_model_on_the_row_kernel(tmp_path):
     """dtype='bfloat16' on the CPU: bf16 matrices and embedding (a tied head shares it), bf16 KV
     pages, fp32 activations. Its first logits equal HF float32's on the bf16-rounded weights
     within 2e-2 (the KV pages round K and V to bf16 too), its greedy tokens equal theirs, and
     lookahead, a prefix hit and sequence parallelism give the same tokens."""
-    hf = make_engine_checkpoint(tmp_path, tie_word_embeddings=True)
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.copy_(param.bfloat16().float())
-    prompt = torch.randint(3, 160, (150,), generator=torch.Generator().manual_seed(9)).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    expected = hf_greedy(hf, prompt, params.max_tokens)
-    with torch.no_grad():
-        hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    prompt, params, expected, hf_logits = _bf16_rounded_reference(tmp_path, 150)
     with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=64, block_size=16, lookahead=False) as llm:
         engine, model = llm.engine, llm.engine.model
         assert engine.cpu_matmul == "kernel" and model.act_dtype == torch.float32
@@ -244,6 +250,37 @@ def test_bfloat16_model_on_the_row_kernel(tmp_path):
     with LLM(str(tmp_path), dtype="bfloat16", sequence_parallel_size=2, block_size=16,
              max_num_batched_tokens=32) as llm:
         assert llm.engine.model.act_dtype == torch.float32
+        assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_amx.available(), reason=f"AMX kernel {cpu_amx.status()}")
+def test_bfloat16_prefill_chunks_on_amx(tmp_path, monkeypatch):
+    """LONGCTX_CPU_TUNE as a row count on a CPU with AMX-BF16: a bfloat16 model's steps of 65
+    rows and more (its prefill chunks) run on the AMX tiles, decode on the row kernel, and the
+    model still gives HF float32's first logits on the bf16-rounded weights within 2e-2 and its
+    greedy tokens: in one process (the AMX kernel called), from the prefix cache, with lookahead
+    and across two sequence-parallel ranks (which get the choice with the model)."""
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "65")
+    prompt, params, expected, hf_logits = _bf16_rounded_reference(tmp_path, 200)
+    calls = []
+    real = cpu_amx.linear
+    monkeypatch.setattr(cpu_amx, "linear", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw))
+    with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128, block_size=16, lookahead=False) as llm:
+        model = llm.engine.model
+        assert model.layers[0].mlp.down_proj.method.amx_from_rows == 65
+        assert model.layers[-1].self_attn.qkv_proj.method.amx_from_rows == 65
+        logits, tokens = first_logits_and_tokens(llm, prompt, params)
+        assert calls and min(calls) >= 65  # the chunks of 128 and 72 rows; decode stayed on the kernel
+        torch.testing.assert_close(logits, hf_logits, rtol=0, atol=2e-2)
+        assert tokens == expected
+        again = llm.generate({"prompt_token_ids": prompt}, params)[0]
+        assert llm.cache_stats().hit_tokens["device"] > 0 and again.outputs[0].token_ids == expected
+    with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128, block_size=16, lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+    with LLM(str(tmp_path), dtype="bfloat16", sequence_parallel_size=2, block_size=16,
+             max_num_batched_tokens=128) as llm:
+        assert llm.engine.model.layers[0].mlp.down_proj.method.amx_from_rows == 65
         assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from longctx.config import ConfigError
-from longctx.kernels import cpu_blocks, cpu_build, cpu_linear
+from longctx.kernels import cpu_amx, cpu_blocks, cpu_build, cpu_linear
 
 PACK_ROWS_HINT = 16  # oneDNN packs for this many rows: measured as fast as 4, faster than 1 at 2-2048 rows
 ROW_KERNEL_DTYPES = tuple(cpu_linear.WEIGHT_TYPES)  # the weight dtypes the row kernel reads
@@ -101,16 +101,31 @@ class RowKernelWeights(LinearMethod):
     """``weight`` [out, in] contiguous, one copy: the C row kernel for 1..``max_rows()`` rows
     (with the norm, SwiGLU and residual inside it), BLAS on the same matrix above that, and
     from ``blas_from_rows`` rows on (what ``cpu_tune`` measured faster on this machine for a
-    float32 model's prefill chunks; by default never)."""
+    float32 model's prefill chunks; by default never). A bfloat16 matrix goes to the AMX tiles
+    (``cpu_amx``, the same numerics: x rounded to bfloat16, float32 sums) from
+    ``amx_from_rows`` rows on, where ``cpu_tune`` measured them faster (by default never)."""
 
     name = "kernel"
     blas_from_rows = cpu_linear.UNBOUNDED
+    amx_from_rows = cpu_linear.UNBOUNDED
 
-    def __init__(self, blas_from_rows: int = cpu_linear.UNBOUNDED) -> None:
+    def __init__(self, blas_from_rows: int = cpu_linear.UNBOUNDED, amx_from_rows: int = cpu_linear.UNBOUNDED) -> None:
         self.blas_from_rows = int(blas_from_rows)
+        self.amx_from_rows = int(amx_from_rows)
 
     def kernel_takes(self, rows: int) -> bool:
         return 0 < rows <= cpu_linear.max_rows() and rows < self.blas_from_rows
+
+    def amx_takes(self, layer: "Linear", rows: int) -> bool:
+        return rows >= self.amx_from_rows and cpu_amx.takes_weight(layer.weight)
+
+    def _amx_apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, swiglu: bool,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+        x = self.prologue(x, norm, swiglu)  # float32 torch ops, as the BLAS route runs them
+        y = cpu_amx.linear(x if x.stride(-1) == 1 else x.contiguous(), layer.weight)
+        if layer.bias is not None:
+            y += layer.bias
+        return y if residual is None else y.add_(residual)
 
     def take(self, layer: "Linear") -> None:
         w = layer.weight_t
@@ -122,6 +137,8 @@ class RowKernelWeights(LinearMethod):
         layer.weight_t = None
 
     def product(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if self.amx_takes(layer, x.shape[0]):
+            return self._amx_apply(layer, x, None, False, None)
         if self.kernel_takes(x.shape[0]):
             return cpu_linear.linear(x, layer.weight, layer.bias)
         # past max_rows() or from blas_from_rows: BLAS, on float32 copies of bf16 weights
@@ -130,6 +147,8 @@ class RowKernelWeights(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
               residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+        if product is None and self.amx_takes(layer, x.shape[0]):  # (SP's column split keeps its product)
+            return self._amx_apply(layer, x, norm, swiglu, residual)
         if not self.kernel_takes(x.shape[0]):  # past the kernel's rows: torch ops, BLAS
             return super().apply(layer, x, norm, swiglu, residual)
         product = product or cpu_linear.linear
@@ -316,6 +335,19 @@ ROW_KERNEL = RowKernelWeights()
 BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buffer
 # by block_numerics' int8 terms (0: exact); one of each for every layer, as BLOCKS
 BLOCK_METHODS = {0: BLOCKS, 1: BlockWeights(fast=1), 2: BlockWeights(fast=2)}
+
+
+def tune_bf16_long_steps(model: nn.Module, amx_from_rows: int) -> int:
+    """Steps of ``amx_from_rows`` rows and more through the AMX tiles for ``model``'s bfloat16
+    row-kernel matrices (one method object for all of them). Returns how many layers took it."""
+    method = RowKernelWeights(amx_from_rows=amx_from_rows)
+    taken = 0
+    for module in model.modules():
+        if (isinstance(module, Linear) and module.method.name == ROW_KERNEL.name and module.weight is not None
+                and module.weight.dtype == torch.bfloat16):
+            module.method = method
+            taken += 1
+    return taken
 
 
 def tune_long_steps(model: nn.Module, blas_from_rows: int) -> int:

@@ -17,7 +17,7 @@ from longctx.kernels import cpu_blocks, cpu_build, cpu_tune
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import blocks_available, tune_long_steps
+from .linear import blocks_available, tune_bf16_long_steps, tune_long_steps
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -47,7 +47,7 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
         model = load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling,
                                       cache_bytes=weight_cache_bytes(load))
-        return (_tuned(model) if dtype == torch.float32 else model), cpu_matmul
+        return _tuned(model, dtype), cpu_matmul
     model = load_model(load.model, dtype=dtype, device=device, rope_scaling=load.rope_scaling,
                        cache_bytes=weight_cache_bytes(load))
     if device.type != "cpu":
@@ -66,14 +66,16 @@ def weight_cache_bytes(load: ModelLoadConfig) -> int:
     return int(load.weight_cache_gb * 2**30)
 
 
-def _tuned(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Prefill chunks of a model with float32 activations: the row kernel's panels or BLAS,
-    whichever ``cpu_tune`` measured faster on this machine for its MLP shapes."""
+def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Prefill chunks of a model with float32 activations: the row kernel's panels or, whichever
+    ``cpu_tune`` measured faster on this machine for its MLP shapes, BLAS (float32 matrices, GGUF
+    blocks) or the AMX tiles (bfloat16 matrices, where the CPU has them)."""
+    bf16 = dtype == torch.bfloat16
     try:
-        rows = cpu_tune.blas_from_rows(model.mlp_shapes())
+        rows = (cpu_tune.amx_from_rows if bf16 else cpu_tune.blas_from_rows)(model.mlp_shapes())
     except ValueError as err:  # LONGCTX_CPU_TUNE that is not auto, off or a row count
         raise ConfigError(str(err)) from None
-    tune_long_steps(model, rows)
+    (tune_bf16_long_steps if bf16 else tune_long_steps)(model, rows)
     return model
 
 

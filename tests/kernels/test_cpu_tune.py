@@ -31,7 +31,7 @@ def tune_cache(tmp_path, monkeypatch):
 
 
 def _fake_measure(calls, blas_from):
-    def measure(shapes, threads, clock=None):
+    def measure(shapes, threads, clock=None, way="blas"):
         calls.append((tuple(shapes), threads))
         return {"rows": {r: {"kernel_ms": 10.0, "blas_ms": 10.0} for r in cpu_tune.ROWS}, "blas_from_rows": blas_from}
     return measure
