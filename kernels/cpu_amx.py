@@ -75,6 +75,15 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _amx_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    """The operator: ``out`` [M rounded up to 16, N] float32 with contiguous rows (the kernel
+    writes whole 16-row tiles); anything else is refused before the C code writes a byte."""
+    rows, padded = x.shape[0] if x.dim() == 2 else 0, (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
+    if not (supports(x, weight) and out.dtype == torch.float32 and out.dim() == 2 and out.stride(1) == 1
+            and out.shape[0] >= padded and out.shape[1] >= weight.shape[0] and threads >= 1 and rows > 0):
+        raise ValueError(f"amx_linear needs what cpu_amx.supports takes and a float32 out of at least "
+                         f"[{padded}, {weight.shape[0]}] with contiguous rows, got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}, out {tuple(out.shape)} {out.dtype}, "
+                         f"threads {threads}")
     rc = _LIBRARY.load().longctx_amx_linear(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(),
                                             weight.shape[0], out.data_ptr(), out.stride(0), threads)
     if rc != 0:

@@ -246,8 +246,11 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
 def amx_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
     """The row count from which a bfloat16 product of these shapes runs on the AMX tiles
     (``cpu_amx``), ``NEVER`` for the row kernel at every step (always where the CPU has no
-    AMX): as ``blas_from_rows``, measured and cached separately."""
-    if not cpu_amx.available():
+    AMX, and for a hidden size the tiles do not take): as ``blas_from_rows``, measured and cached
+    separately. Like it, a count of rows per step: a batched decode of that many sequences takes
+    the tiles too (their numerics differ from the kernel's only in the order of the sums)."""
+    shapes = [(int(k), int(n)) for k, n in shapes]
+    if setting() == "off" or not shapes or shapes[0][0] % cpu_amx.K_MULTIPLE or not cpu_amx.available():
         return NEVER
     return _from_rows(shapes, threads, "amx")
 

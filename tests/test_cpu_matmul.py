@@ -271,17 +271,21 @@ def test_bfloat16_prefill_chunks_on_amx(tmp_path, monkeypatch):
         assert model.layers[0].mlp.down_proj.method.amx_from_rows == 65
         assert model.layers[-1].self_attn.qkv_proj.method.amx_from_rows == 65
         logits, tokens = first_logits_and_tokens(llm, prompt, params)
-        assert calls and min(calls) >= 65  # the chunks of 128 and 72 rows; decode stayed on the kernel
+        assert sorted(set(calls)) == [72, 128]  # the prompt's two chunks; decode stayed on the kernel
         torch.testing.assert_close(logits, hf_logits, rtol=0, atol=2e-2)
         assert tokens == expected
         again = llm.generate({"prompt_token_ids": prompt}, params)[0]
         assert llm.cache_stats().hit_tokens["device"] > 0 and again.outputs[0].token_ids == expected
+    calls.clear()
     with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128, block_size=16, lookahead=True) as llm:
         assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+    assert sorted(set(calls)) == [72, 128]  # verification steps (a few rows each) stayed on the kernel
+    calls.clear()
     with LLM(str(tmp_path), dtype="bfloat16", sequence_parallel_size=2, block_size=16,
-             max_num_batched_tokens=128) as llm:
+             max_num_batched_tokens=256) as llm:  # one chunk of 200: 100 rows on each rank
         assert llm.engine.model.layers[0].mlp.down_proj.method.amx_from_rows == 65
         assert llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids == expected
+    assert sorted(set(calls)) == [100]  # rank 0's half, in this process
 
 
 @pytest.mark.parametrize("method", ["blas", "kernel", "onednn"])

@@ -86,10 +86,35 @@ def test_an_unsupported_library_is_not_built(monkeypatch, tmp_path):
 
 
 def test_the_tuner_keeps_the_kernel_where_there_is_no_amx(monkeypatch):
+    """No AMX, a hidden size the tiles do not take, or the setting off: the kernel, nothing
+    measured (and, off, nothing built); a bad setting is refused on every CPU alike."""
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
+    monkeypatch.setattr(cpu_tune, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(cpu_amx, "available", lambda: True)
+    assert cpu_tune.amx_from_rows([(48, 192), (96, 48)]) == cpu_tune.NEVER
+    monkeypatch.setattr(cpu_amx, "available", lambda: pytest.fail("built"))
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "off")
+    assert cpu_tune.amx_from_rows([(64, 192), (96, 64)]) == cpu_tune.NEVER
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "fastest")
+    with pytest.raises(ValueError, match="LONGCTX_CPU_TUNE"):
+        cpu_tune.amx_from_rows([(64, 192), (96, 64)])
     monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
     monkeypatch.setattr(cpu_amx, "available", lambda: False)
-    monkeypatch.setattr(cpu_tune, "measure", lambda *a, **k: pytest.fail("measured"))
     assert cpu_tune.amx_from_rows([(64, 192), (96, 64)]) == cpu_tune.NEVER
+
+
+@needs_amx
+def test_the_operator_refuses_an_output_the_tiles_would_overrun():
+    """``longctx::amx_linear`` writes whole 16-row tiles: an out of M rows (M not a multiple of
+    16), of the wrong type or with strided columns is refused before the kernel runs."""
+    x, w = torch.randn(20, 64), torch.randn(32, 64).to(torch.bfloat16)
+    for out in (torch.empty(20, 32), torch.empty(32, 32, dtype=torch.bfloat16), torch.empty(32, 64)[:, ::2],
+                torch.empty(32, 16)):
+        with pytest.raises(ValueError, match="float32 out of at least \\[32, 32\\]"):
+            cpu_amx.amx_linear(x, w, out, 2)
+    out = torch.empty(32, 32)
+    cpu_amx.amx_linear(x, w, out, 2)
+    torch.testing.assert_close(out[:20], cpu_amx.linear(x, w))
 
 
 @needs_amx
