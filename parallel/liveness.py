@@ -2,7 +2,7 @@
 reads, and how a start-up names a rank that died instead of waiting for the rendezvous's
 timeout.
 
-Owns: heartbeats (``start_heartbeat``: a worker's thread bumps its counter every
+Owns: heartbeats (``start_heartbeat`` / ``Heartbeat``: a worker's thread bumps its counter every
 ``BEAT_INTERVAL_S``, in shared memory for ranks rank 0 spawned on its host (``SharedBeats``),
 or in the process group's store, which torchrun's ranks on other machines reach too
 (``StoreBeats``)); ``RankWatch`` (rank 0: local workers' exit codes, looked up when asked, and
@@ -22,8 +22,10 @@ machine (or its network) gone.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -34,6 +36,7 @@ BEAT_STALE_S = 10.0  # no change for this long: the rank is reported (far below 
 STORE_PREFIX = "longctx/heartbeat/"
 TAIL_BYTES = 16384  # of a worker's stderr, kept for error messages
 ERROR_CHARS = 1000  # the most of it an error message quotes
+EXIT_JOIN_S = 2.0  # at exit, how long each beat or watch thread is waited for
 
 
 class Beats(Protocol):
@@ -69,20 +72,59 @@ class StoreBeats:
         return int(self.store.add(f"{STORE_PREFIX}{rank}", 0))  # (add never waits for the key)
 
 
-def start_heartbeat(beats: Beats, rank: int, interval_s: float = BEAT_INTERVAL_S) -> threading.Thread:
-    """Bump ``rank``'s counter every ``interval_s`` from a daemon thread, for the process's life.
-    A failed bump (the store is gone) ends the beat: rank 0's watch then reports the silence."""
-    def beat() -> None:
-        while True:
+class Heartbeat:
+    """A daemon thread bumping ``rank``'s counter every ``interval_s`` until ``stop()`` (or the
+    process's exit). A failed bump (the store is gone) ends the beat: rank 0's watch then
+    reports the silence."""
+
+    def __init__(self, beats: Beats, rank: int, interval_s: float = BEAT_INTERVAL_S) -> None:
+        self.beats, self.rank, self.interval_s = beats, rank, interval_s
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name=f"longctx-sp-heartbeat-{rank}", daemon=True)
+        _stop_at_exit(self)
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
             try:
-                beats.bump(rank)
+                self.beats.bump(self.rank)
             except Exception:  # noqa: BLE001 - nobody to tell but the silence
                 return
-            time.sleep(interval_s)
+            self._stop.wait(self.interval_s)
 
-    thread = threading.Thread(target=beat, name=f"longctx-sp-heartbeat-{rank}", daemon=True)
-    thread.start()
-    return thread
+
+def start_heartbeat(beats: Beats, rank: int, interval_s: float = BEAT_INTERVAL_S) -> Heartbeat:
+    """Bump ``rank``'s counter every ``interval_s`` from a daemon thread, until stopped or the
+    process exits."""
+    return Heartbeat(beats, rank, interval_s)
+
+
+# The threads above touch tensors (``counts[rank] += 1``, ``int(counts[rank])``), which
+# releases the GIL inside torch's C++. A daemon thread still running at interpreter exit is
+# ended by pthread_exit when it next takes the GIL, and that unwind through torch's C++
+# frames calls std::terminate: the process aborts (exit 134) after its work is done (seen at
+# the end of a test run). So every beat and watch of the process is stopped and joined by
+# atexit, which runs before the daemon threads are cut off.
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_at_exit(owner: Any) -> None:
+    with _LIVE_LOCK:
+        _LIVE.add(owner)
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        owners = list(_LIVE)
+    for owner in owners:  # a thread stuck in a store call is left after EXIT_JOIN_S
+        owner.stop(EXIT_JOIN_S) if isinstance(owner, Heartbeat) else owner.close(EXIT_JOIN_S)
 
 
 class RankWatch:
@@ -103,6 +145,7 @@ class RankWatch:
         self._verdict: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_forever, name="longctx-sp-rank-watch", daemon=True)
+        _stop_at_exit(self)
         self._thread.start()
 
     def problem(self) -> str | None:
@@ -117,9 +160,10 @@ class RankWatch:
             return f"the ranks' heartbeats could not be read for {time.monotonic() - since:.0f} s"
         return self._verdict
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         self._stop.set()
-        self._thread.join(self.interval_s + 5.0)
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.interval_s + 5.0 if timeout is None else timeout)
 
     def _sample_forever(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -1,7 +1,8 @@
 """``longctx.parallel.liveness`` in one process: a worker whose counter stops changing is named
 once ``stale_s`` has passed and forgiven once it beats again; a watch whose reads fail or
 hang says so instead of vouching for the ranks; a child's stderr is passed on and its last
-traceback quoted; the error line of a traceback is found as Python prints it."""
+traceback quoted; the error line of a traceback is found as Python prints it; beats and
+watches stop when told and at exit (a beat left running aborted the process as it ended)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _until(check, timeout: float) -> float | None:
 
 def test_a_silent_rank_is_named_after_stale_s_and_forgiven_when_it_beats():
     beats = SharedBeats(3)
-    start_heartbeat(beats, 1, INTERVAL_S)  # rank 1 beats, rank 2 never does
+    beating = [start_heartbeat(beats, 1, INTERVAL_S)]  # rank 1 beats, rank 2 never does
     watch = RankWatch(3, beats, stale_s=STALE_S, interval_s=INTERVAL_S)
     try:
         assert watch.problem() is None
@@ -36,12 +37,14 @@ def test_a_silent_rank_is_named_after_stale_s_and_forgiven_when_it_beats():
         assert took is not None and STALE_S - 0.1 < took < STALE_S + 1.0, took
         assert re.fullmatch(r"rank 2 has sent no heartbeat for \d+ s \(stopped, frozen, or its machine is "
                             r"unreachable\)", watch.problem()), watch.problem()
-        start_heartbeat(beats, 2, INTERVAL_S)
+        beating.append(start_heartbeat(beats, 2, INTERVAL_S))
         assert _until(lambda: watch.problem() is None, 2) is not None
         time.sleep(2 * STALE_S)  # both beat: nothing to report, however long
         assert watch.problem() is None
     finally:
         watch.close()
+        for beat in beating:
+            beat.stop()
     assert watch.problem() is None  # closed: no opinion
 
 
@@ -52,10 +55,44 @@ class _Procs:
         self.exitcode = exitcode
 
 
+def test_a_stopped_heartbeat_no_longer_beats():
+    beats = SharedBeats(2)
+    beat = start_heartbeat(beats, 1, 0.01)
+    assert _until(lambda: beats.read(1) > 2, 5) is not None
+    beat.stop()
+    assert not beat.thread.is_alive()
+    count = beats.read(1)
+    time.sleep(0.1)
+    assert beats.read(1) == count
+
+
+EXITING = r"""
+import time
+from longctx.parallel.liveness import RankWatch, SharedBeats, start_heartbeat
+beats = SharedBeats(4)
+for rank in range(1, 4):
+    start_heartbeat(beats, rank, 0.0)  # bump without pause: a tensor op under way at exit
+watch = RankWatch(4, beats, stale_s=5.0, interval_s=0.001)
+time.sleep(0.3)
+print(beats.read(1) > 0)
+"""
+
+
+def test_a_process_with_beats_and_a_watch_running_exits_cleanly():
+    """The beat and watch threads are daemons busy in tensor ops; at exit they used to be cut
+    off inside torch's C++ (pthread_exit's unwind reaching std::terminate: exit 134, after
+    a whole test run had passed). Without the stop at exit, about 4 processes in 10 aborted
+    here; 8 of them at once, so one is all but sure to."""
+    procs = [subprocess.Popen([sys.executable, "-c", EXITING], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip() == "True", (proc.returncode, err[-2000:])
+
+
 def test_an_exited_local_worker_is_named_at_once():
     beats = SharedBeats(3)
-    for rank in (1, 2):
-        start_heartbeat(beats, rank, INTERVAL_S)
+    beating = [start_heartbeat(beats, rank, INTERVAL_S) for rank in (1, 2)]
     procs = [_Procs(), _Procs()]
     watch = RankWatch(3, beats, procs, lambda rank, code: f"rank {rank} is gone ({code})",
                       stale_s=STALE_S, interval_s=INTERVAL_S)
@@ -65,6 +102,8 @@ def test_an_exited_local_worker_is_named_at_once():
         assert watch.problem() == "rank 2 is gone (-9)"
     finally:
         watch.close()
+        for beat in beating:
+            beat.stop()
 
 
 class _FlakyBeats:
