@@ -194,9 +194,22 @@ FALLBACK = textwrap.dedent("""
     from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
     {setup}
     print(cpu_flash.status())
+    print("threads", torch.get_num_threads(), "vectorized", cpu_build.vectorized())
     for case in (Case((40, 7), (70, 33), num_kv_heads=2, group=3),
                  Case((7, 30), (20, 50), num_kv_heads=1, group=4, trees=(TWO_BRANCH_TREE, None))):
-        check_against_reference(torch_paged, make_batch(case), torch.float32)
+        batch = make_batch(case)
+        try:
+            check_against_reference(torch_paged, batch, torch.float32)
+        except AssertionError:  # once under load (226 values off by up to 3.7e-5): what was it?
+            from longctx.kernels import reference
+            ref, _ = reference.paged_attention(*batch.args(), tree_mask=batch.tree_mask)
+            for attempt in range(3):
+                out, _ = torch_paged.paged_attention(*batch.args(), tree_mask=batch.tree_mask)
+                err = (out - ref).abs().amax(-1)
+                bad = (err > 1e-5).nonzero().tolist()
+                print("attempt", attempt, "rows (token, head) off:", bad[:20],
+                      "max", err.max().item(), file=sys.stderr)
+            raise
         check_against_reference(torch_paged, make_batch(dataclasses.replace(case, dtype=torch.bfloat16)),
                                 torch.bfloat16)
     print("matched")
@@ -218,7 +231,7 @@ def test_fallbacks_answer_the_same(tmp_path, env, setup, expect):
     full_env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path), **env}
     proc = subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[0].startswith(expect)
     assert proc.stdout.splitlines()[-1] == "matched"
     if setup:  # the build really left the vector code out
