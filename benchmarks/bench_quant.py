@@ -35,7 +35,18 @@ the file expanded by transformers' GGUF loader and saved as fp32 safetensors; fo
 from its F32 file, for the default model from its Q4_1 file) quantized at load
 (``quantization=...``).
 
-Not measured here: vLLM-CPU (not installed on these machines).
+``vllm-bf16``, ``vllm-fp32``: vLLM's CPU build on the same HF folder, in its own venv
+(``--vllm-python``, or env ``LONGCTX_VLLM_PYTHON``; set up as ../shared/BENCHMARKS.md says):
+its OpenMP threads bound to cores 0..threads-1, prefix caching off, its KV pool sized to the
+request (+512 tokens, +10%, in its 128-token blocks; 64 MiB at least), the same prompt ids as
+longctx. After the same 64-token warm-up, prefill_s is the wall time of a one-token generate
+of the prompt; decode ms/token is (last token's engine timestamp - first's) / (new tokens - 1)
+of a second generate of the prompt with ``--new-tokens`` tokens (the wall-time form, less the
+first request's time, where vLLM gives no timestamps); peak_rss_gib is its largest process
+(the engine core runs in a child), VmHWM.
+
+``--model 1b-f32``: the 1B-shaped model's F32 file (needs no llama-cpp-python), for the engines
+that read its HF folder (int8, int4, vllm-*) or the float weights.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -81,6 +93,7 @@ extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "fast2-bf16kv": {"gguf_weights": "blocks", "block_numerics": "fast2", "kv_cache_dtype": "bfloat16"},
          "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
          "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
+         "bf16": {"dtype": "bfloat16"},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
          "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
@@ -138,8 +151,56 @@ print(json.dumps({"engine": "llama.cpp" + ("" if kv == "f16" else " q8_0 KV"), "
                   "peak_rss_gib": peak_rss_gib()}))
 '''
 
+VLLM = PEAK_RSS + r'''
+import json, os, sys, time
+dtype, ctx, n_new, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ids, folder, bench_dir = json.loads(sys.argv[5]), sys.argv[6], sys.argv[7]
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"  # its default keeps a core for itself
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, bench_dir)
+from bench_e2e import _process_tree_hwm  # stdlib only
+import torch, vllm
+from vllm import LLM, SamplingParams
+torch.set_num_threads(threads)
+cfg = json.load(open(os.path.join(folder, "config.json")))
+head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+max_len = ctx + n_new + 8
+per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (2 if dtype == "bfloat16" else 4)
+# the request in 128-token blocks, +512 tokens and +10%: at 272 tokens, 1.1x its 3 blocks was refused as
+# room for 256 (its pool holds whole blocks of every layer); 64 MiB at least
+kv_bytes = max(int(1.1 * 128 * -(-(max_len + 512) // 128) * per_token), 64 << 20)
+t0 = time.perf_counter()
+llm = LLM(model=folder, dtype=dtype, max_model_len=max_len, enable_prefix_caching=False, seed=0,
+          kv_cache_memory_bytes=kv_bytes, disable_log_stats=False)  # metrics are None without stats
+load_s = time.perf_counter() - t0
+
+def gen(prompt, n):
+    t = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return time.perf_counter() - t, out
+
+gen(ids[:64], 2)
+prefill_s, _ = gen(ids, 1)
+wall_s, out = gen(ids, n_new)
+m = out.metrics
+if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "last_token_ts", 0):
+    decode_ms, how = 1e3 * (m.last_token_ts - m.first_token_ts) / (n_new - 1), "engine timestamps"
+else:
+    decode_ms, how = 1e3 * (wall_s - prefill_s) / (n_new - 1), "wall time less the one-token request's"
+procs = _process_tree_hwm()
+peak = max([peak_rss_gib(), *(p["peak_rss_gib"] for p in procs.values() if p["peak_rss_gib"] is not None)])
+print(json.dumps({"engine": "vllm " + dtype, "vllm": vllm.__version__, "load_s": load_s, "prefill_s": prefill_s,
+                  "decode_ms": decode_ms, "decode_from": how, "tokens": list(out.outputs[0].token_ids),
+                  "peak_rss_gib": peak, "processes": procs, "kv_cache_gib": kv_bytes / 2**30}), flush=True)
+try:
+    llm.llm_engine.engine_core.shutdown()
+except Exception:
+    pass
+'''
 
 QUANTIZED = ("int8", "int4", "int4-g128")  # engines on the HF folder, quantized at load
+VLLM_ENGINES = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
 
 
 def _last_json(stdout: str) -> dict:
@@ -155,18 +216,26 @@ def main() -> int:
                     help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), blocks-bf16kv (and bfloat16 "
                          "KV pages), fast "
                          "(block_numerics='fast'), fast2 (block_numerics='fast2'), fast-bf16kv and fast2-bf16kv (with "
-                         "bfloat16 KV pages), float, llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
-                         "int8, int4, int4-g128: the model's HF folder (quant_model.hf_folder) quantized "
-                         "at load (quantization=...)")
-    ap.add_argument("--model", default="default", choices=["default", "1b-q8_0", "1b-q4_k_m"],
-                    help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) quantized "
-                         "by llama.cpp to Q8_0 or Q4_K_M")
+                         "bfloat16 KV pages), float, bf16 (dtype='bfloat16': the weights as bfloat16), "
+                         "llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
+                         "int8, int4, int4-g128: the model's HF folder (hf_folder.py) quantized "
+                         "at load (quantization=...); vllm-bf16, vllm-fp32: vLLM's CPU build on that folder "
+                         "(needs --vllm-python)")
+    ap.add_argument("--model", default="default", choices=["default", "1b-f32", "1b-q8_0", "1b-q4_k_m"],
+                    help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) as written "
+                         "(F32) or quantized by llama.cpp to Q8_0 or Q4_K_M")
+    ap.add_argument("--vllm-python", default=os.environ.get("LONGCTX_VLLM_PYTHON"),
+                    help="the python of vLLM's CPU venv (env LONGCTX_VLLM_PYTHON), for the vllm-* engines")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the engines this many times, in the same order each round (a shared machine's "
                          "speed drifts: each row then reports the median prefill and decode of its rounds, "
                          "and every round's figures)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if any(e in VLLM_ENGINES for e in args.engines) and not (
+            args.vllm_python and os.access(args.vllm_python, os.X_OK)):
+        ap.error(f"the vllm-* engines need --vllm-python (or LONGCTX_VLLM_PYTHON): the python of vLLM's "
+                 f"venv; got {args.vllm_python!r}")
     sys.path.insert(0, str(ROOT))
     from longctx.model.loader import resolve_model
 
@@ -175,7 +244,8 @@ def main() -> int:
     if args.model == "default":
         gguf = resolve_model("smollm2-135m")
     else:
-        gguf = quant_model.ensure()[args.model.removeprefix("1b-")]
+        kind = args.model.removeprefix("1b-")
+        gguf = quant_model.ensure(() if kind == "f32" else (kind,))[kind]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
     for engine in [e for _ in range(args.rounds) for e in args.engines]:
         if engine in ("llama.cpp", "llama.cpp-q8kv"):
@@ -187,12 +257,17 @@ def main() -> int:
                 raise SystemExit("run a longctx engine first (its prompt ids are llama.cpp's too)")
             proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids),
                                    "q8_0" if engine.endswith("q8kv") else "f16"], capture_output=True, text=True)
+        elif engine in VLLM_ENGINES:
+            ids = rows[0]["prompt_ids"] if rows else None
+            if ids is None:
+                raise SystemExit("run a longctx engine first (its prompt ids are vLLM's too)")
+            proc = subprocess.run([args.vllm_python, "-c", VLLM, VLLM_ENGINES[engine], *common, json.dumps(ids),
+                                   str(hf_folder_of(args.model)), str(ROOT / "benchmarks")],
+                                  capture_output=True, text=True, cwd="/")
         else:
             model = gguf
             if engine in QUANTIZED:  # an HF folder of the same weights (the F32 file's, for the 1B model)
-                import hf_folder
-
-                model = hf_folder.write_hf_folder(gguf=quant_model.ensure()["f32"] if args.model != "default" else None)
+                model = hf_folder_of(args.model)
             proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(model)],
                                   capture_output=True, text=True, cwd=ROOT)
             if proc.returncode == 0 and not rows:  # the prompt's ids, for llama.cpp
@@ -232,12 +307,29 @@ def main() -> int:
     if "longctx blocks" in by and "longctx float" in by:
         checks["blocks_tokens_equal_float"] = by["longctx blocks"]["tokens"] == by["longctx float"]["tokens"]
         print(f"blocks and float give the same tokens: {checks['blocks_tokens_equal_float']}")
+    if "vllm bfloat16" in by:  # issue 42's bar: int8 weights' decode <= 0.6x vLLM-CPU bf16's
+        vllm = by["vllm bfloat16"]
+        for row in rows:
+            if row["engine"].startswith("longctx "):
+                name = row["engine"].removeprefix("longctx ")
+                checks[f"{name}_over_vllm_bf16"] = {k: row[k] / vllm[k] for k in ("prefill_s", "decode_ms")}
+                print(f"longctx {name} / vLLM bf16: prefill {row['prefill_s'] / vllm['prefill_s']:.2f}x, "
+                      f"decode {row['decode_ms'] / vllm['decode_ms']:.2f}x")
     for row in rows:
         row.pop("prompt_ids", None)
     save_result(args.out, {"machine": machine_info(), "args": vars(args), "gguf": gguf.name,
                            "gguf_gib": gguf.stat().st_size / 2**30, "rows": rows,
                            "checks": checks})
     return 0
+
+
+def hf_folder_of(model: str) -> Path:
+    """The HF folder of ``--model``'s weights, written where missing: the default model's from its
+    Q4_1 file (dequantized), the 1B-shaped model's from its F32 file."""
+    import hf_folder
+    import quant_model
+
+    return hf_folder.write_hf_folder(gguf=quant_model.ensure(())["f32"] if model != "default" else None)
 
 
 def iter_equal(a: list[int], b: list[int]):

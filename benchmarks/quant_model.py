@@ -100,14 +100,18 @@ def quantize(src: Path, dst: Path, kind: str, threads: int = 2) -> None:
     tmp.replace(dst)
 
 
-def ensure() -> dict[str, Path]:
-    """{'f32': ..., 'q8_0': ..., 'q4_k_m': ...}, built where missing."""
+def ensure(kinds: tuple[str, ...] = tuple(FTYPES)) -> dict[str, Path]:
+    """{'f32': ..., and each of ``kinds`` ('q8_0', 'q4_k_m')}, built where missing. Only the
+    quantized kinds need llama-cpp-python: ``ensure(())`` writes the F32 file alone."""
+    unknown = [k for k in kinds if k not in FTYPES]
+    if unknown:
+        raise ValueError(f"unknown kinds {unknown}; choose from {sorted(FTYPES)}")
     out = folder()
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"f32": out / "random-1b-f32.gguf", **{k: out / f"random-1b-{k}.gguf" for k in FTYPES}}
+    paths = {"f32": out / "random-1b-f32.gguf", **{k: out / f"random-1b-{k}.gguf" for k in kinds}}
     if not paths["f32"].exists():
         write_f32(paths["f32"])
-    for kind in FTYPES:
+    for kind in kinds:
         if not paths[kind].exists():
             quantize(paths["f32"], paths[kind], kind)
     return paths
