@@ -475,12 +475,20 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
         v = by["vllm bfloat16"]
         label = "1B-shaped" if str(get(q.result, "args", "model")).startswith("1b") else "SmolLM2-135M"
         ours = [(name, by[f"longctx {name}"]) for name in ("int8", "int4", "float", "bf16") if f"longctx {name}" in by]
+        vf = by.get("vllm float32")  # float32 against float32 where it ran, the rest against bf16
+
+        def peer(name: str) -> tuple[str, dict]:
+            return ("fp32", vf) if name == "float" and vf else ("bf16", v)
+
         rows.append([f"{label} HF folder, {tokens(ctx) if ctx else '?'} prompt: prefill / decode, "
                      "weights quantized at load",
                      "; ".join(f"{name} {sec(r['prefill_s'])} s / {f(r['decode_ms'])} ms" for name, r in ours),
-                     f"vLLM-CPU bf16 {sec(v['prefill_s'])} s / {f(v['decode_ms'])} ms (longctx/vLLM "
-                     + "; ".join(f"{name} {times(r['prefill_s'], v['prefill_s'])} / "
-                                 f"{times(r['decode_ms'], v['decode_ms'])}" for name, r in ours) + ")",
+                     f"vLLM-CPU bf16 {sec(v['prefill_s'])} s / {f(v['decode_ms'])} ms"
+                     + (f", fp32 {sec(vf['prefill_s'])} s / {f(vf['decode_ms'])} ms" if vf else "")
+                     + " (longctx/vLLM " + "; ".join(
+                         f"{name} {times(r['prefill_s'], peer(name)[1]['prefill_s'])} / "
+                         f"{times(r['decode_ms'], peer(name)[1]['decode_ms'])} vs its {peer(name)[0]}"
+                         for name, r in ours) + ")",
                      doc.run(q)])
 
     if not rows:
