@@ -206,3 +206,33 @@ def test_an_avx2_only_folder_is_named_so(tables):
 
     assert tables.machine_name(rec("amd-epyc-avx2-2c")) == "AMD EPYC (AVX2 only), 2 cores"
     assert tables.machine_name(rec("amd-epyc-2c")) == "AMD EPYC, 2 cores"
+
+
+def test_issue_42_vllm_bars_each_come_from_the_newest_record_holding_them(tables):
+    """The int8 decode bar takes the best of int8 and int8-fast against vLLM bf16, the fp32
+    prefill bar the newest record that ran float and vLLM fp32, even where a newer record of the
+    same machine ran only the int8 engines."""
+    def row(engine: str, prefill: float, decode: float) -> dict:
+        return {"engine": engine, "prefill_s": prefill, "decode_ms": decode, "peak_rss_gib": 1.0}
+
+    def rec(name: str, started: str, rows: list[dict]) -> object:
+        return tables.Record(f"benchmarks/results/quant/intel-xeon-processor-2c/{name}",
+                             f"quant/intel-xeon-processor-2c/{name}",
+                             {"bench": "quant", "started": started, "machine": {"cpu": "Intel Xeon", "cores": 2},
+                              "git": {"rev": name[:7]}, "result": {"args": {"model": "1b-f32", "ctx": 4096},
+                                                                  "rows": rows}})
+
+    old = rec("aaaaaaa.json", "2026-12-05T04:00:00+00:00",
+              [row("longctx float", 36.0, 199.0), row("longctx int8", 40.0, 150.0),
+               row("vllm bfloat16", 8.0, 100.0), row("vllm float32", 30.0, 200.0)])
+    new = rec("bbbbbbb.json", "2026-12-05T05:00:00+00:00",
+              [row("longctx int8", 40.0, 150.0), row("longctx int8-fast", 40.0, 55.0),
+               row("vllm bfloat16", 8.0, 100.0)])
+    lines = tables.render("targets", [old, new], tables.Doc(Path("docs/benchmarks.md"))).splitlines()
+    int8 = next(line for line in lines if "int8 weights' decode" in line)
+    assert "| 0.55x (int8-fast) | met |" in int8 and "bbbbbbb" in int8
+    fp32 = next(line for line in lines if "fp32 prefill" in line)
+    assert "| 1.20x | not met |" in fp32 and "aaaaaaa" in fp32
+    assert not any("bf16 prefill" in line for line in lines)  # no record ran bf16 beside vLLM
+    readme = tables.render("readme-results", [old, new], tables.Doc(Path("README.md")))
+    assert "int8-fast 40.00 s / 55.0 ms" in readme and "int8-fast 5.00x / 0.55x vs its bf16" in readme
