@@ -440,11 +440,7 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
     # GGUF blocks against llama.cpp on the same file: the newest record per model file, machine
     # folder and prompt length (the kernels are tuned per CPU kind: Intel's and AMD's side by side)
     for model, label in (("1b-q4_k_m", "1B-shaped Q4_K_M"), ("default", "SmolLM2-135M Q4_1")):
-        qs = [r for r in records if r.bench == "quant" and _holds(
-            lambda r, m=model: get(r.result, "args", "model") == m
-            and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)), r)]
-        for folder, n in sorted({(r.folder, get(r.result, "args", "ctx") or 0) for r in qs}):
-            q = newest(qs, "quant", lambda r, fo=folder, n=n: (r.folder, get(r.result, "args", "ctx") or 0) == (fo, n))
+        for q in llama_cpp_records(records, model):
             by, ctx = quant_rows(q), get(q.result, "args", "ctx")
             lc, ll = by["longctx blocks"], by["llama.cpp"]
             kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
@@ -499,6 +495,15 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
 
 
 # --- helpers for the other benchmarks ------------------------------------------------------
+
+def llama_cpp_records(records: list[Record], model: str) -> list[Record]:
+    """bench_quant's newest record against llama.cpp on ``model``'s file for each machine folder
+    and prompt length (the kernels are tuned per CPU kind), in folder and length order."""
+    qs = [r for r in records if r.bench == "quant" and _holds(
+        lambda r: get(r.result, "args", "model") == model and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)), r)]
+    return [newest(qs, "quant", lambda r, fo=folder, n=n: (r.folder, get(r.result, "args", "ctx") or 0) == (fo, n))
+            for folder, n in sorted({(r.folder, get(r.result, "args", "ctx") or 0) for r in qs})]
+
 
 def quant_rows(rec: Record) -> dict[str, dict]:
     """bench_quant's rows by engine name (those with prefill and decode figures)."""
@@ -951,12 +956,8 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
     # issue 42: GGUF blocks against llama.cpp on the same file (newest record per machine folder
     # and prompt length), and weights quantized at load against vLLM-CPU on the same HF folder
     for model, label in (("1b-q4_k_m", "1B Q4_K_M"), ("default", "135M Q4_1")):
-        qs = [r for r in records if r.bench == "quant" and _holds(
-            lambda r, m=model: get(r.result, "args", "model") == m
-            and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)), r)]
-        for folder, n in sorted({(r.folder, get(r.result, "args", "ctx") or 0) for r in qs}):
-            q = newest(qs, "quant", lambda r, fo=folder, n=n: (r.folder, get(r.result, "args", "ctx") or 0) == (fo, n))
-            by = quant_rows(q)
+        for q in llama_cpp_records(records, model):
+            by, n = quant_rows(q), get(q.result, "args", "ctx") or 0
             ll = by["llama.cpp"]  # f16 KV: against longctx's float32 and bfloat16 pages, not its int8 ones
             ours = [r for name, r in by.items() if name.startswith("longctx ") and "int8kv" not in name]
             decode_bar = 0.7 if n >= 16384 else 1.0  # long context is where the paged kernels should show
