@@ -202,6 +202,7 @@ except Exception:
 
 QUANTIZED = ("int8", "int8-fast", "int4", "int4-g128")  # engines on the HF folder, quantized at load
 VLLM_ENGINES = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
+PEERS = ("llama.cpp", "llama.cpp-q8kv", *VLLM_ENGINES)  # engines that take longctx's prompt ids
 
 
 def _last_json(stdout: str) -> dict:
@@ -238,6 +239,8 @@ def main() -> int:
             args.vllm_python and os.access(args.vllm_python, os.X_OK)):
         ap.error(f"the vllm-* engines need --vllm-python (or LONGCTX_VLLM_PYTHON): the python of vLLM's "
                  f"venv; got {args.vllm_python!r}")
+    if args.engines[0] in PEERS:
+        ap.error(f"the first engine must be a longctx one (its prompt ids are the peers' too), got {args.engines[0]!r}")
     sys.path.insert(0, str(ROOT))
     from longctx.model.loader import resolve_model
 
@@ -250,19 +253,15 @@ def main() -> int:
         gguf = quant_model.ensure(() if kind == "f32" else (kind,))[kind]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
     for engine in [e for _ in range(args.rounds) for e in args.engines]:
-        if engine in ("llama.cpp", "llama.cpp-q8kv"):
+        if engine in ("llama.cpp", "llama.cpp-q8kv"):  # (PEERS: the first engine is longctx's)
             if importlib.util.find_spec("llama_cpp") is None:
                 print("llama.cpp: llama-cpp-python is not installed; skipped")
                 continue
-            ids = rows[0]["prompt_ids"] if rows else None
-            if ids is None:
-                raise SystemExit("run a longctx engine first (its prompt ids are llama.cpp's too)")
+            ids = rows[0]["prompt_ids"]
             proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids),
                                    "q8_0" if engine.endswith("q8kv") else "f16"], capture_output=True, text=True)
         elif engine in VLLM_ENGINES:
-            ids = rows[0]["prompt_ids"] if rows else None
-            if ids is None:
-                raise SystemExit("run a longctx engine first (its prompt ids are vLLM's too)")
+            ids = rows[0]["prompt_ids"]
             proc = subprocess.run([args.vllm_python, "-c", VLLM, VLLM_ENGINES[engine], *common, json.dumps(ids),
                                    str(hf_folder_of(args.model)), str(ROOT / "benchmarks")],
                                   capture_output=True, text=True, cwd="/")
