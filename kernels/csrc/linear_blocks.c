@@ -55,6 +55,28 @@
 #include "prologue.h"
 
 #define CHUNK 8 /* output rows per work item */
+
+/* Weight bytes asked into L2 ahead of their use: each block loop below asks for the lines
+ * PREFETCH_BYTES past the block it is at (spread over the loop, one or a few lines a step). A
+ * thread's rows are contiguous, and with one or a few rows of x (decode) a product is a stream
+ * of the weights, which the hardware prefetcher alone kept at ~13.5 GB/s of the ~25 the Intel
+ * Xeon's memory gives (Q8_0 [8192, 2048] fast, 2 threads, medians of 7; 2026-12-05): 17.7 with
+ * 2 KB ahead into L1, 19.2 with 4 KB into L2. Asking for a whole row at once (34 lines) gave
+ * 15.7: bursts fill the L2's miss queue. The 1B int8-fast decode at 4K: with float32 pages
+ * 103 ms a token without it, 79-81 with 4 KB ahead; with int8 pages 70-72 at 8 KB against 72-77
+ * at 4 KB, 74-76 at 16 KB and 83-85 into L1 (docs/kernels.md). Not yet measured on AMD. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
+#if HAVE_AVX2
+#define PREFETCH_W(ptr, lines)                                                                 \
+    do {                                                                                       \
+        for (int pf_ = 0; pf_ < (lines); pf_++)                                                \
+            _mm_prefetch((const char *)(ptr) + PREFETCH_BYTES + 64 * pf_, _MM_HINT_T1);        \
+    } while (0)
+#else
+#define PREFETCH_W(ptr, lines) ((void)(ptr))
+#endif
 /* up to this many x rows a register-dequantizing format dequantizes each weight group once per
  * four rows; from there the row is dequantized once into the buffer, which the dot products read */
 #define REGISTER_MAX_ROWS 8
@@ -156,6 +178,7 @@ static void dequant_row(const uint8_t *row, int fmt, int64_t k, float *restrict 
     const int bb = block_bytes(fmt);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
+        PREFETCH_W(blk, 1);
         switch (fmt) {
         case F_Q8_0: {
             float *restrict o = out + b * 32;
@@ -517,6 +540,7 @@ static inline __attribute__((always_inline)) void q4k_rows256(const uint8_t *row
     float ds[8], dm[8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
+        PREFETCH_W(blk, 3);
         q4k_scales8(blk, ds, dm);
         __asm__ volatile("" ::: "memory"); /* read ds, dm back as broadcast loads */
         for (int c = 0; c < 4; c++) {
@@ -541,6 +565,7 @@ static inline __attribute__((always_inline)) void q4b_rows256(const uint8_t *row
     const int bb = one ? 20 : 18, qo = one ? 4 : 2;
     for (int64_t g = 0; g < k / 32; g++) {
         const uint8_t *blk = row + g * bb;
+        PREFETCH_W(blk, 1);
         const float d = h2f(blk), m = one ? -h2f(blk + 2) : 8.0f * d;
         const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
         const int64_t e = g * 32;
@@ -566,6 +591,7 @@ static inline __attribute__((always_inline)) void q6k_rows256(const uint8_t *row
     int8_t qb[128] __attribute__((aligned(32)));
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
+        PREFETCH_W(blk, 4);
         const __m256 d = _mm256_set1_ps(h2f(blk + 208));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
@@ -639,6 +665,7 @@ static inline __m512 cvt16(__m128i bytes16, int is_signed) {
 
 static inline void deq512_q8_0(const uint8_t *row, int64_t g, __m512 w[2]) {
     const uint8_t *blk = row + g * 34;
+    PREFETCH_W(blk, 1);
     const __m512 d = _mm512_set1_ps(h2f(blk));
     w[0] = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(blk + 2)), 1));
     w[1] = _mm512_mul_ps(d, cvt16(_mm_loadu_si128((const __m128i *)(blk + 18)), 1));
@@ -689,6 +716,7 @@ static inline __attribute__((always_inline)) void q4b_rows512(const uint8_t *row
     const __m512i sh_hi = _mm512_add_epi32(sh_lo, _mm512_set1_epi32(4));
     for (int64_t g = 0; g < k / 32; g++) {
         const uint8_t *blk = row + g * bb;
+        PREFETCH_W(blk, 1);
         const __m512 d = _mm512_set1_ps(h2f(blk));
         const __m512 table = one ? _mm512_fmadd_ps(d, iota, _mm512_set1_ps(h2f(blk + 2))) : _mm512_mul_ps(d, iota8);
         const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(blk + qo)));
@@ -738,6 +766,7 @@ static inline __attribute__((always_inline)) void q6k_rows512(const uint8_t *row
     float scale[16];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
+        PREFETCH_W(blk, 4);
         const __m512 d = _mm512_set1_ps(h2f(blk + 208));
         _mm512_storeu_ps(scale, _mm512_mul_ps(d, _mm512_cvtepi32_ps(
                                                      _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))))));
@@ -797,6 +826,7 @@ static inline __attribute__((always_inline)) void q4k_rows512(const uint8_t *row
     float ds[8], dm[8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
+        PREFETCH_W(blk, 3);
         q4k_scales8(blk, ds, dm);
         __asm__ volatile("" ::: "memory"); /* read ds, dm back as broadcast loads */
         for (int c = 0; c < 4; c++) {
@@ -1188,6 +1218,7 @@ static inline __attribute__((always_inline)) void fast_q4k_rows(const uint8_t *r
     float ds[8], dm[8], sx[4][8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
+        PREFETCH_W(blk, 3);
         q4k_scales8(blk, ds, dm);
         const __m256 dsv = _mm256_loadu_ps(ds), dmv = _mm256_loadu_ps(dm);
         for (int r = 0; r < NR; r++) {
@@ -1221,6 +1252,7 @@ static inline __attribute__((always_inline)) void fast_q6k_rows(const uint8_t *r
     const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
+        PREFETCH_W(blk, 4);
         const __m256 d = _mm256_set1_ps(h2f(blk + 208));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256 scf[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
@@ -1261,6 +1293,7 @@ static inline __attribute__((always_inline)) void fast_q32_rows(const uint8_t *r
     const int bb = kind < 0 ? 34 : kind ? 20 : 18, qo = kind == 1 ? 4 : 2;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
+        PREFETCH_W(blk, 1);
         const float dw = h2f(blk);
         __m256i w;
         if (kind < 0) {
@@ -1382,6 +1415,7 @@ static inline __attribute__((always_inline)) void fast512_q4k(const uint8_t *row
     float ds[8], dm[8];
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 144;
+        PREFETCH_W(blk, 3);
         q4k_scales8(blk, ds, dm);
         const __m256 dsv = _mm256_loadu_ps(ds), dmv = _mm256_loadu_ps(dm);
         for (int r = 0; r < NR; r++) { /* the 8 blocks' weight scale times x's, once a super-block */
@@ -1415,6 +1449,7 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
     const __m512i pick[4] = {pick_pair(0), pick_pair(1), pick_pair(2), pick_pair(3)};
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *blk = row + sb * 210;
+        PREFETCH_W(blk, 4);
         /* d * the 16 scales: scf's lane g is the scale of elements 16g .. 16g + 15 */
         const __m512 scf = _mm512_mul_ps(_mm512_set1_ps(h2f(blk + 208)),
                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
@@ -1465,6 +1500,7 @@ static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row
     const __m256i m15 = _mm256_set1_epi8(15);
     for (int64_t p = 0; p < nb / 2; p++) {
         const uint8_t *b0 = row + 2 * p * bb, *b1 = b0 + bb;
+        PREFETCH_W(b0, 2);
         const float d0 = h2f(b0), d1 = h2f(b1);
         __m512i w;
         __mmask64 neg = 0;
