@@ -26,6 +26,7 @@ from longctx.cache.block_pool import BlockPool
 from longctx.engine.cuda_graphs import StepGraphs
 from longctx.config import (DEFAULT_KV_CACHE_GB, CacheConfig, LookaheadConfig, ModelLoadConfig, ParallelConfig,
                             SchedulerConfig, batched_tokens_for, resolve_auto)
+from longctx.kernels.cpu_build import keep_large_blocks
 from longctx.kv.device_pool import DeviceKVPool, num_blocks_for
 from longctx.kv.formats import check_kv_format, kv_format
 from longctx.kv.mover import KVMover
@@ -66,6 +67,8 @@ class LLMEngine:
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
         cache, pool_note, ring = self._start_runner(load, cache, sched, parallel, max_len, backend)
+        if self.device.type == "cpu":  # weights and pages are allocated: later large blocks reuse the heap
+            keep_large_blocks()
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         try:
             self.kv = self.runner.kv

@@ -58,7 +58,7 @@ from longctx.model.loader import TORCH_DTYPES
 from longctx.parallel.comm import RingComm, device_for, init_distributed, init_from_env
 from longctx.parallel.liveness import RankWatch, SharedBeats, StderrTap, StoreBeats, start_heartbeat
 from longctx.kernels import cpu_linear
-from longctx.kernels.cpu_build import set_cpu_threads
+from longctx.kernels.cpu_build import keep_large_blocks, set_cpu_threads
 from longctx.parallel.paged_sp import (ColumnSplit, PagedSPAttention, ShardedStep, StepSeq, assign_tokens,
                                         local_slot, slot_owner)
 from longctx.parallel.shm_comm import ShmBoard, ShmComm, ShmControl, supported as board_supported
@@ -527,6 +527,8 @@ def _worker_main(rank: int, world: int, init_method: str, backend: str, model: A
 
     kernels = select_backend(device, model.config.head_dim, load.attention_backend).kernels
     kv = rank_pool(model, num_blocks, cache, load, device)
+    if device.type == "cpu":  # as rank 0's engine does: later large blocks reuse the heap
+        keep_large_blocks()
     ready.put(("loaded", rank))
     start = timedelta(seconds=start_timeout_s)  # joining: the start-up's deadline
     init_distributed(rank, world, init_method, backend, start.total_seconds())

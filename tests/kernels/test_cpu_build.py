@@ -5,6 +5,7 @@ library of its own."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -164,3 +165,38 @@ def test_a_level_sums_alike_under_every_tuning(tmp_path, level):
                        check=True, capture_output=True, text=True)
         sums[tune] = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.strip()
     assert len(set(sums.values())) == 1, sums
+
+
+HEAP_PROBE = """
+import json, torch
+from longctx.kernels import cpu_build
+
+def from_heap(t):  # whether the block lies in glibc's heap, not in a mapping of its own
+    at = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+        if lo <= at < hi:
+            return line.rstrip().endswith("[heap]")
+    raise AssertionError("the block is in no mapping")
+
+before = from_heap(torch.empty(64 << 20, dtype=torch.uint8))
+took = cpu_build.keep_large_blocks()
+block = torch.empty(64 << 20, dtype=torch.uint8)
+after = from_heap(block)
+print(json.dumps([before, took, after]))
+"""
+
+
+@pytest.mark.parametrize("switch,expected", [(None, [False, True, True]), ("0", [False, False, False])])
+def test_keep_large_blocks_has_glibc_serve_them_from_its_heap(switch, expected):
+    """A 64 MiB block is a mapping of its own (faulted in afresh at each use) until the engine's
+    ``keep_large_blocks`` call; after it, it comes from the heap. ``LONGCTX_MALLOC_TUNE=0``
+    leaves glibc's default. In a child process: the setting is the whole process's."""
+    if sys.platform != "linux" or cpu_build.platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    env = {k: v for k, v in os.environ.items() if k != "LONGCTX_MALLOC_TUNE"}
+    if switch is not None:
+        env["LONGCTX_MALLOC_TUNE"] = switch
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], env=env, capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
