@@ -95,7 +95,9 @@ extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
          "bf16": {"dtype": "bfloat16"},
          "int8": {"quantization": "int8"},
-         "int8-fast": {"quantization": "int8", "block_numerics": "fast"}, "int4": {"quantization": "int4"},
+         "int8-fast": {"quantization": "int8", "block_numerics": "fast"},
+         "int8-fast-bf16kv": {"quantization": "int8", "block_numerics": "fast", "kv_cache_dtype": "bfloat16"},
+         "int4": {"quantization": "int4"},
          "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
           max_model_len=ctx + n_new + 8, kv_cache_gb=0.5 * -(-ctx // 4096))
@@ -200,7 +202,7 @@ except Exception:
     pass
 '''
 
-QUANTIZED = ("int8", "int8-fast", "int4", "int4-g128")  # engines on the HF folder, quantized at load
+QUANTIZED = ("int8", "int8-fast", "int8-fast-bf16kv", "int4", "int4-g128")  # HF folder engines, quantized at load
 VLLM_ENGINES = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
 PEERS = ("llama.cpp", "llama.cpp-q8kv", *VLLM_ENGINES)  # engines that take longctx's prompt ids
 
@@ -220,7 +222,8 @@ def main() -> int:
                          "(block_numerics='fast'), fast2 (block_numerics='fast2'), fast-bf16kv and fast2-bf16kv (with "
                          "bfloat16 KV pages), float, bf16 (dtype='bfloat16': the weights as bfloat16), "
                          "llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
-                         "int8, int8-fast (and block_numerics='fast'), int4, int4-g128: the model's HF folder "
+                         "int8, int8-fast (and block_numerics='fast'), int8-fast-bf16kv (and bfloat16 KV pages), int4, "
+                         "int4-g128: the model's HF folder "
                          "(hf_folder.py) quantized "
                          "at load (quantization=...); vllm-bf16, vllm-fp32: vLLM's CPU build on that folder "
                          "(needs --vllm-python)")

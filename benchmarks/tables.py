@@ -470,7 +470,8 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
         by, ctx = quant_rows(q), get(q.result, "args", "ctx")
         v = by["vllm bfloat16"]
         label = "1B-shaped" if str(get(q.result, "args", "model")).startswith("1b") else "SmolLM2-135M"
-        ours = [(name, by[f"longctx {name}"]) for name in ("int8", "int8-fast", "int4", "float", "bf16")
+        ours = [(name, by[f"longctx {name}"]) for name in ("int8", "int8-fast", "int8-fast-bf16kv", "int4", "float",
+                                                           "bf16")
                 if f"longctx {name}" in by]
         vf = by.get("vllm float32")  # float32 against float32 where it ran, the rest against bf16
 
