@@ -25,14 +25,16 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "takes_weight", "linear"]
+__all__ = ["available", "status", "supports", "takes_weight", "linear", "unsupported"]
 
 SOURCE = cpu_build.CSRC / "linear_amx.c"
 NEEDS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo flags
 K_MULTIPLE, N_MULTIPLE = 32, 16  # a tile's bfloat16 pairs along K; a tile's columns
 
 
-def _unsupported() -> str | None:
+def unsupported() -> str | None:
+    """Why this machine cannot run the AMX-BF16 kernels (None: it can): the flash kernel's AMX build
+    asks the same."""
     have = set(cpu_build._cpu_flags().split())
     missing = [f for f in NEEDS if f not in have]
     if missing:
@@ -54,7 +56,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=("-mamx-tile", "-mamx-bf16"),
-                                   unsupported=_unsupported)
+                                   unsupported=unsupported)
 available = _LIBRARY.available
 status = _LIBRARY.status
 

@@ -17,44 +17,19 @@
  * Needs K % 32 == 0 and N % 16 == 0 (the caller checks; every model dimension here is a
  * multiple of 64); M is any (x is padded to 16 rows inside).
  *
- * Linux grants a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
- * longctx_amx_enable() asks once; without it the first tile instruction faults. */
+ * Linux grants a process the AMX tile state only on request: longctx_amx_enable() asks once
+ * (amx_tiles.h). */
 
 #define _GNU_SOURCE
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* 0 when this process may use the AMX tiles, else -1 (an old kernel, or a VM that hides them). */
-int longctx_amx_enable(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
-
-static void load_tile_config(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* 0 when this process may use the AMX tiles, else -1. */
+int longctx_amx_enable(void) { return amx_request_tiles(); }
 
 /* x [M, K] float32 (row stride ldx) -> xb [Mp, K] bfloat16, rows M..Mp-1 zero. */
 static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, uint16_t *xb, int threads) {
@@ -71,33 +46,6 @@ static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, uint16
     }
 }
 
-/* r[i] <- column i of the 16 x 16 words r (row i: r[i]). Two rounds of unpacks give, in lane L
- * of r[4 g + j], words 4 L + j of rows 4 g .. 4 g + 3; two rounds of 128-bit lane shuffles
- * gather the four groups' lane L into row 4 L + j. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 4; g++) {
-        r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-        r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-        r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-        t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-        t[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-        t[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-        t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* w rows [n0, n0 + 16 * nb) for all of K -> wp[K / 32][nb][16 r][16 n] pairs (one B tile per
  * 32 k and 16 columns, 1 KB each): each 16 x 16 block of pairs transposed. */
 static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
@@ -107,7 +55,7 @@ static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
         for (int kb = 0; kb < kblocks; kb++) {
             __m512i r[16];
             for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(rows + (int64_t)n * (K / 2) + 16 * kb);
-            transpose16(r);
+            amx_transpose16(r);
             uint32_t *tile = wp + ((int64_t)kb * nb + b) * 256;
             for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 16 * i, r[i]);
         }
@@ -176,7 +124,7 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
 #pragma omp parallel num_threads(threads)
     {
         uint32_t *wp = packed + per_thread * (size_t)omp_get_thread_num();
-        load_tile_config();
+        amx_load_config();
 #pragma omp for schedule(dynamic, 1)
         for (int s = 0; s < slices; s++) {
             const int s0 = width * s, s1 = s0 + width < N ? s0 + width : N;

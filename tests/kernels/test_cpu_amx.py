@@ -70,12 +70,12 @@ def test_why_it_is_not_used_without_amx(monkeypatch):
     """A CPU without the AMX flags, or a level below avx512bf16 (``LONGCTX_CPU_ISA``), is named
     as the reason, before anything is built."""
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: " fpu avx2 fma avx512f avx512_bf16")
-    assert "amx_tile, amx_bf16" in cpu_amx._unsupported()
+    assert "amx_tile, amx_bf16" in cpu_amx.unsupported()
     monkeypatch.setattr(cpu_build, "_cpu_flags", lambda: " avx2 amx_tile amx_bf16")
     monkeypatch.setattr(cpu_build, "isa", lambda: "avx2")
-    assert cpu_amx._unsupported() == "the instruction-set level is avx2, not avx512bf16"
+    assert cpu_amx.unsupported() == "the instruction-set level is avx2, not avx512bf16"
     monkeypatch.setattr(cpu_build, "isa", lambda: "avx512bf16")
-    assert cpu_amx._unsupported() is None
+    assert cpu_amx.unsupported() is None
 
 
 def test_an_unsupported_library_is_not_built(monkeypatch, tmp_path):
