@@ -21,14 +21,16 @@ rows (see the C file's header).
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
-from . import cpu_build
+from . import cpu_amx, cpu_build
 from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, Blocks, Tables, call_batch, checked_arguments,
                          prepare, single)
 
-__all__ = ["available", "status", "supports", "attend", "attend_batch", "num_splits", "Blocks", "prepare"]
+__all__ = ["available", "status", "amx_status", "supports", "attend", "attend_batch", "num_splits", "Blocks",
+           "prepare"]
 
 SOURCE = cpu_build.CSRC / "paged_flash.c"
 ROW_BLOCK = 96  # query rows per work item (the C file's RB)
@@ -43,10 +45,41 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, *BATCH_SHAPE, *BATCH_TAIL]
 
 
+def _declare_amx(lib: ctypes.CDLL) -> None:
+    _declare(lib)
+    lib.longctx_flash_amx_enable.restype = ctypes.c_int
+    lib.longctx_flash_amx_enable.argtypes = []
+    rc = lib.longctx_flash_amx_enable()
+    if rc == -2:
+        raise RuntimeError("this build has no AVX-512 BF16 paths (its flags took them away)")
+    if rc != 0:  # the process may not use the tiles: a fault at the first one
+        raise RuntimeError("the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
 _load = _LIBRARY.load
 available = _LIBRARY.available  # whether the kernel runs here
 status = _LIBRARY.status  # 'ok', or why the kernel is not used
+# The same source built for the AMX tiles (where the CPU has AMX-BF16 and the level is avx512bf16):
+# bfloat16 pages' products as tile products, the same numerics (the C file's "AMX" section). Used
+# for bfloat16 pages wherever it loads, unless LONGCTX_FLASH_AMX=0 (docs/kernels.md has the figures).
+_AMX_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare_amx, unsupported=cpu_amx.unsupported,
+                                       extra_flags=("-mamx-tile", "-mamx-bf16", "-DLONGCTX_AMX"))
+
+
+def amx_status() -> str:
+    """'ok' where bfloat16 pages run on the AMX build, or why they do not."""
+    if os.environ.get("LONGCTX_FLASH_AMX", "1") == "0":
+        return "disabled by LONGCTX_FLASH_AMX=0"
+    return _AMX_LIBRARY.status()
+
+
+def _library_for(k_cache: torch.Tensor) -> ctypes.CDLL | None:
+    if k_cache.dtype == torch.bfloat16 and os.environ.get("LONGCTX_FLASH_AMX", "1") != "0":
+        lib = _AMX_LIBRARY.load()
+        if lib is not None:
+            return lib
+    return _load()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, tree: bool = False) -> bool:
@@ -77,7 +110,7 @@ def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cu_q: torch.Tensor, seqs: torch.Tensor, splits: torch.Tensor, words: torch.Tensor | None,
                  scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor,
                  window: int = 0, softcap: float = 0.0) -> None:
-    lib = _load()
+    lib = _library_for(k_cache)
     if lib is None:
         raise RuntimeError(f"the CPU flash kernel is {status()}")
     if splits.dtype != torch.int32 or tuple(splits.shape) != tuple(seqs.shape) or not splits.is_contiguous():

@@ -43,6 +43,9 @@
  * Built at first use by kernels/cpu_flash.py (through cpu_build.py) with -O3 -fopenmp and the
  * instruction set cpu_build.py picks; without AVX2/FMA the same loops run in plain C.
  */
+#ifdef LONGCTX_AMX
+#define _GNU_SOURCE /* amx_tiles.h's syscall */
+#endif
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -61,6 +64,8 @@
 #define KT 96 /* keys per tile (a multiple of 6) */
 #endif
 #define MAX_D 256
+#define KT32 ((KT + 31) / 32 * 32)
+#define VT_STRIDE (KT32 / 2) /* words in a row of V^T's pairs (the AMX build's operand A) */
 /* bfloat16 pages at avx512bf16: scores by vdpbf16ps (QK_BF16), the sink and diagonal tiles
  * with float32 q (QK_EXACT_EDGES); build-time switches for A/B runs (see HAVE_BF16_DOT). */
 #ifndef QK_BF16
@@ -462,6 +467,111 @@ static void tile_accumulate_bf16(const uint32_t *pp, int rbp, const uint32_t *vp
 }
 #endif
 
+#if defined(LONGCTX_AMX) && defined(HAVE_BF16_DOT)
+#define HAVE_AMX 1
+#include "amx_tiles.h"
+/* bfloat16 pages on the AMX tiles (this file built with -DLONGCTX_AMX -mamx-tile -mamx-bf16,
+ * where the CPU has AMX-BF16, kernels/cpu_flash.py): the two products of the vdpbf16ps forms
+ * above with the same operands -- Q^T pairs (qp) against K's bfloat16 rows in the tiles between
+ * the edges, P rounded to bfloat16 (pp) against V's -- as 16 x 16 x 32 tile products, so only
+ * the order of the float32 sums differs. Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN).
+ * Tiles: C 0-3 the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16
+ * rows), A 4 (16 keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7
+ * (16 pairs x 16 rows of qp or pp). Tile numbers are immediates, hence the unrolled strips. */
+#define AMX_STRIPS(LOAD_B, DP)                                                                      \
+    do {                                                                                          \
+        LOAD_B(5, 0); DP(0, 5);                                                                   \
+        if (ns > 1) { LOAD_B(6, 16); DP(1, 6); }                                                  \
+        if (ns > 2) { LOAD_B(7, 32); DP(2, 7); }                                                  \
+        if (ns > 3) { LOAD_B(5, 48); DP(3, 5); }                                                  \
+    } while (0)
+#define AMX_C(OP, base, stride)                                                                   \
+    do {                                                                                          \
+        OP(0, (base), (stride));                                                                  \
+        if (ns > 1) OP(1, (base) + 16, (stride));                                                 \
+        if (ns > 2) OP(2, (base) + 32, (stride));                                                 \
+        if (ns > 3) OP(3, (base) + 48, (stride));                                                 \
+    } while (0)
+#define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define TILE_ZERO(t, p, stride) _tile_zero(t)
+
+int longctx_flash_amx_enable(void) { return amx_request_tiles(); }
+
+/* The tile's n keys' K rows (bfloat16, at element offsets at[] of the cache) into kb [n16][d],
+ * rows n..n16 zero. */
+static void amx_gather_k(const uint16_t *k_cache, const int64_t *at, int n, int n16, int d, uint16_t *kb) {
+    for (int j = 0; j < n; j++) memcpy(kb + (int64_t)j * d, k_cache + at[j], sizeof(uint16_t) * (size_t)d);
+    if (n16 > n) memset(kb + (int64_t)n * d, 0, sizeof(uint16_t) * (size_t)(n16 - n) * d);
+}
+
+/* S^T rows 0..n16 (kb's keys), every column: sum over d of K[key][x] * Q^T[x][row]. */
+static void amx_scores(const uint32_t *qp, int rbp, const uint16_t *kb, int n16, int d, float *st) {
+    const int strips = rbp / 16;
+    for (int g = 0; g < n16; g += 16)
+        for (int s0 = 0; s0 < strips; s0 += 4) {
+            const int ns = strips - s0 < 4 ? strips - s0 : 4;
+            AMX_C(TILE_ZERO, 0, 0);
+            for (int c = 0; c < d / 32; c++) {
+                const uint32_t *b = qp + (int64_t)16 * c * rbp + 16 * s0;
+                _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
+#define LOAD_QP(t, off) _tile_loadd(t, b + (off), rbp * 4)
+#define DP_S(c_, b_) _tile_dpbf16ps(c_, 4, b_)
+                AMX_STRIPS(LOAD_QP, DP_S);
+            }
+            AMX_C(TILE_STORE, st + (int64_t)g * rbp + 16 * s0, rbp * 4);
+        }
+}
+
+/* vp [n32 / 2][d] pairs of V rows -> vt [d][VT_STRIDE]: vt[x][p] = vp[p][x] (operand A of P.V:
+ * row x holds (V[2p][x], V[2p + 1][x]) for the pairs p), by 16 x 16 word transposes. */
+static void amx_v_transposed(const uint32_t *vp, int n32, int d, uint32_t *vt) {
+    for (int jb = 0; jb < n32 / 2; jb += 16)
+        for (int xb = 0; xb < d; xb += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(vp + (int64_t)(jb + i) * d + xb);
+            amx_transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(vt + (int64_t)(xb + i) * VT_STRIDE + jb, r[i]);
+        }
+}
+
+/* O^T = alpha * O^T + V^T P^T over the tile's keys (n32: their count rounded up to 32, the pairs
+ * past the keys zero in pp and vt). alpha NULL: 1. */
+static void amx_accumulate(const uint32_t *pp, int rbp, const uint32_t *vt, int n32, int d, float *ot,
+                           const float *alpha) {
+    if (alpha)
+        for (int x = 0; x < d; x++)
+            for (int i = 0; i < rbp; i += 16) {
+                float *o = ot + (int64_t)x * rbp + i;
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(alpha + i)));
+            }
+    const int strips = rbp / 16;
+    for (int xg = 0; xg < d; xg += 16)
+        for (int s0 = 0; s0 < strips; s0 += 4) {
+            const int ns = strips - s0 < 4 ? strips - s0 : 4;
+            float *c0 = ot + (int64_t)xg * rbp + 16 * s0;
+            AMX_C(TILE_LOAD, c0, rbp * 4);
+            for (int kc = 0; kc < n32 / 32; kc++) {
+                const uint32_t *b = pp + (int64_t)16 * kc * rbp + 16 * s0;
+                _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
+#define LOAD_PP(t, off) _tile_loadd(t, b + (off), rbp * 4)
+#define DP_O(c_, b_) _tile_dpbf16ps(c_, 4, b_)
+                AMX_STRIPS(LOAD_PP, DP_O);
+            }
+            AMX_C(TILE_STORE, c0, rbp * 4);
+        }
+}
+#endif
+#if defined(LONGCTX_AMX) && !defined(HAVE_AMX)
+/* an AMX build whose flags took the AVX-512 BF16 paths away (the tests' -mno-avx2): not used */
+int longctx_flash_amx_enable(void) { return -2; }
+#endif
+#ifdef HAVE_AMX
+#define ROW_ALIGN 16 /* a block's rows padded to whole 16-row strips (the tiles' columns) */
+#else
+#define ROW_ALIGN 8
+#endif
+
 /* The online-softmax step for one tile: S^T (n keys) becomes P^T = 2^(S - m_new) in place,
  * l and m are updated, and alpha[i] = 2^(m_old - m_new) is the factor O^T's row i is to be
  * rescaled by (tile_accumulate does it). Returns whether any alpha is not 1. Columns whose row
@@ -591,6 +701,7 @@ typedef struct {
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
     uint32_t *qp; /* Q^T as bfloat16 pairs (bfloat16 pages' scores by vdpbf16ps) */
+    uint32_t *vt; /* V^T as bfloat16 pairs, [d][VT_STRIDE] (the AMX build's P.V) */
     float m[RB], l[RB], alpha[RB];
     const float *krow[KT + 6], *vrow[KT];
     const uint16_t *vrow16[KT]; /* bfloat16 V rows for the vdpbf16ps P.V */
@@ -606,7 +717,7 @@ static inline int window_low(const Args *a, int t) {
  * running max (log2 units), sum and unnormalised O^T in s. */
 static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, Scratch *s) {
     const int group = a->num_heads / a->num_kv;
-    const int rows = r1 - r0, rbp = (rows + 7) / 8 * 8;
+    const int rows = r1 - r0, rbp = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int d = a->d, first_new = a->ctx_len - a->q_len;
     const float qscale = a->scale * 1.44269504088896341f;
 #ifdef HAVE_BF16_DOT
@@ -627,6 +738,9 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
     if (qpairs) pair_rows_bf16(s->qt, rbp, d, s->qp);
 #else
     const int qpairs = 0;
+#endif
+#ifdef HAVE_AMX
+    const int amx = qpairs && d % 32 == 0; /* both products on the tiles */
 #endif
     memset(s->ot, 0, sizeof(float) * (size_t)d * rbp);
     for (int r = 0; r < rbp; r++) {
@@ -664,12 +778,21 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
         /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
         if (qpairs && !(QK_EXACT_EDGES && (base < KT || meets_mask))) {
+#ifdef HAVE_AMX
+            if (amx) {
+                const int n16 = (n + 15) / 16 * 16;
+                amx_gather_k((const uint16_t *)a->k_cache, at, n, n16, d, (uint16_t *)s->kbuf);
+                amx_scores(s->qp, rbp, (const uint16_t *)s->kbuf, n16, d, s->st);
+            } else
+#endif
+            {
 #ifdef HAVE_BF16_DOT
             const uint16_t *krow16[KT + 6];
             for (int j = 0; j < n; j++) krow16[j] = (const uint16_t *)a->k_cache + at[j];
             for (int j = n; j < (n + 5) / 6 * 6; j++) krow16[j] = (const uint16_t *)s->zero;
             tile_scores_bf16(s->qp, rbp, krow16, n, d, s->st);
 #endif
+            }
         } else {
             tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
                       s->kbuf, s->krow);
@@ -706,6 +829,17 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             pair_rows_bf16(s->st, rbp, n, (uint32_t *)s->st);
             for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
             pair_v_bf16(s->vrow16, n, d, (const uint16_t *)s->zero, (uint32_t *)s->vbuf);
+#ifdef HAVE_AMX
+            if (amx) { /* the pairs past the keys zero, up to whole 32-key chunks */
+                const int n32 = (n + 31) / 32 * 32;
+                for (int jp = (n + 1) / 2; jp < n32 / 2; jp++) {
+                    memset((uint32_t *)s->st + (int64_t)jp * rbp, 0, sizeof(uint32_t) * (size_t)rbp);
+                    memset((uint32_t *)s->vbuf + (int64_t)jp * d, 0, sizeof(uint32_t) * (size_t)d);
+                }
+                amx_v_transposed((const uint32_t *)s->vbuf, n32, d, s->vt);
+                amx_accumulate((const uint32_t *)s->st, rbp, s->vt, n32, d, s->ot, rescale ? s->alpha : NULL);
+            } else
+#endif
             tile_accumulate_bf16((const uint32_t *)s->st, rbp, (const uint32_t *)s->vbuf, n, d, s->ot,
                                  rescale ? s->alpha : NULL);
 #endif
@@ -720,7 +854,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 /* Floats of one thread's scratch, a multiple of 16 so that every thread's part stays aligned. */
 static size_t scratch_floats(int d) {
     const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d
-                          + (size_t)(d + 1) / 2 * RB;
+                          + (size_t)(d + 1) / 2 * RB + (size_t)d * VT_STRIDE;
     return (floats + 15) / 16 * 16;
 }
 
@@ -734,6 +868,7 @@ static void scratch_init(Scratch *s, float *base, int d) {
     s->zero = s->vbuf + (size_t)KT * d;
     memset(s->zero, 0, sizeof(float) * (size_t)d);
     s->qp = (uint32_t *)(s->zero + d);
+    s->vt = s->qp + (size_t)(d + 1) / 2 * RB;
 }
 
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
@@ -813,6 +948,9 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
 #else
         scratch_init(&sc, pool, d);
 #endif
+#ifdef HAVE_AMX
+        if (dtype == 1) amx_load_config();
+#endif
         /* row blocks last to first: under the causal mask the last ones have the most keys */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
@@ -832,7 +970,7 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
             const int k0 = a->key_lo + split * split_len;
             const int k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
             attend_item(a, kvh, r0, r1, k0, k1, &sc);
-            const int rbp = (r1 - r0 + 7) / 8 * 8, all_rows = num_kv * rows;
+            const int rbp = (r1 - r0 + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN, all_rows = num_kv * rows;
             float *o_seq = out + (int64_t)cu_q[seqs[i]] * num_heads * d;
             float *lse_seq = lse + (int64_t)cu_q[seqs[i]] * num_heads;
             for (int r = 0; r < r1 - r0; r++) {
@@ -853,6 +991,9 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
                 }
             }
         }
+#ifdef HAVE_AMX
+        if (dtype == 1) _tile_release();
+#endif
     }
     for (int i = 0; i < num_seqs; i++) {
         if (splits[i] == 1) continue;

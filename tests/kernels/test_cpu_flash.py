@@ -57,6 +57,9 @@ CASES = {
     "head-dim-8": Case((11,), (40,), num_kv_heads=2, group=4, head_dim=8, seed=11),
     "only-new-tokens": Case((200,), (200,), num_kv_heads=1, group=3, block_size=64, seed=12),
     "one-token": Case((1, 1), (1, 95), num_kv_heads=3, group=3, seed=13),
+    # keys between the first tile and the causal edge: the tiles whose scores take bfloat16 q
+    # (vdpbf16ps, or the AMX build's tiles), 4 x 20 = 80 rows (a 16-row strip past 64) and 15 x 4
+    "long-context-gqa4": Case((20, 15), (400, 333), num_kv_heads=2, group=4, seed=24),
 }
 
 
@@ -67,6 +70,24 @@ CASES = {
 def test_matches_reference(name, splits, dtype):
     case = dataclasses.replace(CASES[name], dtype=dtype)
     check_against_reference(kernel_impl(splits), make_batch(case), dtype)
+
+
+@pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
+@pytest.mark.parametrize("name", ["long-context-gqa4", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, name, splits):
+    """bfloat16 pages go to the AMX build where it loads: the same roundings (q, P to bfloat16)
+    and float32 sums in another order, so it agrees with the vdpbf16ps build to float32 rounding,
+    up to a weight whose bfloat16 rounding the order flips (2^-9 of it). Head dim 64, causal and
+    tree masks, odd block sizes, KV splits; test_matches_reference checks both against the reference."""
+    batch = make_batch(dataclasses.replace(CASES[name], dtype=torch.bfloat16))
+    assert cpu_flash._library_for(batch.k_cache) is cpu_flash._AMX_LIBRARY.load()
+    amx_out, amx_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
+    monkeypatch.setenv("LONGCTX_FLASH_AMX", "0")
+    assert cpu_flash._library_for(batch.k_cache) is cpu_flash._LIBRARY.load()
+    vec_out, vec_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
+    torch.testing.assert_close(amx_out.float(), vec_out.float(), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(amx_lse, vec_lse, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernel
@@ -236,10 +257,13 @@ def test_fallbacks_answer_the_same(tmp_path, env, setup, expect):
     assert proc.stdout.splitlines()[-1] == "matched"
     if setup:  # the build really left the vector code out
         built = list((tmp_path / "cpu_kernels").glob("paged_flash-*.so"))
-        assert len(built) == 1
-        dump = subprocess.run(["objdump", "-d", str(built[0])], capture_output=True, text=True)
-        if dump.returncode == 0:
-            assert "vfmadd" not in dump.stdout
+        # one, and where the CPU has AMX the AMX variant too (built for the bfloat16 pages, and
+        # refused: these flags take its AVX-512 BF16 paths away)
+        assert len(built) == 1 + (cpu_flash.amx_status() == "ok")
+        for lib in built:
+            dump = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True)
+            if dump.returncode == 0:
+                assert "vfmadd" not in dump.stdout
 
 
 def test_a_changed_header_rebuilds_the_kernels_that_include_it(tmp_path, monkeypatch):
