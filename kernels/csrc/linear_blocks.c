@@ -64,11 +64,14 @@
  * 2 KB ahead into L1, 19.2 with 4 KB into L2. Asking for a whole row at once (34 lines) gave
  * 15.7: bursts fill the L2's miss queue. The 1B int8-fast decode at 4K: with float32 pages
  * 103 ms a token without it, 79-81 with 4 KB ahead; with int8 pages 70-72 at 8 KB against 72-77
- * at 4 KB, 74-76 at 16 KB and 83-85 into L1 (docs/kernels.md). Not yet measured on AMD. */
+ * at 4 KB, 74-76 at 16 KB and 83-85 into L1 (docs/kernels.md). On an AMD EPYC (Zen 3, AVX2
+ * only), 2 threads, fast: Q8_0 [8192, 2048] 16.4 GB/s without, 19.6 / 19.9 / 19.9 at 2 / 4 / 8 KB;
+ * Q6_K [2048, 8192] 17.1 -> 20.1; exact (bound by the dequantizing, ~5-11 GB/s) alike within the
+ * noise either way (medians of 12, one process, builds interleaved; 2026-12-05). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
 #endif
-#if HAVE_AVX2
+#if HAVE_AVX2 && PREFETCH_BYTES > 0 /* -DPREFETCH_BYTES=0 builds without it (A/B) */
 #define PREFETCH_W(ptr, lines)                                                                 \
     do {                                                                                       \
         for (int pf_ = 0; pf_ < (lines); pf_++)                                                \
