@@ -675,6 +675,26 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
     }
 }
 
+/* How many work items a sequence's `len` visible keys are cut into: one per split_tokens, their
+ * count rounded up to a multiple of the threads when the items stay at least two tiles long, so
+ * that a lone long sequence (the decode of one document) keeps every thread busy to the end.
+ * With one split per 512 tokens, 4K + 32 keys made 9 items: 5 for one thread and 4 for the
+ * other, 2,560 keys against 1,568. The items cut the keys evenly (split_at). */
+static int count_splits(int len, int split_tokens, int threads) {
+    int splits = (len + split_tokens - 1) / split_tokens;
+    const int even = (splits + threads - 1) / threads * threads;
+    if (even != splits && len / even >= 2 * TILE) splits = even;
+    return splits > 0 ? splits : 1;
+}
+
+/* The first key (from the sequence's first visible one) of item `split` of `splits` over `len`
+ * keys: an even cut, on a tile's boundary where the items are at least a tile long (then no item
+ * is empty: consecutive cuts differ by at least one tile). */
+static inline int split_at(int len, int split, int splits) {
+    const int at = (int)((int64_t)len * split / splits);
+    return split == splits || len / splits < TILE ? at : at / TILE * TILE;
+}
+
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
  * q[cu_q[s] .. cu_q[s + 1]) and whose pages are block_table[s * table_stride ..] (ctx_lens[s]
  * tokens). Every (sequence, split) is one work item, shared out over `threads` OpenMP threads
@@ -727,8 +747,7 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
             free(first_item);
             return -3;
         }
-        const int lo = key_start(ctx_len, q_len, window);
-        const int splits = (ctx_len - lo + split_tokens - 1) / split_tokens;
+        const int splits = count_splits(ctx_len - key_start(ctx_len, q_len, window), split_tokens, threads);
         q_at[i] = floats;
         state_at[i] = floats + (int64_t)all_rows * d;
         floats = state_at[i] + (int64_t)splits * all_rows * (d + 2);
@@ -775,8 +794,8 @@ int longctx_paged_decode_batch(const float *q, const void *k_cache, const void *
         }
         const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], ctx_len = ctx_lens[s];
         const int all_rows = num_kv * q_len * group, split = item - first_item[i];
-        const int t0 = key_start(ctx_len, q_len, window) + split * split_tokens;
-        const int t1 = (t0 + split_tokens < ctx_len) ? t0 + split_tokens : ctx_len;
+        const int lo = key_start(ctx_len, q_len, window), splits = first_item[i + 1] - first_item[i];
+        const int t0 = lo + split_at(ctx_len - lo, split, splits), t1 = lo + split_at(ctx_len - lo, split + 1, splits);
         const uint64_t *tail = words ? words + cu_q[s] : q_len > 1 ? causal : NULL;
         float *state = work + state_at[i] + (int64_t)split * all_rows * (d + 2);
         attend_split(work + q_at[i], k_cache, v_cache, k_scale, v_scale, dtype,

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
+from paged_cases import LSE_TOL, OUT_TOL, TWO_BRANCH_TREE, Case, check_against_reference, make_batch
 
-from longctx.kernels import cpu_build, cpu_decode, torch_paged
+from longctx.kernels import cpu_build, cpu_decode, reference, torch_paged
 
 HAVE_COMPILER = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 
@@ -81,6 +81,25 @@ CASES = {
 def test_matches_reference(name, split_tokens, dtype):
     case = dataclasses.replace(CASES[name], dtype=dtype)
     check_against_reference(kernel_impl(split_tokens), make_batch(case), dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_items_cut_evenly_for_the_threads_keep_the_answer(threads):
+    """A sequence's keys are cut into a multiple of the threads where the items stay two tiles
+    long, on tile boundaries (1,100 keys at 512 a split: 3 items, or 4 of ~275 for 2 or 4
+    threads); short ones keep their count. The answer is the reference's for any thread count."""
+    from longctx.kernels import reference
+
+    batch = make_batch(Case((1, 3, 1), (1100, 70, 640), num_kv_heads=3, group=3, seed=26))
+    q, k_cache, v_cache, block_table, ctx_lens, cu_q = batch.args()
+    tables = cpu_decode.batch_tables(block_table, ctx_lens, cu_q)
+    out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"))
+    cpu_decode.attend_batch(q, k_cache, v_cache, tables, torch.arange(3, dtype=torch.int32), q.shape[-1] ** -0.5,
+                            out=out, lse=lse, num_threads=threads)
+    ref_out, ref_lse = reference.paged_attention(q, k_cache, v_cache, block_table, ctx_lens, cu_q)
+    torch.testing.assert_close(out, ref_out, **OUT_TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL[torch.float32])
 
 
 @needs_kernel
@@ -175,7 +194,7 @@ def test_write_kv_follows_in_place_changes_of_the_slots():
 
 FALLBACK = textwrap.dedent("""
     import torch
-    from longctx.kernels import cpu_build, cpu_decode, torch_paged
+    from longctx.kernels import cpu_build, cpu_decode, reference, torch_paged
     import sys; sys.path.insert(0, {tests!r})
     from paged_cases import Case, check_against_reference, make_batch
     print(cpu_decode.status())
