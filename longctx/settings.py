@@ -27,6 +27,10 @@ ENV_VARS: dict[str, str] = {
                         "model's: for the AMX tiles, where the CPU has them): auto (default: measured at first use, "
                         "cached per CPU and build in the cache folder's cpu_kernels/tune.json), off (the kernel for "
                         "every step) or a row count (BLAS or AMX from that many rows)",
+    "LONGCTX_FLASH_AMX": "0: bfloat16 KV pages' prefill attention keeps the flash kernel's vector build where the "
+                         "CPU has AMX-BF16 (default: its AMX build there)",
+    "LONGCTX_MALLOC_TUNE": "0: leave glibc's malloc thresholds as they are (default: after a CPU engine loads, "
+                           "blocks under 256 MiB come from the heap and 512 MiB stay at its top, mallopt)",
     "LONGCTX_API_KEY": "the API key `longctx serve` requires when --api-key is not given",
     "LONGCTX_SP_TORCHRUN": "internal: set by `python -m longctx.entrypoints.torchrun` on rank 0 (the ranks' "
                            "torchrun variables, handed to the engine)",
