@@ -478,12 +478,13 @@ static void tile_accumulate_bf16(const uint32_t *pp, int rbp, const uint32_t *vp
  * Tiles: C 0-3 the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16
  * rows), A 4 (16 keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7
  * (16 pairs x 16 rows of qp or pp). Tile numbers are immediates, hence the unrolled strips. */
-#define AMX_STRIPS(LOAD_B, DP)                                                                      \
+#define AMX_B(t, off) _tile_loadd(t, b + (off), rbp * 4) /* B: 16 pairs x 16 rows of qp or pp at b */
+#define AMX_STRIPS()                                                                              \
     do {                                                                                          \
-        LOAD_B(5, 0); DP(0, 5);                                                                   \
-        if (ns > 1) { LOAD_B(6, 16); DP(1, 6); }                                                  \
-        if (ns > 2) { LOAD_B(7, 32); DP(2, 7); }                                                  \
-        if (ns > 3) { LOAD_B(5, 48); DP(3, 5); }                                                  \
+        AMX_B(5, 0); _tile_dpbf16ps(0, 4, 5);                                                     \
+        if (ns > 1) { AMX_B(6, 16); _tile_dpbf16ps(1, 4, 6); }                                    \
+        if (ns > 2) { AMX_B(7, 32); _tile_dpbf16ps(2, 4, 7); }                                    \
+        if (ns > 3) { AMX_B(5, 48); _tile_dpbf16ps(3, 4, 5); }                                    \
     } while (0)
 #define AMX_C(OP, base, stride)                                                                   \
     do {                                                                                          \
@@ -515,9 +516,7 @@ static void amx_scores(const uint32_t *qp, int rbp, const uint16_t *kb, int n16,
             for (int c = 0; c < d / 32; c++) {
                 const uint32_t *b = qp + (int64_t)16 * c * rbp + 16 * s0;
                 _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
-#define LOAD_QP(t, off) _tile_loadd(t, b + (off), rbp * 4)
-#define DP_S(c_, b_) _tile_dpbf16ps(c_, 4, b_)
-                AMX_STRIPS(LOAD_QP, DP_S);
+                AMX_STRIPS();
             }
             AMX_C(TILE_STORE, st + (int64_t)g * rbp + 16 * s0, rbp * 4);
         }
@@ -554,9 +553,7 @@ static void amx_accumulate(const uint32_t *pp, int rbp, const uint32_t *vt, int 
             for (int kc = 0; kc < n32 / 32; kc++) {
                 const uint32_t *b = pp + (int64_t)16 * kc * rbp + 16 * s0;
                 _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
-#define LOAD_PP(t, off) _tile_loadd(t, b + (off), rbp * 4)
-#define DP_O(c_, b_) _tile_dpbf16ps(c_, 4, b_)
-                AMX_STRIPS(LOAD_PP, DP_O);
+                AMX_STRIPS();
             }
             AMX_C(TILE_STORE, c0, rbp * 4);
         }
