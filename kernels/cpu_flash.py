@@ -67,15 +67,17 @@ _AMX_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare_amx, unsupported=cpu_amx
                                        extra_flags=("-mamx-tile", "-mamx-bf16", "-DLONGCTX_AMX"))
 
 
+def _amx_switched_off() -> bool:
+    return os.environ.get("LONGCTX_FLASH_AMX", "1") == "0"
+
+
 def amx_status() -> str:
     """'ok' where bfloat16 pages run on the AMX build, or why they do not."""
-    if os.environ.get("LONGCTX_FLASH_AMX", "1") == "0":
-        return "disabled by LONGCTX_FLASH_AMX=0"
-    return _AMX_LIBRARY.status()
+    return "disabled by LONGCTX_FLASH_AMX=0" if _amx_switched_off() else _AMX_LIBRARY.status()
 
 
 def _library_for(k_cache: torch.Tensor) -> ctypes.CDLL | None:
-    if k_cache.dtype == torch.bfloat16 and os.environ.get("LONGCTX_FLASH_AMX", "1") != "0":
+    if k_cache.dtype == torch.bfloat16 and not _amx_switched_off():
         lib = _AMX_LIBRARY.load()
         if lib is not None:
             return lib

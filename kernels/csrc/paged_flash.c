@@ -568,6 +568,8 @@ int longctx_flash_amx_enable(void) { return -2; }
 #else
 #define ROW_ALIGN 8
 #endif
+/* A row block's rows as the scratch holds them: padded to whole ROW_ALIGN strips. */
+static inline int padded_rows(int rows) { return (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN; }
 
 /* The online-softmax step for one tile: S^T (n keys) becomes P^T = 2^(S - m_new) in place,
  * l and m are updated, and alpha[i] = 2^(m_old - m_new) is the factor O^T's row i is to be
@@ -714,7 +716,7 @@ static inline int window_low(const Args *a, int t) {
  * running max (log2 units), sum and unnormalised O^T in s. */
 static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, Scratch *s) {
     const int group = a->num_heads / a->num_kv;
-    const int rows = r1 - r0, rbp = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int rows = r1 - r0, rbp = padded_rows(rows);
     const int d = a->d, first_new = a->ctx_len - a->q_len;
     const float qscale = a->scale * 1.44269504088896341f;
 #ifdef HAVE_BF16_DOT
@@ -967,7 +969,7 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
             const int k0 = a->key_lo + split * split_len;
             const int k1 = k0 + split_len < ctx_len ? k0 + split_len : ctx_len;
             attend_item(a, kvh, r0, r1, k0, k1, &sc);
-            const int rbp = (r1 - r0 + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN, all_rows = num_kv * rows;
+            const int rbp = padded_rows(r1 - r0), all_rows = num_kv * rows;
             float *o_seq = out + (int64_t)cu_q[seqs[i]] * num_heads * d;
             float *lse_seq = lse + (int64_t)cu_q[seqs[i]] * num_heads;
             for (int r = 0; r < r1 - r0; r++) {
