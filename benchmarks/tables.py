@@ -971,7 +971,8 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
                     s <= bar, q)
     vq = [r for r in records if r.bench == "quant" and _holds(lambda r: "vllm bfloat16" in quant_rows(r), r)]
     for folder in sorted({r.folder for r in vq}):
-        for ours, theirs, what, bar in ((("int8", "int8-fast"), "vllm bfloat16", "int8 weights' decode", 0.6),
+        for ours, theirs, what, bar in ((("int8", "int8-fast", "int8-fast-bf16kv"), "vllm bfloat16",
+                                         "int8 weights' decode", 0.6),
                                         (("float",), "vllm float32", "fp32 prefill", 1.0),
                                         (("bf16",), "vllm bfloat16", "bf16 prefill", 1.0)):
             # the newest record of this machine holding one of ours and the peer
