@@ -268,3 +268,27 @@ def test_default_model_two_layers_at_32k_matches_hf(monkeypatch):
     rel = float((logits - expected).abs().max() / expected.abs().max())
     assert rel < 1e-3, f"last-position logits differ by {rel:.2e} relative"
     assert int(logits.argmax()) == int(expected.argmax())
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_tables_start_small_and_grow_to_the_same_values(rope_scaling):
+    """A 128K-position window's tables are not built whole at load: the first hold
+    ``TABLE_START`` positions and double when a step reaches past them, with the values the
+    whole table has (positions times frequencies, element by element)."""
+    from longctx.model import rope
+    from longctx.model.config import ModelConfig, RopeScaling
+
+    config = ModelConfig(model_type="llama", head_dim=64, vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0)
+    if rope_scaling is not None:
+        config = dataclasses.replace(config, rope_scaling=RopeScaling(**rope_scaling))
+    table = rope.RotaryEmbedding(config)
+    assert table.table_len == rope.TABLE_START and table.cos.shape[0] == rope.TABLE_START
+    positions = torch.tensor([0, 5, rope.TABLE_START - 1, rope.TABLE_START, 3 * rope.TABLE_START + 7])
+    cos, sin = table.cos_sin(positions)
+    assert table.table_len >= 3 * rope.TABLE_START + 8
+    inv_freq, scale = rope.inv_freq_for(config)
+    want_cos, want_sin = rope.RotaryEmbedding._tables(inv_freq, torch.arange(131072), scale, "cpu")
+    assert torch.equal(cos, want_cos[positions]) and torch.equal(sin, want_sin[positions])

@@ -116,15 +116,21 @@ def inv_freq_for(config: ModelConfig, seq_len: int | None = None, long: bool = F
     return _base_inv_freq(base, dim), 1.0
 
 
+TABLE_START = 4096  # positions in the first tables; they double when a step needs more
+
+
 class RotaryEmbedding:
-    """cos/sin tables for positions, built once per device; dynamic NTK recomputes past the
-    trained window."""
+    """cos/sin tables for positions, built once per device for ``TABLE_START`` positions (or
+    the trained window, if shorter) and doubled when a step reaches past them: a table for a
+    128K-position window that serves 4K prompts would be 32-64 MB of resident memory that
+    nothing reads (a CUDA graph's capture asks for its whole window first). Dynamic NTK
+    recomputes past the trained window."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.dynamic = config.rope_scaling.rope_type == "dynamic"
         inv_freq, self.scale = inv_freq_for(config)
-        self.table_len = config.max_position_embeddings
+        self.table_len = min(config.max_position_embeddings, TABLE_START)
         self.cos, self.sin = self._tables(inv_freq, torch.arange(self.table_len), self.scale, device)
         self.long = None  # LongRoPE's long table: (cos, sin)
         if config.rope_scaling.rope_type == "longrope":
