@@ -109,8 +109,8 @@ def test_blocks_equal_the_float_expansion(model_file, float_reference):
 
 
 def test_matrices_are_views_of_the_file(model_file):
-    """Every part's bytes lie in the GGUF's memory map, except a Llama's q/k rows (unpermuted:
-    the one copy)."""
+    """Every part's bytes lie in the GGUF's memory map, a Llama's permuted q/k rows too (read
+    as stored, their outputs put in order): the load copies no matrix."""
     model = loader.load_blocks_model(model_file)
     mapped = [(lo, hi) for lo, hi in _mapped_ranges(model_file)]
     assert mapped
@@ -121,8 +121,60 @@ def test_matrices_are_views_of_the_file(model_file):
                 hit = any(lo <= data.data_ptr() < hi for lo, hi in mapped)
                 inside, outside = inside + hit, outside + (not hit)
     layers = model.config.num_hidden_layers
-    assert outside == 2 * layers  # the q and k parts of each fused qkv matrix
-    assert inside == 5 * layers + (0 if model.config.tie_word_embeddings else 1)  # v, o, gate, up, down (+ head)
+    assert outside == 0
+    assert inside == 7 * layers + (0 if model.config.tie_word_embeddings else 1)  # q, k, v, o, gate, up, down (+ head)
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    q_order = loader._unpermute_rope_rows(torch.arange(heads * d), heads)
+    k_order = heads * d + loader._unpermute_rope_rows(torch.arange(kv_heads * d), kv_heads)
+    v_order = torch.arange((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)
+    assert torch.equal(qkv.order, torch.cat([q_order, k_order, v_order]))
+    assert model.layers[0].mlp.gate_up_proj.weight.order is None
+
+
+@pytest.mark.parametrize("fast", [0, 1])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_row_order_puts_outputs_in_order(fast, rows):
+    """A ``BlockMatrix`` with an ``order`` gives what its rows moved into that order give: decode
+    and verification steps (the block kernel, the norm prologue, bias and residual in the call)
+    and prefill steps (dequantized slices), exact and integer numerics."""
+    from longctx.model.linear import BLOCK_METHODS
+    from longctx.model.llama import RMSNorm
+    from longctx.model.quantize import quantize_blocks
+
+    g = torch.Generator().manual_seed(rows + 7 * fast)
+    n, k = 96, 64
+    data = quantize_blocks(torch.randn(n, k, generator=g), "int8")
+    order = torch.randperm(n, generator=g)
+    moved, ordered = Linear(k, n, bias=True), Linear(k, n, bias=True)
+    moved.weight, ordered.weight = BlockMatrix([(data[order].contiguous(), 8)], k), BlockMatrix([(data, 8)], k, order)
+    for layer in (moved, ordered):
+        layer.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+        layer.hold(BLOCK_METHODS[fast])
+    ordered.bias.copy_(moved.bias)
+    norm = RMSNorm(k, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    x, residual = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+    for kw in ({}, {"residual": residual}, {"norm": norm, "residual": residual}):
+        want, got = moved(x, **kw), ordered(x, **kw)
+        assert torch.equal(got, want), kw
+    assert not torch.equal(ordered(x), Linear.forward(_unordered(ordered), x))  # the order is not a no-op
+
+
+def _unordered(layer: Linear) -> Linear:
+    out = Linear(layer.weight.k, layer.weight.shape[0], bias=True)
+    out.weight, out.bias = layer.weight.stored(), layer.bias
+    out.hold(layer.method)
+    return out
+
+
+def test_row_order_must_be_a_permutation():
+    from longctx.model.quantize import quantize_blocks
+
+    data = quantize_blocks(torch.randn(8, 32), "int8")
+    for bad in (torch.arange(7), torch.zeros(8, dtype=torch.int64), torch.arange(8).int()):
+        with pytest.raises(ValueError, match="permutation of its 8 rows"):
+            BlockMatrix([(data, 8)], 32, bad)
 
 
 def _mapped_ranges(path: str) -> list[tuple[int, int]]:

@@ -182,22 +182,31 @@ class BlockMatrix:
     """A weight matrix [N, K] as a GGUF file stores it: ``parts``, each (uint8 [n_i, row_bytes_i]
     rows, GGML format id), stacked along the output rows (a fused q/k/v matrix whose parts
     have different formats, as Q4_K_M files mix them, stays three parts; nothing is copied).
-    ``k``: the input width."""
+    ``k``: the input width. ``order`` (int64 [N] or None): output i is stored row ``order[i]``
+    (a Llama's q/k rows, which llama.cpp permutes per head: the products run on the rows as
+    stored and their outputs are put back in order, instead of a copy of the rows).
 
-    def __init__(self, parts: list[tuple[torch.Tensor, int]], k: int) -> None:
+    Owns: the parts and their output order. Never: which kernel multiplies (``BlockWeights``)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]], k: int, order: torch.Tensor | None = None) -> None:
         self.parts, self.k = list(parts), k
         self.tensors, self.codes = [d for d, _ in self.parts], [f for _, f in self.parts]
         for data, fmt in self.parts:
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != cpu_blocks.row_bytes(fmt, k):
                 raise ValueError(f"a {cpu_blocks.NAMES.get(fmt, fmt)} part of {k} inputs must be uint8 rows of "
                                  f"{cpu_blocks.row_bytes(fmt, k)} bytes, got {data.dtype} {tuple(data.shape)}")
+        n = self.shape[0]
+        if order is not None and (order.dtype != torch.int64 or tuple(order.shape) != (n,)
+                                  or not torch.equal(order.sort().values, torch.arange(n))):
+            raise ValueError(f"a BlockMatrix's order must be a permutation of its {n} rows as int64 [{n}]")
+        self.order = order
 
     def __getstate__(self) -> dict:
         # the prepared C arrays hold this process's addresses: a sequence-parallel rank builds its own
-        return {"parts": self.parts, "k": self.k}
+        return {"parts": self.parts, "k": self.k, "order": self.order}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["parts"], state["k"])
+        self.__init__(state["parts"], state["k"], state.get("order"))
 
     def prepared(self) -> cpu_blocks.PreparedParts:
         """The parts as the block kernel's entry takes them, built on first use."""
@@ -206,6 +215,17 @@ class BlockMatrix:
             ready = self._prepared = cpu_blocks.PreparedParts(self.tensors, self.codes, self.k)
         return ready
 
+    def stored(self) -> "BlockMatrix":
+        """This matrix with its rows in stored order (itself when it has no ``order``): the
+        same parts and prepared arrays."""
+        if self.order is None:
+            return self
+        view = self.__dict__.get("_stored")
+        if view is None:
+            view = self._stored = BlockMatrix(self.parts, self.k)
+            view._prepared = self.prepared()
+        return view
+
     @property
     def shape(self) -> tuple[int, int]:
         return sum(d.shape[0] for d, _ in self.parts), self.k
@@ -213,7 +233,12 @@ class BlockMatrix:
     def cat(self, other: "BlockMatrix") -> "BlockMatrix":
         if other.k != self.k:
             raise ValueError(f"fused matrices must share their input width, got {self.k} and {other.k}")
-        return BlockMatrix(self.parts + other.parts, self.k)
+        order = None
+        if self.order is not None or other.order is not None:
+            n = self.shape[0]
+            order = torch.cat([torch.arange(n) if self.order is None else self.order,
+                               n + (torch.arange(other.shape[0]) if other.order is None else other.order)])
+        return BlockMatrix(self.parts + other.parts, self.k, order)
 
     def nbytes(self) -> int:
         return sum(d.numel() for d, _ in self.parts)
@@ -223,7 +248,8 @@ class BlockMatrix:
         if len(self.parts) != 1:
             raise ValueError("row lookups are for single-part matrices (an embedding)")
         data, fmt = self.parts[0]
-        return cpu_blocks.dequantize(data, fmt, self.k, index.reshape(-1)).reshape(*index.shape, self.k)
+        stored = index.reshape(-1) if self.order is None else self.order[index.reshape(-1)]
+        return cpu_blocks.dequantize(data, fmt, self.k, stored).reshape(*index.shape, self.k)
 
 
 BLOCK_ROWS = 16  # rows up to which the block kernel multiplies; above, float32 slices and the row kernel's panels
@@ -278,6 +304,8 @@ class BlockWeights(LinearMethod):
         out = torch.empty(m, blocks.shape[0], dtype=torch.float32)
         if m == 0:
             return out
+        if blocks.order is not None:  # the stored rows' products, then in order, then the bias and residual
+            return _in_order(self.product(_StoredRows(blocks), x), blocks.order, layer.bias, residual)
         x = x.contiguous()
         if m <= BLOCK_ROWS:  # every part in one call (fast: integer products where the format has them)
             return blocks.prepared()(x, out, layer.bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
@@ -306,11 +334,34 @@ class BlockWeights(LinearMethod):
         if 0 < x.shape[0] <= BLOCK_ROWS and x.dtype == torch.float32 and (
                 norm is None or norm.weight.dtype == torch.float32):  # the prologue inside the one call
             blocks: BlockMatrix = layer.weight
+            order = blocks.order
             out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-            return blocks.prepared()(x.contiguous(), out, layer.bias, residual,
-                                     None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-                                     swiglu, torch.get_num_threads(), self.fast)
+            out = blocks.prepared()(x.contiguous(), out, layer.bias if order is None else None,
+                                    residual if order is None else None,
+                                    None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                                    swiglu, torch.get_num_threads(), self.fast)
+            return out if order is None else _in_order(out, order, layer.bias, residual)
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
+
+
+class _StoredRows:
+    """A block layer seen with its rows as stored: no bias, no order (``BlockWeights.product``)."""
+
+    bias = None
+
+    def __init__(self, blocks: BlockMatrix) -> None:
+        self.weight = blocks.stored()
+
+
+def _in_order(stored: torch.Tensor, order: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None) -> torch.Tensor:
+    """A product over stored rows [M, N] -> its outputs in order (+ bias) (+ residual)."""
+    out = stored.index_select(1, order)
+    if bias is not None:
+        out.add_(bias)
+    if residual is not None:
+        out.add_(residual)
+    return out
 
 
 class BlockEmbedding(nn.Module):
