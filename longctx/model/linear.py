@@ -88,7 +88,7 @@ class LinearMethod:
             x = norm(x)
         if swiglu:
             gate, up = x.split(x.shape[-1] // 2, dim=-1)  # (T, F) each
-            x = nn.functional.silu(gate) * up
+            x = nn.functional.silu(gate).mul_(up)  # (one [T, F] temporary, not two at once)
         return x
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,

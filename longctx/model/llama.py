@@ -124,7 +124,7 @@ class MLP(nn.Module):
         if not self.gelu:
             return self.down_proj(gate_up, swiglu=True, residual=residual, product=product)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up, residual=residual, product=product)
+        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), residual=residual, product=product)
 
 
 class DecoderLayer(nn.Module):
