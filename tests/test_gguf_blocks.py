@@ -296,3 +296,32 @@ def test_fast_numerics_take_the_integer_products(model_file):
         moved[numerics] = max(diffs)
     if has_integer:
         assert moved["fast2"] * 10 < moved["fast"], moved  # F16/BF16 files have no integer products: exact's numbers
+
+
+def test_blocks_rotate_q_and_k_in_place(model_file):
+    """A block layer's q/k/v output is a fresh float32 tensor: RoPE turns q and k in it in place
+    (the row kernel's ``rope_``, the same arithmetic as ``apply_rotary`` bit for bit), so q, k
+    and v reach attention as one buffer's consecutive heads (what lets int8 pages' rotation
+    take them in one product)."""
+    from longctx.model.rope import apply_rotary
+
+    model = loader.load_blocks_model(model_file)
+    attn = model.layers[0].self_attn
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([4, 5, 6])
+    cos, sin = model.rotary_for(torch.device("cpu")).cos_sin(positions)
+    qkv = attn.qkv_proj(x)
+    h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    want = apply_rotary(qkv[:, :(h + hkv) * d].reshape(3, h + hkv, d).clone(), cos, sin)
+    seen = {}
+
+    class Capture:
+        def run(self, layer_idx, q, k, v, plan, **options):
+            seen.update(q=q, k=k, v=v)
+            return q
+
+    attn.attend(qkv, cos, sin, Capture(), None)
+    q, k, v = seen["q"], seen["k"], seen["v"]
+    assert q.data_ptr() == qkv.data_ptr() and k.data_ptr() == q.data_ptr() + 4 * h * d
+    assert v.data_ptr() == k.data_ptr() + 4 * hkv * d
+    assert torch.equal(torch.cat([q, k], 1), want)

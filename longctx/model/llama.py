@@ -44,7 +44,7 @@ from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
-from .linear import (BLAS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
+from .linear import (BLAS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
                      choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -90,8 +90,8 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                plan: Any) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]. With the row
-        kernel (fp32 on the CPU) q and k are rotated in place in ``qkv``, which is the fresh
-        output of ``qkv_proj``."""
+        kernel (fp32 on the CPU) or GGUF blocks q and k are rotated in place in ``qkv``, which
+        is the fresh float32 output of ``qkv_proj``."""
         num_tokens = qkv.shape[0]
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
@@ -100,8 +100,8 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         if self.rotary_dim is not None and self.rotary_dim < self.head_dim:  # partial: the rest pass through
             qk = torch.cat([apply_rotary(qk[..., :self.rotary_dim], cos, sin), qk[..., self.rotary_dim:]], dim=-1)
-        elif self.qkv_proj.method.name == ROW_KERNEL.name:  # qkv_proj's fresh fp32 output: rotated in place
-            qk = cpu_linear.rope_(qk, cos, sin)
+        elif self.qkv_proj.method.name in (ROW_KERNEL.name, BLOCKS.name):  # its fresh fp32 output: rotated in
+            qk = cpu_linear.rope_(qk, cos, sin)  # place (int8 pages' rotation then takes q, k, v in one product)
         else:
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
