@@ -300,26 +300,31 @@ class BlockWeights(LinearMethod):
 
     def product(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         blocks: BlockMatrix = layer.weight
+        if blocks.order is None:
+            return self._product(blocks, layer.bias, x, residual)
+        # the stored rows' products, then in order, then the bias and residual
+        return _in_order(self._product(blocks.stored(), None, x, None), blocks.order, layer.bias, residual)
+
+    def _product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor,
+                 residual: torch.Tensor | None) -> torch.Tensor:
         m, k = x.shape[0], blocks.k
         out = torch.empty(m, blocks.shape[0], dtype=torch.float32)
         if m == 0:
             return out
-        if blocks.order is not None:  # the stored rows' products, then in order, then the bias and residual
-            return _in_order(self.product(_StoredRows(blocks), x), blocks.order, layer.bias, residual)
         x = x.contiguous()
         if m <= BLOCK_ROWS:  # every part in one call (fast: integer products where the format has them)
-            return blocks.prepared()(x, out, layer.bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
+            return blocks.prepared()(x, out, bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
         lo = 0
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
-            bias = None if layer.bias is None else layer.bias[lo:hi]
+            part_bias = None if bias is None else bias[lo:hi]
             res = None if residual is None else residual[:, lo:hi]
             step = max(32, SLICE_BYTES // (4 * k))  # longer steps: slices of each part through the row kernel
             for r0 in range(0, hi - lo, step):
                 r1 = min(r0 + step, hi - lo)
                 w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
                 cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
-                b = None if bias is None else bias[r0:r1]
+                b = None if part_bias is None else part_bias[r0:r1]
                 r = None if res is None else res[:, r0:r1]
                 if m >= self.blas_from_rows:  # BLAS, measured faster here at these rows
                     part = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
@@ -342,15 +347,6 @@ class BlockWeights(LinearMethod):
                                     swiglu, torch.get_num_threads(), self.fast)
             return out if order is None else _in_order(out, order, layer.bias, residual)
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
-
-
-class _StoredRows:
-    """A block layer seen with its rows as stored: no bias, no order (``BlockWeights.product``)."""
-
-    bias = None
-
-    def __init__(self, blocks: BlockMatrix) -> None:
-        self.weight = blocks.stored()
 
 
 def _in_order(stored: torch.Tensor, order: torch.Tensor, bias: torch.Tensor | None,
