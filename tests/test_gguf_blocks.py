@@ -168,6 +168,45 @@ def _unordered(layer: Linear) -> Linear:
     return out
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("fast", [0, 1])
+@pytest.mark.parametrize("split", [(80, 80), (50, 70, 40), (160,)])
+def test_gated_mlp_is_the_whole_products_swiglu(monkeypatch, act, fast, split):
+    """A long step's gate/up product made a slice of F at a time (``BlockWeights.gated``) gives
+    act(gate) * up bit for bit as the whole [T, 2F] product and the prologue do: parts split at
+    F, parts that slices cross, one fused part; with a bias and the norm; several slices."""
+    from longctx.model import linear
+    from longctx.model.linear import BLOCK_METHODS
+    from longctx.model.llama import RMSNorm
+    from longctx.model.quantize import quantize_blocks
+
+    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 32)  # slices of 32 rows: 32, 32, 16 of F = 80
+    g = torch.Generator().manual_seed(len(split) + 5 * fast)
+    k, f, rows = 64, 80, 40
+    data = quantize_blocks(torch.randn(2 * f, k, generator=g), "int8")
+    four = quantize_blocks(torch.randn(2 * f, k, generator=g), "int4")
+    parts, lo = [], 0
+    for i, n in enumerate(split):  # formats alternate between the parts
+        parts.append(((data if i % 2 == 0 else four)[lo:lo + n].contiguous(), 8 if i % 2 == 0 else 3))
+        lo += n
+    layer = Linear(k, 2 * f, bias=True)
+    layer.weight = BlockMatrix(parts, k)
+    layer.bias = torch.nn.Parameter(torch.randn(2 * f, generator=g), requires_grad=False)
+    layer.hold(BLOCK_METHODS[fast])
+    norm = RMSNorm(k, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    whole = layer(x, norm=norm)  # [T, 2F], then the prologue the down product would run
+    gate, up = whole.split(f, dim=-1)
+    fn = torch.nn.functional
+    want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
+    got = layer.method.gated(layer, x, norm, act)
+    assert got.shape == (rows, f) and torch.equal(got, want)
+    assert layer.method.gated(layer, x[:16], norm, act) is None  # decode rows: the fused block kernel
+    with pytest.raises(ValueError, match="act must be"):
+        layer.method.gated(layer, x, norm, "relu")
+
+
 def test_row_order_must_be_a_permutation():
     from longctx.model.quantize import quantize_blocks
 

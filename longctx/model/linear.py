@@ -13,7 +13,8 @@ A call may carry the layer's neighbours: ``norm`` (the RMSNorm before the produc
 result). A method that can fuse them into its product does (the row kernel: a decoder layer is
 four kernel calls around attention); the others run them as separate torch ops, in the order
 the model would. ``product``: a replacement for the row kernel's function with its signature
-(sequence parallelism's column split).
+(sequence parallelism's column split). ``gated`` makes an MLP's ``act(gate) * up`` where a
+method can without the whole [T, 2F] gate/up product (GGUF blocks on prefill chunks).
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ class LinearMethod:
               residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
         y = self.product(layer, self.prologue(x, norm, swiglu))
         return y if residual is None else residual + y
+
+    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str) -> torch.Tensor | None:
+        """``act(gate) * up`` [T, F] for a gate/up matrix [2F, K] (gate's rows first) without its
+        [T, 2F] product, where this method can (else None: the caller takes the product and the
+        prologue). ``act``: ``"silu"`` or ``"gelu_tanh"``."""
+        return None
 
 
 class RowKernelWeights(LinearMethod):
@@ -347,6 +354,47 @@ class BlockWeights(LinearMethod):
                                     swiglu, torch.get_num_threads(), self.fast)
             return out if order is None else _in_order(out, order, layer.bias, residual)
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
+
+    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str) -> torch.Tensor | None:
+        """A long step's gate/up product, a slice of F at a time: each slice's gate and up rows
+        are dequantized and multiplied as ``_product`` does (the same row kernel or BLAS calls on
+        the same slices' rows, so the same numbers) and ``act(gate) * up`` goes straight into the
+        [T, F] result. At a 1B model's 512-row chunks the [T, 2F] product (32 MiB) and the
+        activation's temporary (16 MiB) are never held; a slice's pair is 2 x 2 MiB."""
+        blocks: BlockMatrix = layer.weight
+        m, k = x.shape[0], blocks.k
+        if m <= BLOCK_ROWS or blocks.order is not None or blocks.shape[0] % 2:
+            return None  # short steps: the block kernel, SwiGLU fused into the down product's call
+        x = self.prologue(x, norm, False).contiguous()
+        f = blocks.shape[0] // 2
+        out = torch.empty(m, f, dtype=torch.float32)
+        step = max(32, SLICE_BYTES // (4 * k))
+        for r0 in range(0, f, step):
+            r1 = min(r0 + step, f)
+            gate, up = (self._slice_product(blocks, layer.bias, x, lo, lo + r1 - r0) for lo in (r0, f + r0))
+            if act == "silu":
+                torch.mul(nn.functional.silu(gate), up, out=out[:, r0:r1])
+            elif act == "gelu_tanh":
+                torch.mul(nn.functional.gelu(gate, approximate="tanh"), up, out=out[:, r0:r1])
+            else:
+                raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
+        return out
+
+    def _slice_product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor, lo: int,
+                       hi: int) -> torch.Tensor:
+        """x @ rows [lo, hi) of the stacked parts .T (+ their bias), through the slice buffer."""
+        w = self._buffer((hi - lo) * blocks.k).view(hi - lo, blocks.k)
+        start = 0
+        for data, fmt in blocks.parts:  # (a slice may cross from one part into the next)
+            end = start + data.shape[0]
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                cpu_blocks.dequantize(data, fmt, blocks.k, first_row=a - start, num_rows=b - a, out=w[a - lo:b - lo])
+            start = end
+        b = None if bias is None else bias[lo:hi]
+        if x.shape[0] >= self.blas_from_rows:
+            return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+        return cpu_linear.linear(x, w, b)
 
 
 def _in_order(stored: torch.Tensor, order: torch.Tensor, bias: torch.Tensor | None,

@@ -119,8 +119,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else SwiGLU (fused into down_proj)
 
-    def down(self, gate_up: torch.Tensor, residual: torch.Tensor | None, product: Any) -> torch.Tensor:
-        """down(act(gate) * up) (+ residual)."""
+    def forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, product: Any) -> torch.Tensor:
+        """down(act(gate(norm(x))) * up(norm(x))) (+ residual). A method that can make act(gate) * up
+        without the whole [T, 2F] product (``gated``: GGUF blocks on prefill chunks) does."""
+        h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu")
+        if h is not None:
+            return self.down_proj(h, residual=residual, product=product)
+        gate_up = self.gate_up_proj(x, norm=norm, product=product)  # (T, 2F)
         if not self.gelu:
             return self.down_proj(gate_up, swiglu=True, residual=residual, product=product)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -151,11 +156,9 @@ class DecoderLayer(nn.Module):
         out = attn.attend(qkv, cos, sin, backend, plan)  # (T, H D)
         if self.sandwich:  # x + norm(attention), x + norm(MLP), each MLP input normed before
             x = x + self.post_attention_layernorm(attn.o_proj(out, product=product))
-            gate_up = mlp.gate_up_proj(x, norm=self.pre_feedforward_layernorm, product=product)
-            return x + self.post_feedforward_layernorm(mlp.down(gate_up, None, product))
+            return x + self.post_feedforward_layernorm(mlp(x, self.pre_feedforward_layernorm, None, product))
         x = attn.o_proj(out, residual=x, product=product)
-        gate_up = mlp.gate_up_proj(x, norm=self.post_attention_layernorm, product=product)  # (T, 2F)
-        return mlp.down(gate_up, x, product)
+        return mlp(x, self.post_attention_layernorm, x, product)
 
 
 class LlamaForCausalLM(nn.Module):
