@@ -5,7 +5,11 @@ the layout ``LlamaForCausalLM`` holds (fused q/k/v and gate/up, transposed), and
 cache that makes the second GGUF load fast.
 Never: tokenization, KV, devices beyond the final ``.to``.
 
-GGUF files are dequantized to fp32 with the ``gguf`` package (as transformers does), and
+HF folders' safetensors are read a tensor at a time into memory the loader owns
+(``safetensors_file``: no memory map whose pages stay resident beside the copies), fused q/k/v
+and gate/up matrices are made as soon as their parts are in, and every later copy (contiguous,
+a dtype) replaces its original one at a time: an fp32 load peaks near the weights' size, not
+at twice it. GGUF files are dequantized to fp32 with the ``gguf`` package (as transformers does), and
 Llama's ``attn_q``/``attn_k`` rows are un-permuted from llama.cpp's RoPE layout back to HF's.
 The converted weights are cached as one safetensors file plus a JSON sidecar holding the
 file's SHA-256; a cache file that is missing, truncated or altered fails that check and is
@@ -31,12 +35,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from longctx import settings
 from longctx.kernels import cpu_blocks, cpu_build
 
+from . import safetensors_file
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from .linear import BLOCK_METHODS, BlockEmbedding, BlockMatrix
 from .llama import LlamaForCausalLM
@@ -115,7 +119,10 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
             prefix = f"layers.{layer}."
             if module in _FUSED:
                 fused, index = _FUSED[module]
-                parts.setdefault(f"{prefix}{fused}.{kind}", {})[index] = tensor
+                key = f"{prefix}{fused}.{kind}"
+                parts.setdefault(key, {})[index] = tensor
+                if len(parts[key]) == _FUSED_PARTS[fused]:  # fused now: its pieces are not held to the end
+                    _fuse(state, key, parts.pop(key))
             elif module in _RENAME and kind == "weight":
                 state[f"{prefix}{_RENAME[module]}.weight_t"] = _t(tensor)
             elif module in _KEPT or module in _RENAME:
@@ -126,21 +133,36 @@ def pack_hf_state(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor
         elif "rotary_emb" not in name:
             raise UnsupportedModelError(f"checkpoint tensor {name} ({config.model_type}) is not one "
                                         "longctx understands; refusing rather than running without it")
-    for name, pieces in parts.items():
-        ordered = [pieces[i] for i in sorted(pieces)]
-        if isinstance(ordered[0], BlockMatrix):
-            fused = ordered[0]
-            for piece in ordered[1:]:
-                fused = fused.cat(piece)
-        else:
-            fused = torch.cat(ordered, dim=0)
-        state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
-            _t(fused) if name.endswith(".weight") else fused)
+    for name, pieces in parts.items():  # a fused matrix the checkpoint lacks a part of
+        _fuse(state, name, pieces)
+    for key in list(state):  # contiguous one at a time: each copy's original goes as it is made
+        if not isinstance(state[key], BlockMatrix):
+            state[key] = state[key].contiguous()
     if "lm_head.weight_t" not in state:
         if not config.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+        # a view of the embedding, not a copy (1 GiB for a Llama-3 vocabulary in float32): the row
+        # kernel reads the embedding itself, the other methods take a transposed operand as it is
         state["lm_head.weight_t"] = _t(state["embed_tokens.weight"])
-    return {k: v if isinstance(v, BlockMatrix) else v.contiguous() for k, v in state.items()}
+    return state
+
+
+_FUSED_PARTS = {fused: sum(1 for f, _ in _FUSED.values() if f == fused) for fused, _ in _FUSED.values()}
+
+
+def _fuse(state: dict, name: str, pieces: dict[int, torch.Tensor | BlockMatrix]) -> None:
+    """``state[name]`` (``weight_t``, transposed, for a weight) from its pieces in index order."""
+    ordered = [pieces[i] for i in sorted(pieces)]
+    pieces.clear()
+    if isinstance(ordered[0], BlockMatrix):
+        fused = ordered[0]
+        for piece in ordered[1:]:
+            fused = fused.cat(piece)
+    else:
+        fused = torch.cat(ordered, dim=0)
+    del ordered
+    state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
+        _t(fused) if name.endswith(".weight") else fused)
 
 
 def _t(tensor: torch.Tensor | BlockMatrix) -> torch.Tensor | BlockMatrix:
@@ -148,14 +170,19 @@ def _t(tensor: torch.Tensor | BlockMatrix) -> torch.Tensor | BlockMatrix:
     return tensor if isinstance(tensor, BlockMatrix) else tensor.t()
 
 
-def _hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_entries(folder: Path) -> Iterator[safetensors_file.Entry]:
+    """The folder's tensors, each read only when asked (``safetensors_file``: into memory the
+    loader owns, no map whose pages stay resident beside it)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {folder}")
     for file in files:  # sharded or not: every shard holds a disjoint set of names
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        yield from safetensors_file.entries(file)
+
+
+def _hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for entry in _hf_entries(folder):
+        yield entry.name, entry.read()
 
 
 # ---------------------------------------------------------------- GGUF
@@ -444,7 +471,8 @@ def _write_cache(weights: Path, sidecar: Path, state: dict[str, torch.Tensor], i
 
 
 def _store_cache(folder: Path, config: ModelConfig, state: dict[str, torch.Tensor], bound: int | None) -> None:
-    _write_cache(folder / "weights.safetensors", folder / "weights.json", state,
+    # (a tied LM head is a transposed view of the embedding: the file gets its own copy)
+    _write_cache(folder / "weights.safetensors", folder / "weights.json", {k: v.contiguous() for k, v in state.items()},
                  {"format": CACHE_FORMAT, "config": _config_to_json(config)}, bound)
 
 
@@ -487,12 +515,14 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
 
 def _model_from_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                       device: str | torch.device, rope_scaling: dict | None) -> LlamaForCausalLM:
+    """The model holding ``state``'s tensors in ``dtype``; ``state`` is consumed (converted in place)."""
     config = with_rope_scaling(config, rope_scaling)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     # Gemma's norms multiply by 1 + w in fp32 (its RMSNorm): those weights stay fp32, unrounded
     keep = (lambda k: k.endswith("norm.weight")) if config.model_type in GEMMA_TYPES else (lambda k: False)
-    state = {k: v.to(dtype=torch.float32 if keep(k) else dtype) for k, v in state.items()}
+    for k in list(state):  # (in place, one at a time: each original goes as its conversion is made)
+        state[k] = state[k].to(dtype=torch.float32 if keep(k) else dtype)
     if config.tie_word_embeddings and "lm_head.weight_t" in state:
         state["lm_head.weight_t"] = state["lm_head.weight_t"].contiguous()
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -592,19 +622,39 @@ def load_quantized_model(name: str, scheme: str, group_size: int = 32, rope_scal
     config = ModelConfig.from_hf_folder(path)
 
     def quantized() -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
-        for hf_name, tensor in _hf_tensors(path):
-            if tensor.dim() != 2:
-                yield hf_name, tensor
+        for entry in _hf_entries(path):
+            if len(entry.shape) != 2:
+                yield entry.name, entry.read()
                 continue
-            wide = hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+            wide = entry.name in ("model.embed_tokens.weight", "lm_head.weight")
             kind = "int8" if wide else scheme
             try:
-                data = quantize_blocks(tensor, kind, group_size)
+                data = _quantize_rows(entry, kind, group_size)
             except ValueError as e:
-                raise UnsupportedModelError(f"{hf_name} cannot be quantized to {scheme}: {e}") from None
-            yield hf_name, BlockMatrix([(data, cpu_blocks.FORMATS[scheme_format(kind)])], tensor.shape[1])
+                raise UnsupportedModelError(f"{entry.name} cannot be quantized to {scheme}: {e}") from None
+            yield entry.name, BlockMatrix([(data, cpu_blocks.FORMATS[scheme_format(kind)])], entry.shape[1])
 
     return _blocks_model(config, pack_hf_state(config, quantized()), rope_scaling, fast, scheme)
+
+
+QUANTIZE_SLICE_BYTES = 64 << 20  # a matrix is read and quantized this many bytes of its rows at a time
+
+
+def _quantize_rows(entry: safetensors_file.Entry, kind: str, group_size: int) -> torch.Tensor:
+    """A 2-D checkpoint tensor quantized (``quantize_blocks``) slice by slice of its rows, so
+    no more than ``QUANTIZE_SLICE_BYTES`` of it is in memory as read: a Llama-3 embedding is
+    1 GiB in float32. Each row's blocks depend on that row alone: the same bytes as whole."""
+    n, k = entry.shape
+    step = max(1, QUANTIZE_SLICE_BYTES // max(1, entry.row_bytes))
+    first = quantize_blocks(entry.rows(0, min(step, n)), kind, group_size)
+    if n <= step:
+        return first
+    out = torch.empty(n, first.shape[1], dtype=torch.uint8)
+    out[:step] = first
+    for r0 in range(step, n, step):
+        r1 = min(r0 + step, n)
+        out[r0:r1] = quantize_blocks(entry.rows(r0, r1 - r0), kind, group_size)
+    return out
 
 
 def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, fast: int,
