@@ -169,20 +169,23 @@ def _unordered(layer: Linear) -> Linear:
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("fast", [0, 1])
-@pytest.mark.parametrize("split", [(80, 80), (50, 70, 40), (160,)])
-def test_gated_mlp_is_the_whole_products_swiglu(monkeypatch, act, fast, split):
+@pytest.mark.parametrize("split, way", [((136, 136), "kernel"), ((50, 150, 72), "kernel"), ((272,), "kernel"),
+                                        ((136, 136), "blas")])  # (BLAS: where gate and up are parts of their own)
+def test_gated_mlp_is_the_whole_products_swiglu(monkeypatch, act, split, way):
     """A long step's gate/up product made a slice of F at a time (``BlockWeights.gated``) gives
     act(gate) * up bit for bit as the whole [T, 2F] product and the prologue do: parts split at
-    F, parts that slices cross, one fused part; with a bias and the norm; several slices."""
+    F, parts that slices cross, one fused part; with a bias and the norm; several slices; F and
+    the rows not multiples of torch's vector width (its vector and scalar silu / gelu differ in
+    the last bit, so the slices must hand each element to the same code); the row kernel's
+    products and BLAS's; one thread and two."""
     from longctx.model import linear
-    from longctx.model.linear import BLOCK_METHODS
+    from longctx.model.linear import BlockWeights
     from longctx.model.llama import RMSNorm
     from longctx.model.quantize import quantize_blocks
 
-    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 32)  # slices of 32 rows: 32, 32, 16 of F = 80
-    g = torch.Generator().manual_seed(len(split) + 5 * fast)
-    k, f, rows = 64, 80, 40
+    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 64)  # slices of 64 rows: 64, 64, 8 of F = 136
+    g = torch.Generator().manual_seed(len(split) + 7 * (way == "blas"))
+    k, f = 64, 136
     data = quantize_blocks(torch.randn(2 * f, k, generator=g), "int8")
     four = quantize_blocks(torch.randn(2 * f, k, generator=g), "int4")
     parts, lo = [], 0
@@ -192,16 +195,22 @@ def test_gated_mlp_is_the_whole_products_swiglu(monkeypatch, act, fast, split):
     layer = Linear(k, 2 * f, bias=True)
     layer.weight = BlockMatrix(parts, k)
     layer.bias = torch.nn.Parameter(torch.randn(2 * f, generator=g), requires_grad=False)
-    layer.hold(BLOCK_METHODS[fast])
+    layer.hold(BlockWeights(blas_from_rows=17 if way == "blas" else linear.cpu_linear.UNBOUNDED))
     norm = RMSNorm(k, eps=1e-5)
     norm.weight.data.uniform_(0.5, 1.5, generator=g)
-    x = torch.randn(rows, k, generator=g)
-    whole = layer(x, norm=norm)  # [T, 2F], then the prologue the down product would run
-    gate, up = whole.split(f, dim=-1)
     fn = torch.nn.functional
-    want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
-    got = layer.method.gated(layer, x, norm, act)
-    assert got.shape == (rows, f) and torch.equal(got, want)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, rows in ((1, 41), (threads, 41), (threads, 300)):
+            torch.set_num_threads(n_threads)
+            x = torch.randn(rows, k, generator=g)
+            whole = layer(x, norm=norm)  # [T, 2F], then the prologue the down product would run
+            gate, up = whole.split(f, dim=-1)
+            want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
+            got = layer.method.gated(layer, x, norm, act)
+            assert got.shape == (rows, f) and torch.equal(got, want), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
     assert layer.method.gated(layer, x[:16], norm, act) is None  # decode rows: the fused block kernel
     with pytest.raises(ValueError, match="act must be"):
         layer.method.gated(layer, x, norm, "relu")

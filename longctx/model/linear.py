@@ -326,7 +326,7 @@ class BlockWeights(LinearMethod):
             hi = lo + data.shape[0]
             part_bias = None if bias is None else bias[lo:hi]
             res = None if residual is None else residual[:, lo:hi]
-            step = max(32, SLICE_BYTES // (4 * k))  # longer steps: slices of each part through the row kernel
+            step = _slice_rows(k)  # longer steps: slices of each part through the row kernel
             for r0 in range(0, hi - lo, step):
                 r1 = min(r0 + step, hi - lo)
                 w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
@@ -358,31 +358,38 @@ class BlockWeights(LinearMethod):
     def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str) -> torch.Tensor | None:
         """A long step's gate/up product, a slice of F at a time: each slice's gate and up rows
         are dequantized and multiplied as ``_product`` does (the same row kernel or BLAS calls on
-        the same slices' rows, so the same numbers) and ``act(gate) * up`` goes straight into the
-        [T, F] result. At a 1B model's 512-row chunks the [T, 2F] product (32 MiB) and the
-        activation's temporary (16 MiB) are never held; a slice's pair is 2 x 2 MiB."""
+        the same rows, so the same numbers) into a pair buffer [T, 2 * step], and ``act(gate) * up``
+        goes straight into the [T, F] result. At a 1B model's 512-row chunks the [T, 2F] product
+        (32 MiB) and the activation's temporary (16 MiB) are never held; the pair is 4 MiB.
+        The activation runs on strided views, each row its own loop, from columns that are
+        multiples of 64: torch's vector and scalar code take the same elements as on the whole
+        [T, F] gate (the two differ in the last bit), so the result is the same bit for bit (with
+        BLAS's products, where gate and up are parts of their own: BLAS's sums may depend on a
+        slice's width, and a fused gate/up part, Phi-3's, is cut elsewhere by ``_product``)."""
         blocks: BlockMatrix = layer.weight
         m, k = x.shape[0], blocks.k
         if m <= BLOCK_ROWS or blocks.order is not None or blocks.shape[0] % 2:
             return None  # short steps: the block kernel, SwiGLU fused into the down product's call
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
         x = self.prologue(x, norm, False).contiguous()
         f = blocks.shape[0] // 2
         out = torch.empty(m, f, dtype=torch.float32)
-        step = max(32, SLICE_BYTES // (4 * k))
+        step = _slice_rows(k)
+        pair = torch.empty(m, 2 * min(step, f), dtype=torch.float32)
+        half = pair.shape[1] // 2
         for r0 in range(0, f, step):
-            r1 = min(r0 + step, f)
-            gate, up = (self._slice_product(blocks, layer.bias, x, lo, lo + r1 - r0) for lo in (r0, f + r0))
-            if act == "silu":
-                torch.mul(nn.functional.silu(gate), up, out=out[:, r0:r1])
-            elif act == "gelu_tanh":
-                torch.mul(nn.functional.gelu(gate, approximate="tanh"), up, out=out[:, r0:r1])
-            else:
-                raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
+            w = min(r0 + step, f) - r0
+            gate, up = pair[:, :w], pair[:, half:half + w]  # (strided: each row is its own loop)
+            self._slice_product(blocks, layer.bias, x, r0, r0 + w, gate)
+            self._slice_product(blocks, layer.bias, x, f + r0, f + r0 + w, up)
+            a = nn.functional.silu(gate) if act == "silu" else nn.functional.gelu(gate, approximate="tanh")
+            torch.mul(a, up, out=out[:, r0:r0 + w])
         return out
 
     def _slice_product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor, lo: int,
-                       hi: int) -> torch.Tensor:
-        """x @ rows [lo, hi) of the stacked parts .T (+ their bias), through the slice buffer."""
+                       hi: int, out: torch.Tensor) -> None:
+        """out = x @ rows [lo, hi) of the stacked parts .T (+ their bias), through the slice buffer."""
         w = self._buffer((hi - lo) * blocks.k).view(hi - lo, blocks.k)
         start = 0
         for data, fmt in blocks.parts:  # (a slice may cross from one part into the next)
@@ -393,8 +400,16 @@ class BlockWeights(LinearMethod):
             start = end
         b = None if bias is None else bias[lo:hi]
         if x.shape[0] >= self.blas_from_rows:
-            return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
-        return cpu_linear.linear(x, w, b)
+            out.copy_(torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t()))
+        else:
+            cpu_linear.linear(x, w, b, out=out)
+
+
+def _slice_rows(k: int) -> int:
+    """Rows of a dequantized slice of ``k`` inputs: ``SLICE_BYTES`` of float32, a multiple of 64
+    (``gated``'s slices start where torch's vector loops would on a whole row; ``_product`` cuts
+    a part the same way, so where gate and up are parts of their own, BLAS sees the same slices)."""
+    return max(64, SLICE_BYTES // (4 * k) // 64 * 64)
 
 
 def _in_order(stored: torch.Tensor, order: torch.Tensor, bias: torch.Tensor | None,
