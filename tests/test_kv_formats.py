@@ -25,8 +25,10 @@ CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
 # the KV formats themselves, the exact tail (int8's), and the option's spelled values in config
 FORMAT_MODULES = {"longctx/kv/formats.py", "longctx/kv/exact_tail.py", "longctx/config.py"}
 # the weights' quantization (``quantization="int8"|"int4"``: matrices in Q8_0 / Q4_1 blocks) and
-# its load path: their int8 is the weights', so only a KV mention counts there
-WEIGHT_MODULES = {"longctx/model/quantize.py", "longctx/model/loader.py", "longctx/model/prepare.py"}
+# its load path (the safetensors reader: a checkpoint's int8 dtype): their int8 is the weights', so
+# only a KV mention counts there
+WEIGHT_MODULES = {"longctx/model/quantize.py", "longctx/model/loader.py", "longctx/model/prepare.py",
+                  "longctx/model/safetensors_file.py"}
 
 
 def _names_and_strings(path: Path) -> list[tuple[int, str]]:
