@@ -1,7 +1,8 @@
 """The safetensors reader (``longctx.model.safetensors_file``): every tensor and every row range
 read back equal to what ``safetensors`` saved, dtypes and edge shapes included; damaged files
-refused with a message naming what is wrong; a matrix quantized slice by slice of its rows at
-load gives the bytes it gives whole."""
+refused with a message naming what is wrong; a matrix quantized or converted slice by slice of
+its rows at load gives the bytes it gives whole, and a model loaded in another dtype than its
+checkpoint's is the model converted after reading."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from longctx.model import loader, safetensors_file
+from tiny_models import make_checkpoint
 from longctx.model.quantize import quantize_blocks
 from longctx.model.safetensors_file import SafetensorsError, entries
 
@@ -97,11 +99,26 @@ def test_a_file_cut_after_its_header_was_read_is_refused(tmp_path):
         found[0].read()
 
 
+
+def test_unsigned_and_float8_dtypes_read_back(tmp_path):
+    """Dtypes torch stores but cannot compare: the bytes read are the bytes saved."""
+    tensors = {
+        "u16": torch.tensor([1, 65535, 7], dtype=torch.int32).to(torch.uint16),
+        "u32": torch.tensor([2**32 - 1, 0], dtype=torch.int64).to(torch.uint32),
+        "u64": torch.tensor([2**63 + 5, 1], dtype=torch.uint64),
+        "e4m3": torch.tensor([0.5, -448.0, 1e-3]).to(torch.float8_e4m3fn),
+        "e5m2": torch.tensor([57344.0, -2e-5]).to(torch.float8_e5m2),
+    }
+    for entry in entries(_saved(tmp_path, tensors)):
+        t, want = entry.read(), tensors[entry.name]
+        assert t.dtype == want.dtype and t.shape == want.shape, entry.name
+        assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), entry.name
+
 @pytest.mark.parametrize("kind, rows, k", [("int8", 37, 64), ("int4", 50, 128), ("int8", 1, 32)])
 def test_quantized_slice_by_slice_equals_whole(tmp_path, monkeypatch, kind, rows, k):
     weight = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     path = _saved(tmp_path, {"w": weight})
-    monkeypatch.setattr(loader, "QUANTIZE_SLICE_BYTES", 5 * k * 2)  # 5 rows a slice: uneven last slice
+    monkeypatch.setattr(loader, "READ_SLICE_BYTES", 5 * k * 2)  # 5 rows a slice: uneven last slice
     got = loader._quantize_rows(entries(path)[0], kind, 32)
     assert torch.equal(got, quantize_blocks(weight, kind, 32))
 
@@ -114,3 +131,41 @@ def test_hf_folder_loads_read_no_memory_map(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors_file, "entries", lambda p: calls.append(p) or real(p))
     assert [n for n, _ in loader._hf_tensors(tmp_path)] == ["model.norm.weight"]
     assert calls == [path]
+
+
+@pytest.mark.parametrize("stored, dtype, rows", [(torch.float32, torch.bfloat16, 37), (torch.float32, torch.float16, 1),
+                                                 (torch.bfloat16, torch.float32, 23), (torch.float16, torch.bfloat16, 5)])
+def test_converted_slice_by_slice_equals_whole(tmp_path, monkeypatch, stored, dtype, rows):
+    """Values that round differently in every direction (ties, subnormals, past fp16's range)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(rows, 48, generator=g) * torch.logspace(-9, 5, 48)).to(stored)
+    path = _saved(tmp_path, {"w": weight})
+    monkeypatch.setattr(loader, "READ_SLICE_BYTES", 4 * weight.shape[1] * weight.element_size())  # 4 rows a slice
+    sizes = []
+    real = safetensors_file.Entry.rows
+    monkeypatch.setattr(safetensors_file.Entry, "rows", lambda self, first, count: sizes.append(count) or
+                        real(self, first, count))
+    got = loader._read_as(entries(path)[0], dtype)
+    assert got.dtype == dtype and torch.equal(got, weight.to(dtype))
+    assert max(sizes) == min(4, rows) and sum(sizes) == rows  # never the whole stored matrix at once
+
+
+def test_integer_tensors_are_not_converted(tmp_path):
+    path = _saved(tmp_path, {"ids": torch.arange(12).reshape(3, 4)})
+    assert torch.equal(loader._read_as(entries(path)[0], torch.bfloat16), torch.arange(12).reshape(3, 4))
+
+
+@pytest.mark.parametrize("kind", ["llama-tied", "qwen2", "gemma2", "phi3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_loaded_in_another_dtype_is_the_converted_model(tmp_path, monkeypatch, kind, dtype):
+    """An fp32 folder loaded as bf16/fp16 (matrices converted as read) holds the same tensors as
+    reading it whole in fp32 and converting after, Gemma's fp32 norms (1 + w) included."""
+    make_checkpoint(tmp_path, kind, max_shard_size="40KB")
+    monkeypatch.setattr(loader, "READ_SLICE_BYTES", 1000)  # slices of a few rows
+    got = loader.load_model(str(tmp_path), dtype=dtype).state_dict()
+    config, state = loader.load_state(tmp_path)  # read in fp32, converted after (the old path)
+    want = loader._model_from_state(config, state, dtype, "cpu", None).state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    assert any(v.dtype == dtype for v in got.values())

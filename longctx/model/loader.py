@@ -160,7 +160,6 @@ def _fuse(state: dict, name: str, pieces: dict[int, torch.Tensor | BlockMatrix])
             fused = fused.cat(piece)
     else:
         fused = torch.cat(ordered, dim=0)
-    del ordered
     state[name.replace(".weight", ".weight_t") if name.endswith(".weight") else name] = (
         _t(fused) if name.endswith(".weight") else fused)
 
@@ -180,9 +179,35 @@ def _hf_entries(folder: Path) -> Iterator[safetensors_file.Entry]:
         yield from safetensors_file.entries(file)
 
 
-def _hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_tensors(folder: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors; with ``dtype``, its floating matrices (2-D) come in that dtype,
+    converted as read (``_read_as``). Vectors (norms, biases) come as stored: Gemma's norms are
+    shifted in fp32 before any rounding (``pack_hf_state``)."""
     for entry in _hf_entries(folder):
-        yield entry.name, entry.read()
+        yield entry.name, (_read_as(entry, dtype) if dtype is not None and len(entry.shape) == 2 else entry.read())
+
+
+READ_SLICE_BYTES = 64 << 20  # a matrix converted or quantized at load is read this many bytes of its rows at a time
+
+
+def _row_slices(entry: safetensors_file.Entry) -> Iterator[tuple[int, int]]:
+    """``(first, end)`` row ranges of ``entry`` of at most ``READ_SLICE_BYTES`` each (one row at least)."""
+    step = max(1, READ_SLICE_BYTES // max(1, entry.row_bytes))
+    for first in range(0, entry.shape[0], step):
+        yield first, min(first + step, entry.shape[0])
+
+
+def _read_as(entry: safetensors_file.Entry, dtype: torch.dtype) -> torch.Tensor:
+    """A floating matrix in ``dtype``, converted slice by slice of its rows as it is read, so
+    its stored form is never whole in memory beside the result: an fp32 folder loaded as bf16
+    holds the bf16 weights and one slice, not the fp32 weights (an 8B model's 32 GB). The
+    conversion is elementwise, the same rounding as ``Tensor.to`` on the whole."""
+    if entry.dtype == dtype or not (entry.dtype.is_floating_point and dtype.is_floating_point):
+        return entry.read()
+    out = torch.empty(entry.shape, dtype=dtype)
+    for first, end in _row_slices(entry):
+        out[first:end] = entry.rows(first, end - first)
+    return out
 
 
 # ---------------------------------------------------------------- GGUF
@@ -476,14 +501,15 @@ def _store_cache(folder: Path, config: ModelConfig, state: dict[str, torch.Tenso
                  {"format": CACHE_FORMAT, "config": _config_to_json(config)}, bound)
 
 
-def load_state(path: Path, use_cache: bool = True, store: bool = True,
-               cache_bytes: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_state(path: Path, use_cache: bool = True, store: bool = True, cache_bytes: int | None = None,
+               dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, packed state dict in fp32 or the checkpoint dtype) for a resolved model path.
     A GGUF file's conversion is read from its cache when ``use_cache`` and written to it when
-    also ``store``, within ``cache_bytes`` for all caches (None: ``DEFAULT_CACHE_BYTES``)."""
+    also ``store``, within ``cache_bytes`` for all caches (None: ``DEFAULT_CACHE_BYTES``). An
+    HF folder's matrices come in ``dtype`` where given (converted as read: ``_hf_tensors``)."""
     if path.is_dir():
         config = ModelConfig.from_hf_folder(path)
-        return config, pack_hf_state(config, _hf_tensors(path))
+        return config, pack_hf_state(config, _hf_tensors(path, dtype))
     folder = cache_dir_for(path)
     if use_cache and (cached := _load_cached(folder)) is not None:
         return cached
@@ -509,7 +535,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     """Build ``LlamaForCausalLM`` with weights from an alias, HF folder or GGUF file;
     ``rope_scaling`` overrides the checkpoint's RoPE (``with_rope_scaling``); ``cache_bytes``:
     the bound of the weight caches (``load_state``)."""
-    config, state = load_state(resolve_model(name), use_cache=use_cache, cache_bytes=cache_bytes)
+    config, state = load_state(resolve_model(name), use_cache=use_cache, cache_bytes=cache_bytes, dtype=dtype)
     return _model_from_state(config, state, dtype, device, rope_scaling)
 
 
@@ -581,7 +607,7 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
             return LlamaForCausalLM.from_row_kernel_state(with_rope_scaling(config, rope_scaling), state, tied)
         except ValueError as err:
             log.warning("row-layout weight cache in %s does not fit the model (%s); rebuilding it", folder, err)
-    config, state = load_state(path, use_cache=use_cache, store=False)
+    config, state = load_state(path, use_cache=use_cache, store=False, dtype=dtype)
     model = _model_from_state(config, state, dtype, "cpu", rope_scaling)
     del state
     model.use_row_kernel()
@@ -637,24 +663,19 @@ def load_quantized_model(name: str, scheme: str, group_size: int = 32, rope_scal
     return _blocks_model(config, pack_hf_state(config, quantized()), rope_scaling, fast, scheme)
 
 
-QUANTIZE_SLICE_BYTES = 64 << 20  # a matrix is read and quantized this many bytes of its rows at a time
-
-
 def _quantize_rows(entry: safetensors_file.Entry, kind: str, group_size: int) -> torch.Tensor:
-    """A 2-D checkpoint tensor quantized (``quantize_blocks``) slice by slice of its rows, so
-    no more than ``QUANTIZE_SLICE_BYTES`` of it is in memory as read: a Llama-3 embedding is
+    """A 2-D checkpoint tensor quantized (``quantize_blocks``) slice by slice of its rows
+    (``_row_slices``), so only one slice of it is in memory as read: a Llama-3 embedding is
     1 GiB in float32. Each row's blocks depend on that row alone: the same bytes as whole."""
-    n, k = entry.shape
-    step = max(1, QUANTIZE_SLICE_BYTES // max(1, entry.row_bytes))
-    first = quantize_blocks(entry.rows(0, min(step, n)), kind, group_size)
-    if n <= step:
-        return first
-    out = torch.empty(n, first.shape[1], dtype=torch.uint8)
-    out[:step] = first
-    for r0 in range(step, n, step):
-        r1 = min(r0 + step, n)
-        out[r0:r1] = quantize_blocks(entry.rows(r0, r1 - r0), kind, group_size)
-    return out
+    out = None
+    for first, end in _row_slices(entry):
+        data = quantize_blocks(entry.rows(first, end - first), kind, group_size)
+        if out is None:  # (the first slice gives the blocks' row width)
+            if end == entry.shape[0]:
+                return data
+            out = torch.empty(entry.shape[0], data.shape[1], dtype=torch.uint8)
+        out[first:end] = data
+    return out if out is not None else quantize_blocks(entry.read(), kind, group_size)
 
 
 def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, fast: int,

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool}
 MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
 
@@ -109,7 +110,7 @@ def entries(path: str | Path) -> list[Entry]:
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if not 0 <= begin <= end <= size - start or end - begin != nbytes:
             raise SafetensorsError(f"{path}: tensor {name!r} ({info['dtype']} {list(shape)}, {nbytes} bytes) has data "
                                    f"offsets {begin}..{end} in a data section of {size - start} bytes")
