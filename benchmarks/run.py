@@ -60,6 +60,7 @@ BENCHES = {  # name -> script taking --out FILE (the results folder's name too)
     "window-kv": "bench_window_kv.py",
     "quant": "bench_quant.py",
     "blocks": "bench_blocks.py",
+    "tiles": "bench_tiles.py",
 }
 
 
