@@ -99,7 +99,6 @@ def test_a_file_cut_after_its_header_was_read_is_refused(tmp_path):
         found[0].read()
 
 
-
 def test_unsigned_and_float8_dtypes_read_back(tmp_path):
     """Dtypes torch stores but cannot compare: the bytes read are the bytes saved."""
     tensors = {
@@ -114,7 +113,9 @@ def test_unsigned_and_float8_dtypes_read_back(tmp_path):
         assert t.dtype == want.dtype and t.shape == want.shape, entry.name
         assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), entry.name
 
-@pytest.mark.parametrize("kind, rows, k", [("int8", 37, 64), ("int4", 50, 128), ("int8", 1, 32)])
+
+@pytest.mark.parametrize("kind, rows, k", [("int8", 37, 64), ("int4", 50, 128), ("int8", 1, 32), ("int8", 5, 32),
+                                          ("int4", 0, 32)])
 def test_quantized_slice_by_slice_equals_whole(tmp_path, monkeypatch, kind, rows, k):
     weight = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     path = _saved(tmp_path, {"w": weight})
@@ -134,7 +135,8 @@ def test_hf_folder_loads_read_no_memory_map(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("stored, dtype, rows", [(torch.float32, torch.bfloat16, 37), (torch.float32, torch.float16, 1),
-                                                 (torch.bfloat16, torch.float32, 23), (torch.float16, torch.bfloat16, 5)])
+                                                 (torch.bfloat16, torch.float32, 23), (torch.float16, torch.bfloat16, 5),
+                                                 (torch.float32, torch.bfloat16, 4), (torch.float32, torch.bfloat16, 0)])
 def test_converted_slice_by_slice_equals_whole(tmp_path, monkeypatch, stored, dtype, rows):
     """Values that round differently in every direction (ties, subnormals, past fp16's range)."""
     g = torch.Generator().manual_seed(rows)
@@ -147,25 +149,54 @@ def test_converted_slice_by_slice_equals_whole(tmp_path, monkeypatch, stored, dt
                         real(self, first, count))
     got = loader._read_as(entries(path)[0], dtype)
     assert got.dtype == dtype and torch.equal(got, weight.to(dtype))
-    assert max(sizes) == min(4, rows) and sum(sizes) == rows  # never the whole stored matrix at once
+    assert sum(sizes) == rows and sizes[:1] == [min(4, rows)] * (rows > 0) and max(sizes, default=0) <= 4
 
 
 def test_integer_tensors_are_not_converted(tmp_path):
-    path = _saved(tmp_path, {"ids": torch.arange(12).reshape(3, 4)})
-    assert torch.equal(loader._read_as(entries(path)[0], torch.bfloat16), torch.arange(12).reshape(3, 4))
+    ids = torch.arange(12).reshape(3, 4) * 1001  # (not all exact in bf16)
+    got = loader._read_as(entries(_saved(tmp_path, {"ids": ids}))[0], torch.bfloat16)
+    assert got.dtype == torch.int64 and torch.equal(got, ids)
 
 
 @pytest.mark.parametrize("kind", ["llama-tied", "qwen2", "gemma2", "phi3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_model_loaded_in_another_dtype_is_the_converted_model(tmp_path, monkeypatch, kind, dtype):
+@pytest.mark.parametrize("rows_kernel", [False, True])
+def test_model_loaded_in_another_dtype_is_the_converted_model(tmp_path, monkeypatch, kind, dtype, rows_kernel):
     """An fp32 folder loaded as bf16/fp16 (matrices converted as read) holds the same tensors as
-    reading it whole in fp32 and converting after, Gemma's fp32 norms (1 + w) included."""
+    reading it whole in fp32 and converting after, Gemma's fp32 norms (1 + w) included; and the
+    load did read every matrix in slices, none whole."""
+    if rows_kernel and dtype == torch.float16:
+        pytest.skip("the row kernel reads float32 and bfloat16 weights")
     make_checkpoint(tmp_path, kind, max_shard_size="40KB")
     monkeypatch.setattr(loader, "READ_SLICE_BYTES", 1000)  # slices of a few rows
-    got = loader.load_model(str(tmp_path), dtype=dtype).state_dict()
     config, state = loader.load_state(tmp_path)  # read in fp32, converted after (the old path)
-    want = loader._model_from_state(config, state, dtype, "cpu", None).state_dict()
+    want = loader._model_from_state(config, state, dtype, "cpu", None)
+    whole, sliced = [], []
+    read, rows = safetensors_file.Entry.read, safetensors_file.Entry.rows
+    monkeypatch.setattr(safetensors_file.Entry, "read", lambda self: whole.append(self) or read(self))
+    monkeypatch.setattr(safetensors_file.Entry, "rows", lambda self, first, count: sliced.append((self, count))
+                        or rows(self, first, count))
+    if rows_kernel:
+        got = loader.load_row_kernel_model(str(tmp_path), dtype=dtype, use_cache=False)
+        want.use_row_kernel()
+    else:
+        got = loader.load_model(str(tmp_path), dtype=dtype)
+    got, want = got.state_dict(), want.state_dict()
     assert got.keys() == want.keys()
     for key in want:
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
     assert any(v.dtype == dtype for v in got.values())
+    assert [e.name for e in whole if len(e.shape) == 2] == []  # every matrix converted as read
+    matrices = {e.name: e for e, _ in sliced}
+    assert len(matrices) >= 4 and all(count * e.row_bytes <= 1000 for e, count in sliced if e.shape[0] > 1)
+
+
+def test_fp8_checkpoints_are_refused_before_reading(tmp_path, monkeypatch):
+    """An FP8 matrix means nothing without its scales: the load stops at the headers, naming it."""
+    make_checkpoint(tmp_path, "llama-tied")
+    tensors = {"model.layers.0.mlp.down_proj.weight": torch.randn(64, 96).to(torch.float8_e4m3fn)}
+    save_file(tensors, str(tmp_path / "model-fp8.safetensors"))
+    monkeypatch.setattr(safetensors_file.Entry, "_read", lambda *a: pytest.fail("read a tensor"))
+    for load in (lambda: loader.load_model(str(tmp_path)), lambda: loader.load_quantized_model(str(tmp_path), "int8")):
+        with pytest.raises(loader.UnsupportedModelError, match="down_proj.weight is float8_e4m3fn: FP8"):
+            load()

@@ -175,8 +175,17 @@ def _hf_entries(folder: Path) -> Iterator[safetensors_file.Entry]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {folder}")
-    for file in files:  # sharded or not: every shard holds a disjoint set of names
-        yield from safetensors_file.entries(file)
+    found = [e for file in files for e in safetensors_file.entries(file)]  # (headers only: sharded or not)
+    for entry in found:  # refused before anything is read: their values mean nothing without their scales
+        if entry.dtype in _SCALED_DTYPES:
+            raise UnsupportedModelError(
+                f"{entry.path.name}: tensor {entry.name} is {str(entry.dtype).removeprefix('torch.')}: FP8 "
+                "checkpoints are not supported (their weights need scales longctx does not apply); use the "
+                "model's bf16/fp16 checkpoint, quantization='int8', or a GGUF file")
+    yield from found
+
+
+_SCALED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _hf_tensors(folder: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
