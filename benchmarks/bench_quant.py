@@ -49,7 +49,8 @@ first request's time, where vLLM gives no timestamps); peak_rss_gib is its large
 (the engine core runs in a child), VmHWM.
 
 ``--model 1b-f32``: the 1B-shaped model's F32 file (needs no llama-cpp-python), for the engines
-that read its HF folder (int8, int4, vllm-*) or the float weights.
+that read its HF folder (int8, int4, vllm-*) or the float weights. ``--model 8b-q4_k_m``: the
+8B-shaped model (Llama-3.1-8B's layers), quantized from an F16 file; it has no HF folder.
 """
 
 from __future__ import annotations
@@ -231,9 +232,10 @@ def main() -> int:
                          "(hf_folder.py) quantized "
                          "at load (quantization=...); vllm-bf16, vllm-fp32: vLLM's CPU build on that folder "
                          "(needs --vllm-python)")
-    ap.add_argument("--model", default="default", choices=["default", "1b-f32", "1b-q8_0", "1b-q4_k_m"],
-                    help="the default model's Q4_1 file, or the 1B-shaped model (quant_model.py) as written "
-                         "(F32) or quantized by llama.cpp to Q8_0 or Q4_K_M")
+    ap.add_argument("--model", default="default", choices=["default", "1b-f32", "1b-q8_0", "1b-q4_k_m", "8b-q4_k_m"],
+                    help="the default model's Q4_1 file, the 1B-shaped model (quant_model.py) as written "
+                         "(F32) or quantized by llama.cpp to Q8_0 or Q4_K_M, or the 8B-shaped model's Q4_K_M "
+                         "(quantized from an F16 file; its GGUF's engines only)")
     ap.add_argument("--vllm-python", default=os.environ.get("LONGCTX_VLLM_PYTHON"),
                     help="the python of vLLM's CPU venv (env LONGCTX_VLLM_PYTHON), for the vllm-* engines")
     ap.add_argument("--rounds", type=int, default=1,
@@ -256,8 +258,10 @@ def main() -> int:
     if args.model == "default":
         gguf = resolve_model("smollm2-135m")
     else:
-        kind = args.model.removeprefix("1b-")
-        gguf = quant_model.ensure(() if kind == "f32" else (kind,))[kind]
+        size, kind = args.model.split("-", 1)
+        if size != "1b" and any(e in QUANTIZED or e in VLLM_ENGINES for e in args.engines):
+            ap.error(f"--model {args.model} has no HF folder (its source is F16, not F32): run its GGUF's engines")
+        gguf = quant_model.ensure(() if kind == "f32" else (kind,), size)[kind]
     rows, common = [], [str(args.ctx), str(args.new_tokens), str(args.threads)]
     for engine in [e for _ in range(args.rounds) for e in args.engines]:
         if engine in ("llama.cpp", "llama.cpp-q8kv"):  # (PEERS: the first engine is longctx's)
