@@ -89,6 +89,7 @@ LONGCTX = PEAK_RSS + r'''
 import json, resource, sys, time, torch
 from longctx import LLM, SamplingParams
 mode, ctx, n_new, threads, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
+kv_gb_per_4k = float(sys.argv[7])  # the pool's bound (allocated empty: only the pages used become resident)
 torch.set_num_threads(threads)
 t0 = time.perf_counter()
 extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
@@ -104,7 +105,7 @@ extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "int4": {"quantization": "int4"},
          "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
-          max_model_len=ctx + n_new + 8, kv_cache_gb=0.5 * -(-ctx // 4096),
+          max_model_len=ctx + n_new + 8, kv_cache_gb=kv_gb_per_4k * -(-ctx // 4096),
           allow_long_context=True)  # past a model's window (the default model's 8K at --ctx 16384), as llama.cpp runs
 load_s = time.perf_counter() - t0
 text = open(sys.argv[5]).read()
@@ -207,6 +208,7 @@ except Exception:
     pass
 '''
 
+KV_GB_PER_4K = {"8b": 1.5}  # float32 KV of 4K tokens: 1 GiB for the 8B shape (0.25 for the 1B, ~0.35 the 135M)
 QUANTIZED = ("int8", "int8-fast", "int8-fast-bf16kv", "int4", "int4-g128")  # HF folder engines, quantized at load
 VLLM_ENGINES = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
 PEERS = ("llama.cpp", "llama.cpp-q8kv", *VLLM_ENGINES)  # engines that take longctx's prompt ids
@@ -280,7 +282,8 @@ def main() -> int:
             model = gguf
             if engine in QUANTIZED:  # an HF folder of the same weights (the F32 file's, for the 1B model)
                 model = hf_folder_of(args.model)
-            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(model)],
+            proc = subprocess.run([sys.executable, "-c", LONGCTX, engine, *common, str(TEXT), str(model),
+                                   str(KV_GB_PER_4K.get(args.model.split("-")[0], 0.5))],
                                   capture_output=True, text=True, cwd=ROOT)
             if proc.returncode == 0 and not rows:  # the prompt's ids, for llama.cpp
                 from longctx.model.tokenizer import load_tokenizer
