@@ -118,8 +118,9 @@ def quantize(src: Path, dst: Path, kind: str, threads: int = 2) -> None:
 
 def ensure(kinds: tuple[str, ...] = tuple(FTYPES), size: str = "1b") -> dict[str, Path]:
     """{'f32' (or 'f16' for 8b): the source, and each of ``kinds`` ('q8_0', 'q4_k_m')}, built
-    where missing. Only the quantized kinds need llama-cpp-python: ``ensure(())`` writes the
-    source alone."""
+    where missing (the source only where a kind asked for is missing, or none is asked for: it
+    may be deleted once its quantized files exist). Only the quantized kinds need
+    llama-cpp-python: ``ensure(())`` writes the source alone."""
     unknown = [k for k in kinds if k not in FTYPES]
     if unknown or size not in SHAPES:
         raise ValueError(f"unknown kinds {unknown} or size {size!r}; choose from {sorted(FTYPES)} and {sorted(SHAPES)}")
@@ -127,8 +128,8 @@ def ensure(kinds: tuple[str, ...] = tuple(FTYPES), size: str = "1b") -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     source = SHAPES[size]["source"]
     paths = {source: out / f"random-{size}-{source}.gguf", **{k: out / f"random-{size}-{k}.gguf" for k in kinds}}
-    if not paths[source].exists():
-        write_source(paths[source], size)
+    if not paths[source].exists() and (not kinds or not all(paths[k].exists() for k in kinds)):
+        write_source(paths[source], size)  # (not when every file asked for is there: the 8B source is 15 GB)
     for kind in kinds:
         if not paths[kind].exists():
             quantize(paths[source], paths[kind], kind)
