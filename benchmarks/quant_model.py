@@ -30,7 +30,6 @@ SHAPES = {
     "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336, theta=500000.0, ctx=131072,
                tied=False, source="f16"),
 }
-SHAPE = SHAPES["1b"]
 FTYPES = {"q8_0": 7, "q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_K_M
 
 
