@@ -111,7 +111,8 @@ static inline void tile_rows(const void *cache, int dtype, const int64_t *slots,
 
 /* bfloat16 pages: the tile's n whole K and V cache rows (every KV head; slots[0..n)) widened to
  * float32 into kdst / vdst [n][row_elems], in token order: one pass over whole rows instead of
- * one per KV head over its part of each row (see prefetch_rows for the figures). */
+ * one per KV head over its part of each row (see Ahead for the figures). Used where the products cannot
+ * run in registers (no AVX2, or a head dim that is no multiple of the vector width). */
 static inline void widen_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *slots, int n,
                               int row_elems, float *kdst, float *vdst) {
     for (int j = 0; j < n; j++) {
@@ -295,13 +296,11 @@ INLINE vec kv_vec(const void *row, int dtype, int x) {
 }
 #endif
 #define IN_REGS(d) ((d) % VW == 0)
-/* Float pages take the products in registers with AVX-512 only: with AVX2 (4 keys x 2 query
- * rows) the float32 / widened-copy loops measured faster (docs/kernels.md). */
-#ifdef HAVE_AVX512
+/* Float pages take the products in registers at both levels. At AVX2 (4 keys x 2 query rows)
+ * the float32 / widened-copy loops measured faster while the next tile's rows were asked for in
+ * bursts; since they are asked for a few lines per step (Ahead), the products in registers win
+ * there too (docs/kernels.md). */
 #define FLOAT_IN_REGS(d) IN_REGS(d)
-#else
-#define FLOAT_IN_REGS(d) 0
-#endif
 
 /* Horizontal sums of a[0 .. 4 QK_ROWS): sum r * 4 + t lands in floats 4r .. 4r + 3 of the
  * result, so each 128-bit lane holds one row's scores of 4 keys. */
@@ -368,18 +367,13 @@ INLINE void pv_regs(float (*p)[TILE], int nr, const void *const *v, int dtype, i
 }
 
 #define CAP(x, most) ((x) < (most) ? (x) : (most)) /* keeps unreachable cases in bounds */
-/* BODY(DT) with the page dtype a constant DT: float pages only in AVX-512 builds (callers send
- * them here only where FLOAT_IN_REGS, see regs_for), int8 pages always. */
-#ifdef HAVE_AVX512
+/* BODY(DT) with the page dtype a constant DT. */
 #define BY_DTYPE(BODY)                                                                       \
     switch (dtype) {                                                                         \
     case 0: BODY(0) break;                                                                   \
     case 1: BODY(1) break;                                                                   \
     default: BODY(2) break;                                                                  \
     }
-#else
-#define BY_DTYPE(BODY) { (void)dtype; BODY(2) }
-#endif
 
 /* qk_regs with nr (<= QK_ROWS) and the dtype made constants. */
 #define QK_ROWS_OF(DT)                                                                       \
@@ -438,17 +432,56 @@ static inline void row_as_float(const void *row, int dtype, int d, float *dst) {
     }
 }
 
+/* The next tile's whole K and V rows (every KV head), asked for into L2 a few lines at a time
+ * while this tile computes: `step` lines at each of the tile's steps (a group of 4 keys in
+ * tile_scores, a vector group of D in tile_accumulate, a query row in the copy loops), so the
+ * requests spread over the tile's work. Asking for them in one burst per KV head (before)
+ * left the reads and the products in sequence: on the 2-core AMD EPYC (Zen 3, AVX2 only) the
+ * kernel took about the sum of its compute (one layer's cache reused from L2) and a plain read
+ * of the bytes. Measured there (2026-12-05; ad-hoc script over caches larger than L3, 16 or 30
+ * layers, 2 threads, one query token; docs/kernels.md has all rows and rounds): 32 / 8 heads,
+ * D 128, 16K tokens, float32 pages 17.2 -> 12.7 ms for 2 layers, bfloat16 17.2 -> 8.9, int8
+ * 9.8 -> 7.7; 9 / 3 heads, D 64, 8K, 30 layers: float32 23.3 -> 19.5-20.7, bfloat16 20.1 ->
+ * 14.5-16.5 (with the products in registers at AVX2, FLOAT_IN_REGS). Whole rows, in token order:
+ * the pages' own order, so each line is asked for once. Into L1 (T0) measured slower. */
+typedef struct {
+    const char *cache[2]; /* K, V */
+    const int64_t *slots; /* the next tile's cache slots */
+    int n, row_bytes;     /* its tokens; bytes of a whole row */
+    int which, j, b;      /* where the asking is: cache, row, byte */
+    int step;             /* lines per call */
+} Ahead;
+
+static inline void ahead_some(Ahead *a) {
+#ifdef HAVE_AVX2
+    if (!a) return;
+    for (int c = 0; c < a->step && a->which < 2; c++) {
+        _mm_prefetch(a->cache[a->which] + a->slots[a->j] * a->row_bytes + a->b, _MM_HINT_T1);
+        if ((a->b += 64) >= a->row_bytes) {
+            a->b = 0;
+            if (++a->j == a->n) {
+                a->j = 0;
+                a->which++;
+            }
+        }
+    }
+#else
+    (void)a;
+#endif
+}
+
 /* scores[r][j] = q_r . k_j (int8: times k_scale_j) for the rows rows of q (stride d) and the
  * tile's n rows k (any dtype; attend_split sends float pages here only where FLOAT_IN_REGS).
  * buf: n * d floats for float copies where the products cannot run in registers. */
 static void tile_scores(const float *q, int rows, const void *const *k, int dtype, const float *tscale, int n,
-                        int d, float *buf, float (*scores)[TILE]) {
+                        int d, float *buf, float (*scores)[TILE], Ahead *ahead) {
 #ifdef HAVE_AVX2
     static const float zero[MAX_D] = {0}; /* room for a row of any dtype */
     if (regs_for(dtype, d)) {
         for (int j0 = 0; j0 < n; j0 += 4) { /* a key past n reads zeros (scores[r] has room) */
             const void *k4[4];
             for (int t = 0; t < 4; t++) k4[t] = j0 + t < n ? k[j0 + t] : (const void *)zero;
+            ahead_some(ahead);
             for (int r0 = 0; r0 < rows; r0 += QK_ROWS)
                 qk_any(q + (int64_t)r0 * d, rows - r0 < QK_ROWS ? rows - r0 : QK_ROWS, k4, dtype, d, scores + r0, j0);
         }
@@ -460,7 +493,10 @@ static void tile_scores(const float *q, int rows, const void *const *k, int dtyp
             row_as_float(k[j], dtype, d, buf + (int64_t)j * d);
             kf[j] = buf + (int64_t)j * d;
         }
-        for (int r = 0; r < rows; r++) row_scores(q + (int64_t)r * d, kf, n, d, scores[r]);
+        for (int r = 0; r < rows; r++) {
+            ahead_some(ahead);
+            row_scores(q + (int64_t)r * d, kf, n, d, scores[r]);
+        }
     }
     if (dtype == 2)
         for (int r = 0; r < rows; r++) {
@@ -474,7 +510,7 @@ static void tile_scores(const float *q, int rows, const void *const *k, int dtyp
  * sums already) over the tile's n rows v, for the rows rows of acc (stride d). Float dtypes and
  * buf as for tile_scores. */
 static void tile_accumulate(float (*p)[TILE], int rows, const void *const *v, int dtype, const float *tscale,
-                            int n, int d, float *buf, float *acc) {
+                            int n, int d, float *buf, float *acc, Ahead *ahead) {
     if (dtype == 2)
         for (int r = 0; r < rows; r++) {
             float *pr = p[r];
@@ -487,6 +523,7 @@ static void tile_accumulate(float (*p)[TILE], int rows, const void *const *v, in
             const int nr = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
             for (int x0 = 0; x0 < d; x0 += VW * PV_VECS) {
                 const int nv = (d - x0) / VW < PV_VECS ? (d - x0) / VW : PV_VECS;
+                ahead_some(ahead);
                 pv_any(p + r0, nr, v, dtype, n, x0, nv, acc + (int64_t)r0 * d, d);
             }
         }
@@ -498,7 +535,20 @@ static void tile_accumulate(float (*p)[TILE], int rows, const void *const *v, in
         row_as_float(v[j], dtype, d, buf + (int64_t)j * d);
         vf[j] = buf + (int64_t)j * d;
     }
-    for (int r = 0; r < rows; r++) row_accumulate(p[r], vf, n, d, acc + (int64_t)r * d);
+    for (int r = 0; r < rows; r++) {
+        ahead_some(ahead);
+        row_accumulate(p[r], vf, n, d, acc + (int64_t)r * d);
+    }
+}
+
+/* Calls of ahead_some per KV head and tile: tile_scores' and tile_accumulate's steps. */
+static inline int ahead_calls(int regs, int rows, int n, int d) {
+#ifdef HAVE_AVX2
+    if (regs) return (n + 3) / 4 + (rows + PV_ROWS - 1) / PV_ROWS * ((d + VW * PV_VECS - 1) / (VW * PV_VECS));
+#else
+    (void)regs; (void)n; (void)d;
+#endif
+    return 2 * rows;
 }
 
 /* Cache slots of tokens [base, base + n). */
@@ -523,26 +573,6 @@ static inline void tile_pages(const int32_t *blocks, int block_size, int base, i
             block++;
         }
     }
-}
-
-/* Ask for whole rows (all KV heads) of one cache ahead of their use, into L2: a tile's K and V
- * rows (48 KB for 32 float32 tokens of 3 heads of 64) overflow L1, and the tile's compute is
- * short next to its misses. Measured on the 2-core AMD EPYC, 30 layers' caches at 8K tokens
- * (9 / 3 heads, D 64), medians of 15, alternating builds (ad-hoc script): float32 27.8-28.0 ms
- * into L1 vs 23.8-26.3 into L2, bfloat16 24.9-25.0 vs 18.7-22.5; int8 pages ~25% faster (32K).
- * The next tile's rows are asked for in num_kv parts, one before each KV head's work on this
- * tile, not in one burst at its start (2026-11-25, same geometry, C harness, medians of 21,
- * builds alternating: bfloat16 11.8-12.7 ms against 15.6-16.2 with the burst and per-head
- * widening, int8 6.7-7.2 against 8.3-8.6, float32 unchanged at 20.7-21.6). */
-static inline void prefetch_rows(const void *cache, const int64_t *slots, int n, int row_bytes) {
-#ifdef HAVE_AVX2
-    for (int j = 0; j < n; j++) {
-        const char *row = (const char *)cache + slots[j] * row_bytes;
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-    }
-#else
-    (void)cache; (void)slots; (void)n; (void)row_bytes;
-#endif
 }
 
 /* One work item: tokens [t0, t1) for every KV head, read in token order (whole rows, so the
@@ -594,27 +624,30 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
             next = (t1 - base - n < TILE) ? t1 - base - n : TILE;
             tile_slots(blocks, block_size, base + n, next, next_slots);
         }
+        const int64_t ahead_lines = 2 * (int64_t)next * ((row_bytes + 63) / 64);
+        const int64_t calls = (int64_t)num_kv * ahead_calls(regs_for(dtype, d), rows, n, d);
+        Ahead ahead = {{(const char *)k_cache, (const char *)v_cache}, next_slots, next, row_bytes, next ? 0 : 2, 0, 0,
+                       (int)((ahead_lines + calls - 1) / calls)};
+        Ahead *ask = next ? &ahead : NULL;
         if (wide) {
             widen_tile((const uint16_t *)k_cache, (const uint16_t *)v_cache, slots, n, row_elems, kwide, vwide);
         }
         for (int kvh = 0; kvh < num_kv; kvh++) {
-            if (next) { /* this head's share of the next tile's rows */
-                const int a = next * kvh / num_kv, b = next * (kvh + 1) / num_kv;
-                prefetch_rows(k_cache, next_slots + a, b - a, row_bytes);
-                prefetch_rows(v_cache, next_slots + a, b - a, row_bytes);
-            }
             const float *qh = qs + (int64_t)kvh * rows * d;
             float *mh = m + kvh * rows, *lh = l + kvh * rows;
             float *acc_h = acc_out + (int64_t)kvh * rows * d;
             if (regs) {
                 tile_ptrs(k_cache, dtype, k_scale, slots, pages, n, num_kv, kvh, d, kv, tscale);
-                tile_scores(qh, rows, kv, dtype, tscale, n, d, kbuf, scores);
+                tile_scores(qh, rows, kv, dtype, tscale, n, d, kbuf, scores, ask);
             } else {
                 if (wide)
                     for (int j = 0; j < n; j++) krows[j] = kwide + (int64_t)j * row_elems + kvh * d;
                 else
                     tile_rows(k_cache, dtype, slots, n, num_kv, kvh, d, kbuf, krows);
-                for (int r = 0; r < rows; r++) row_scores(qh + r * d, krows, n, d, scores[r]);
+                for (int r = 0; r < rows; r++) {
+                    ahead_some(ask);
+                    row_scores(qh + r * d, krows, n, d, scores[r]);
+                }
             }
             if (softcap > 0.0f) {
                 const float inv = 1.0f / softcap;
@@ -663,13 +696,16 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
             }
             if (regs) {
                 tile_ptrs(v_cache, dtype, v_scale, slots, pages, n, num_kv, kvh, d, kv, tscale);
-                tile_accumulate(scores, rows, kv, dtype, tscale, n, d, vbuf, acc_h);
+                tile_accumulate(scores, rows, kv, dtype, tscale, n, d, vbuf, acc_h, ask);
             } else {
                 if (wide)
                     for (int j = 0; j < n; j++) vrows[j] = vwide + (int64_t)j * row_elems + kvh * d;
                 else
                     tile_rows(v_cache, dtype, slots, n, num_kv, kvh, d, vbuf, vrows);
-                for (int r = 0; r < rows; r++) row_accumulate(scores[r], vrows, n, d, acc_h + r * d);
+                for (int r = 0; r < rows; r++) {
+                    ahead_some(ask);
+                    row_accumulate(scores[r], vrows, n, d, acc_h + r * d);
+                }
             }
         }
     }
