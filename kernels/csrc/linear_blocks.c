@@ -524,6 +524,9 @@ static inline __m256i bytes8_u32(const uint8_t *p) {
 #ifndef SCALES_AHEAD
 #define SCALES_AHEAD 8
 #endif
+#if SCALES_AHEAD < 1
+#error "SCALES_AHEAD must be at least 1"
+#endif
 #define Q4_ACC(NR) ((NR) <= 2 ? 4 : 2)
 static inline __attribute__((always_inline)) void q4_step256(const uint8_t *q8, __m256 dlo, __m256 mlo, __m256 dhi,
                                                              __m256 mhi, const float *x, int64_t ldx, int64_t elo,

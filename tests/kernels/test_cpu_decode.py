@@ -65,6 +65,8 @@ CASES = {
     "head-dim-128": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=128, seed=8),
     "head-dim-72": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=72, seed=9),
     "head-dim-40-scalar": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=40, seed=10),
+    # no multiple of 8: float pages take the copy loops at AVX2 too (and bf16 its widened tiles)
+    "head-dim-36-copy-loops": Case((1, 3), (50, 77), num_kv_heads=2, group=4, head_dim=36, seed=16),
     # one vector per row at AVX-512, three, and the largest head dim (the padding key's zero row)
     "head-dim-16": Case((1, 3), (37, 70), num_kv_heads=2, group=3, head_dim=16, seed=13),
     "head-dim-48": Case((2, 1), (61, 18), num_kv_heads=1, group=5, head_dim=48, seed=14),
