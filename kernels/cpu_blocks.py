@@ -146,7 +146,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: int | str, k: int, bias: 
     be a column slice of a wider one). ``fast`` (True or 1): x rounded to int8 in blocks of 32
     and integer products, as llama.cpp computes (``fast_supported``); 2: x as two int8 terms (x
     rounded, then what the rounding left, rounded again), the integer products of both summed;
-    False or 0: float32 products on the exactly dequantized weights. Runs
+    False or 0: float32 products on the exactly dequantized weights (AVX2 builds with one row of x:
+    the blocks' scales and offsets applied to sums of x * q, the same value rounded differently). Runs
     ``torch.ops.longctx.blocks_linear``."""
     code = _format_id(fmt)
     if x.dim() == 2 and x.stride(1) != 1:

@@ -9,7 +9,9 @@
  * bits: an fp16 scale times a small integer), so the dequantized row is bit-identical whatever
  * the instruction set - and multiplied in float32. The result is float32's product on the
  * dequantized weights, summed in another order: what the row kernel (linear_rows.c) gives on a
- * float32 copy of them.
+ * float32 copy of them. One exception, AVX2 builds with one row of x: the kernels there take
+ * the scales and offsets out of the sums (d * sum(x * q) - m * sum(x), q4k_row_sums and below),
+ * the same value in exact arithmetic, rounded differently (~5e-7 of the sum of |x * w| apart).
  *
  *   x    [M, K] float32, row stride ldx
  *   w    [N, row_bytes] bytes: N rows of K / block_elems blocks each, in format fmt (GGML's type
@@ -22,8 +24,9 @@
  *        2: x is [M, 2K] and the product takes silu(x[:, :K]) * x[:, K:] (prologue.h)
  *
  * Work: output rows are cut into chunks of CHUNK over the OpenMP threads asked for. A thread
- * dequantizes one weight row into a float32 buffer (K floats: in L1 for K up to ~8K) and takes
- * the x rows four at a time against it, so each weight byte is read from memory once per call.
+ * takes a weight row against the x rows four at a time (at AVX2 and up dequantized in registers,
+ * the register kernels below; else into a float32 buffer of K floats), so each weight byte is
+ * read from memory once per call.
  * longctx_blocks_dequant writes chosen rows (the embedding's lookups) or a range of rows (a
  * prefill step's slice, which then goes to linear_rows.c's panel product) as float32.
  *
@@ -512,7 +515,8 @@ static inline __m256i bytes8_u32(const uint8_t *p) {
  * adds of one chain do not wait on each other (a multiply-add's latency is 4-5 cycles).
  * Q4_K: the nibbles of chunk c's byte j are elements c * 64 + j (sub-block 2c) and
  * c * 64 + 32 + j (sub-block 2c + 1); Q4_0 / Q4_1: byte j holds elements j and j + 16. */
-/* Decode rows (Q4_K: one or two rows of x; Q6_K: one): the scales (Q6_K: and the joined quants)
+/* Decode rows (Q4_K: two rows of x, one where x's block sums are not made: q4k_row_sums; Q6_K:
+ * one): the scales (Q6_K: and the joined quants)
  * of up to SCALES_AHEAD super-blocks are worked out and stored first, then read back as
  * broadcast loads, so no load waits on the store just before it and the scale arithmetic runs
  * apart from the products. Per super-block, each store followed by its loads (before), one row
@@ -603,13 +607,15 @@ static inline __attribute__((always_inline)) void q4b_rows256(const uint8_t *row
  * a sub-block's) sum over x * (d * q - m) is computed as d * sum(x * q) - m * sum(x), with sum(x)
  * over each 32 of x made once a call (xs, k / 32 a row of x: ``x_block_sums``). Per 16 weights:
  * a zero-extend, an and, a shift, two converts and two multiply-adds (the per-weight multiply-add
- * that dequantized is gone); per 32 one scale multiply-add. Same weights, float32 sums in
- * another order (~1e-7 relative apart from the dequantize-then-multiply form; tests/kernels/
- * test_blocks.py holds both to the float64 reference). One row of an 8B-shaped Q4_K [14336,
- * 4096]: 2.49-2.53 -> 2.15-2.20 ms at 2 threads (AMD EPYC Zen 3 AVX2, 2026-12-05, ad-hoc A/B of
- * the two builds in one process, medians of 101). With 2 rows of x the dequantized weight is
- * shared and this form measured no faster, so 2-4 rows keep q4k_rows256 / q4b_rows256.
- * Q4_K: all four chunks of a super-block step together (8 independent sums in registers). */
+ * that dequantized is gone); per 32 one scale multiply-add. The same value in exact arithmetic,
+ * rounded differently: ~5e-7 of the sum of |x * w| apart from the dequantize-then-multiply form
+ * (the two sums can cancel; tests/kernels/test_blocks.py holds both to the float64 reference's
+ * bound). One row of an 8B-shaped Q4_K [14336, 4096]: 2.47-2.48 -> 2.01 ms at 2 threads (AMD
+ * EPYC Zen 3 AVX2, 2026-12-05, the two builds alternating in one process, medians of 101). With 2
+ * rows of x the dequantized weight is shared and this form measured no faster, so calls with
+ * m > 1 keep q4k_rows256 / q4b_rows256 (their one-row tails too: xs is made for m == 1 only).
+ * Q4_K: all four chunks of a super-block step together (8 independent sums in registers), the
+ * scales worked out SCALES_AHEAD super-blocks ahead as in q4k_rows256. */
 #if !HAVE_AVX512 /* (AVX-512 builds take their 512-bit kernels: sums_row_dot) */
 static void q4k_row_sums(const uint8_t *row, int64_t k, const float *x, const float *xs, float *out) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, am = a0;
@@ -696,7 +702,7 @@ static inline __attribute__((always_inline)) void q6k_half(const uint8_t *blk, i
  * rows of x from element e. */
 static inline __attribute__((always_inline)) void q6k_half_dot(const int8_t *qb, const float *scale, const float *x,
                                                                int64_t ldx, int64_t e0, const int NR, __m256 a[4][4]) {
-    if (NR == 1) { /* a sub-block's 16 products summed, then times its scale: a multiply fewer per 8 weights */
+    if (NR == 1) { /* a sub-block's 16 products summed, then times its scale: 3 float ops per 16 weights, not 4 */
         for (int j = 0; j < 128; j += 16) {
             const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j))));
             const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j + 8))));
@@ -724,9 +730,10 @@ static inline __attribute__((always_inline)) void q6k_half_dot(const int8_t *qb,
  * which 8 at a time are sign-extended as they are loaded (as deq_q8_0), so no register
  * shuffles bring bytes down; the 16 scales times d converted once a super-block and read back
  * as broadcast loads. Per 8 weights: a load-extend, a convert, a multiply and one
- * multiply-add a row (the product d * sc * q is exact: dequant_row's value); one row of x drops
- * the multiply, its sub-blocks' sums of x * q taken times d * sc after (q6k_half_dot: Q6_K
- * [4096, 14336] 2.66-2.68 -> 2.56 ms, 2 threads, same A/B as q4k_row_sums). */
+ * multiply-add a row (the product d * sc * q is exact: dequant_row's value); for one row of x,
+ * each sub-block's 16 products x * q are summed and then taken times d * sc (q6k_half_dot: 3
+ * float ops per 16 weights instead of 4; Q6_K [4096, 14336] 2.66-2.68 -> 2.56 ms, 2 threads,
+ * same A/B as q4k_row_sums). */
 static inline __attribute__((always_inline)) void q6k_rows256(const uint8_t *row, int64_t k, const float *x,
                                                               int64_t ldx, const int NR, float *out) {
     __m256 a[4][4];
@@ -782,34 +789,28 @@ DEFINE_ROWS256(row_dot_q6_k, Q6K_CALL)
 
 DEFINE_ROW_DOT(row_dot_q8_0_deq, deq_q8_0)
 
-/* Q8_0 for 1 or 2 rows of x: a block's 32 products x * q summed, then times d (a multiply fewer
- * per 8 weights than dequantizing first; 3-5% on the 1B file's matrices, 15% on its [49152, 2048]
- * embedding, one row, 2 threads, AMD EPYC Zen 3 AVX2); 3-4 rows dequantize once for them all. */
+/* Q8_0 for one row of x: a block's 32 products x * q summed, then taken times d (10 float ops per
+ * 32 weights instead of 12; one row, 2 threads, AMD EPYC Zen 3 AVX2: the 1B file's [49152, 2048]
+ * embedding 4.58-4.68 -> 3.96-4.07 ms, its [8192, 2048] matrices, read at ~27 GB/s, within the
+ * noise); 2-4 rows dequantize once for them all. */
 static void row_dot_q8_0(const uint8_t *row, int64_t k, const float *x, int64_t ldx, int R, float *out) {
-    if (R > 2) {
+    if (R > 1) {
         row_dot_q8_0_deq(row, k, x, ldx, R, out);
         return;
     }
-    __m256 a[2][4];
-    for (int r = 0; r < 2; r++)
-        a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm256_setzero_ps();
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t g = 0; g < k / 32; g++) {
         const uint8_t *blk = row + g * 34;
         PREFETCH_W(blk, 1);
-        const __m256 d = _mm256_set1_ps(h2f(blk));
         __m256 q[4];
         for (int v = 0; v < 4; v++)
             q[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * v))));
-        for (int r = 0; r < R; r++) {
-            const float *xp = x + r * ldx + g * 32;
-            const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]));
-            const __m256 t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3],
-                                              _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]));
-            a[r][g & 3] = _mm256_fmadd_ps(d, _mm256_add_ps(t0, t1), a[r][g & 3]);
-        }
+        const float *xp = x + g * 32;
+        const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]));
+        const __m256 t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]));
+        a[g & 3] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(blk)), _mm256_add_ps(t0, t1), a[g & 3]);
     }
-    for (int r = 0; r < R; r++)
-        out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+    out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 
 #define DEFINE_ROW_DEQ(NAME, DEQ)                                                    \

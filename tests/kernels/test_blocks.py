@@ -87,6 +87,20 @@ def test_linear_matches_float64_reference(fmt, m, n, k):
     assert np.all(np.abs(full.numpy() - expect_full) <= 1e-5 * (scale + 2 * np.abs(expect_full)) + 1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m,k", [(1, 32), (1, 96), (1, 288), (2, 288), (5, 288)])
+def test_linear_at_odd_block_counts_matches_float64(fmt, m, k):
+    """The 32-element formats with 1, 3 and 9 blocks a row (the one-row kernels keep four
+    accumulators, one per block in turn), one row of x and the one-row tail of five."""
+    raw = random_blocks(fmt, 11, k, seed=k + m)
+    w = reference_dequant(fmt, raw, k).astype(np.float64)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k * m))
+    expect = x.double().numpy() @ w.T
+    scale = np.abs(x.double().numpy()) @ np.abs(w).T
+    got = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k)
+    assert np.all(np.abs(got.numpy() - expect) <= 1e-5 * scale + 1e-6), fmt
+
+
 def test_linear_writes_a_column_slice_and_strided_rows():
     fmt, m, n, k = "Q4_K", 6, 20, 512
     raw = torch.from_numpy(random_blocks(fmt, n, k, seed=5))
@@ -136,7 +150,8 @@ def test_lower_level_builds_in_a_subprocess(level):
     """The lower levels' dot products (this run took the best level's)."""
     env = dict(os.environ, LONGCTX_CPU_ISA=level)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "bit_identical or float64_reference or fast_products"], env=env, capture_output=True, text=True,
+                           "-k", "bit_identical or float64_reference or fast_products or odd_block_counts or "
+                           "prologues or parts_in_one_call"], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
@@ -205,13 +220,14 @@ def test_fast_is_refused_for_a_format_without_integer_products():
 
 
 @pytest.mark.parametrize("fast", [False, True, 2])
-@pytest.mark.parametrize("m", [3, 6])
+@pytest.mark.parametrize("m", [1, 3, 6])
 def test_parts_in_one_call_equal_each_part_alone(fast, m):
     """A matrix stored as parts of different formats (a Q4_K_M fused q/k/v): one call equals
     each part's product in its columns, bias and residual included. fast: the parts with
-    integer products take them (Q5_K has none and stays exact), as each part alone does."""
+    integer products take them (Q5_K has none and stays exact), as each part alone does. m = 1:
+    x's block sums, made once a call, serve the Q4_K, Q4_1 and Q4_0 parts (AVX2 builds)."""
     k = 512
-    parts = [("Q4_K", 40), ("Q5_K", 9), ("Q6_K", 17), ("Q8_0", 5), ("Q4_1", 3)]
+    parts = [("Q4_K", 40), ("Q5_K", 9), ("Q6_K", 17), ("Q8_0", 5), ("Q4_1", 3), ("Q4_0", 7)]
     raws = [torch.from_numpy(random_blocks(fmt, n, k, seed=i)) for i, (fmt, n) in enumerate(parts)]
     codes = [cpu_blocks.FORMATS[fmt] for fmt, _ in parts]
     total = sum(n for _, n in parts)
