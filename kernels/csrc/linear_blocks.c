@@ -532,6 +532,18 @@ static inline __m256i bytes8_u32(const uint8_t *p) {
 #error "SCALES_AHEAD must be at least 1"
 #endif
 #define Q4_ACC(NR) ((NR) <= 2 ? 4 : 2)
+
+/* x[0..8) * q0 + x[8..16) * q1: 16 products x * q of one (sub-)block, before its scale */
+static inline __m256 xq16(const float *x, __m256 q0, __m256 q1) {
+    return _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), q1, _mm256_mul_ps(_mm256_loadu_ps(x), q0));
+}
+
+/* Q4_K: the scales (d * sc, dmin * m) of super-blocks sb0 .. sb1 - 1 into ds, dm, 8 each, read
+ * back after as loads (the barrier keeps the compiler from forwarding them in registers) */
+static inline void q4k_scales_ahead(const uint8_t *row, int64_t sb0, int64_t sb1, float *ds, float *dm) {
+    for (int64_t sb = sb0; sb < sb1; sb++) q4k_scales8(row + sb * 144, ds + 8 * (sb - sb0), dm + 8 * (sb - sb0));
+    __asm__ volatile("" ::: "memory");
+}
 static inline __attribute__((always_inline)) void q4_step256(const uint8_t *q8, __m256 dlo, __m256 mlo, __m256 dhi,
                                                              __m256 mhi, const float *x, int64_t ldx, int64_t elo,
                                                              int64_t ehi, const int NR, __m256 a[4][4], int slot) {
@@ -564,8 +576,7 @@ static inline __attribute__((always_inline)) void q4k_rows256(const uint8_t *row
     const int ahead = NR <= 2 ? SCALES_AHEAD : 1;
     for (int64_t sb0 = 0; sb0 < nsb; sb0 += ahead) {
         const int64_t sb1 = sb0 + ahead < nsb ? sb0 + ahead : nsb;
-        for (int64_t sb = sb0; sb < sb1; sb++) q4k_scales8(row + sb * 144, ds + 8 * (sb - sb0), dm + 8 * (sb - sb0));
-        __asm__ volatile("" ::: "memory"); /* read ds, dm back as broadcast loads */
+        q4k_scales_ahead(row, sb0, sb1, ds, dm);
         for (int64_t sb = sb0; sb < sb1; sb++) {
             const uint8_t *blk = row + sb * 144;
             const float *dsb = ds + 8 * (sb - sb0), *dmb = dm + 8 * (sb - sb0);
@@ -623,8 +634,7 @@ static void q4k_row_sums(const uint8_t *row, int64_t k, const float *x, const fl
     const int64_t nsb = k / 256;
     for (int64_t sb0 = 0; sb0 < nsb; sb0 += SCALES_AHEAD) {
         const int64_t sb1 = sb0 + SCALES_AHEAD < nsb ? sb0 + SCALES_AHEAD : nsb;
-        for (int64_t sb = sb0; sb < sb1; sb++) q4k_scales8(row + sb * 144, ds + 8 * (sb - sb0), dm + 8 * (sb - sb0));
-        __asm__ volatile("" ::: "memory"); /* read ds, dm back as loads */
+        q4k_scales_ahead(row, sb0, sb1, ds, dm);
         for (int64_t sb = sb0; sb < sb1; sb++) {
             const uint8_t *blk = row + sb * 144;
             const float *dsb = ds + 8 * (sb - sb0);
@@ -663,13 +673,11 @@ static inline __attribute__((always_inline)) void q4b_row_sums(const uint8_t *ro
         const float d = h2f(blk), m = one ? h2f(blk + 2) : -8.0f * d;
         const __m256i b0 = bytes8_u32(blk + qo), b1 = bytes8_u32(blk + qo + 8);
         const float *xp = x + g * 32;
-        const __m256 lo = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8),
-                                          _mm256_cvtepi32_ps(_mm256_and_si256(b1, _mm256_set1_epi32(15))),
-                                          _mm256_mul_ps(_mm256_loadu_ps(xp),
-                                                        _mm256_cvtepi32_ps(_mm256_and_si256(b0, _mm256_set1_epi32(15)))));
-        const __m256 hi = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)),
-                                          _mm256_mul_ps(_mm256_loadu_ps(xp + 16),
-                                                        _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4))));
+        const __m256i m15 = _mm256_set1_epi32(15);
+        const __m256 lo = xq16(xp, _mm256_cvtepi32_ps(_mm256_and_si256(b0, m15)),
+                               _mm256_cvtepi32_ps(_mm256_and_si256(b1, m15)));
+        const __m256 hi = xq16(xp + 16, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                               _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
         a[g & 3] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_add_ps(lo, hi), a[g & 3]);
         off = fmaf(m, xs[g], off);
     }
@@ -706,9 +714,7 @@ static inline __attribute__((always_inline)) void q6k_half_dot(const int8_t *qb,
         for (int j = 0; j < 128; j += 16) {
             const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j))));
             const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + j + 8))));
-            const __m256 t = _mm256_fmadd_ps(_mm256_loadu_ps(x + e0 + j + 8), q1,
-                                             _mm256_mul_ps(_mm256_loadu_ps(x + e0 + j), q0));
-            a[0][(j >> 4) & 3] = _mm256_fmadd_ps(_mm256_set1_ps(scale[j / 16]), t, a[0][(j >> 4) & 3]);
+            a[0][(j >> 4) & 3] = _mm256_fmadd_ps(_mm256_set1_ps(scale[j / 16]), xq16(x + e0 + j, q0, q1), a[0][(j >> 4) & 3]);
         }
         return;
     }
@@ -806,9 +812,8 @@ static void row_dot_q8_0(const uint8_t *row, int64_t k, const float *x, int64_t 
         for (int v = 0; v < 4; v++)
             q[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * v))));
         const float *xp = x + g * 32;
-        const __m256 t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), q[1], _mm256_mul_ps(_mm256_loadu_ps(xp), q[0]));
-        const __m256 t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), q[3], _mm256_mul_ps(_mm256_loadu_ps(xp + 16), q[2]));
-        a[g & 3] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(blk)), _mm256_add_ps(t0, t1), a[g & 3]);
+        a[g & 3] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(blk)), _mm256_add_ps(xq16(xp, q[0], q[1]), xq16(xp + 16, q[2], q[3])),
+                                   a[g & 3]);
     }
     out[0] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
@@ -1101,14 +1106,13 @@ static RowDotSums sums_row_dot(int fmt) {
 #endif
 }
 
-/* xs[i * (k / 32) + b]: the sum of x's row i over elements 32b .. 32b + 31 */
-static void x_block_sums(const float *x, int64_t ldx, int m, int64_t k, float *xs) {
-    for (int i = 0; i < m; i++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            const float *xp = x + (int64_t)i * ldx + b * 32;
-            xs[(int64_t)i * (k / 32) + b] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xp), _mm256_loadu_ps(xp + 8)),
-                                                                _mm256_add_ps(_mm256_loadu_ps(xp + 16), _mm256_loadu_ps(xp + 24))));
-        }
+/* xs[b]: the sum of the row x over elements 32b .. 32b + 31 */
+static void x_block_sums(const float *x, int64_t k, float *xs) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xp = x + b * 32;
+        xs[b] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xp), _mm256_loadu_ps(xp + 8)),
+                                    _mm256_add_ps(_mm256_loadu_ps(xp + 16), _mm256_loadu_ps(xp + 24))));
+    }
 }
 #endif
 
@@ -1214,7 +1218,7 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
             free_quant_x(qx);
             return 3;
         }
-        x_block_sums(x, ldx, 1, k, xs);
+        x_block_sums(x, k, xs);
     }
 #endif
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
