@@ -14,7 +14,7 @@ import torch
 
 from longctx import LLM, SamplingParams
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]  # every tier on tiny models: tests/test_prefix_cache.py
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

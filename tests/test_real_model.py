@@ -44,15 +44,21 @@ def document_ids(llm):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(document_ids):
-    """HF transformers fp32: last-position logits of the prompt and 64 greedy tokens."""
+def hf_model():
+    """HF transformers fp32 on the same GGUF (loading it takes ~20 s: one copy for the module)."""
     from transformers import AutoModelForCausalLM
 
     path = _gguf()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(document_ids, hf_model):
+    """HF transformers fp32: last-position logits of the prompt and 64 greedy tokens."""
     ids = torch.tensor([document_ids])
     with torch.no_grad():
-        out = hf.generate(ids, max_new_tokens=NUM_NEW, do_sample=False, min_new_tokens=NUM_NEW,
+        out = hf_model.generate(ids, max_new_tokens=NUM_NEW, do_sample=False, min_new_tokens=NUM_NEW,
                           output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(document_ids):].tolist(), out.logits[0][0].float()
 
@@ -82,6 +88,7 @@ def test_greedy_tokens_and_logits_match_hf_chunk256_block16(llm, document_ids, h
     assert tokens == expected_tokens
 
 
+@pytest.mark.slow  # the float expansion's tokens on tiny checkpoints: tests/test_gguf_blocks.py
 def test_greedy_tokens_match_hf_chunk2048_block128(document_ids, hf_reference):
     """The weights expanded to float32 at load (the row kernel)."""
     llm = LLM("smollm2-135m", block_size=128, max_num_batched_tokens=2048, gguf_weights="float")
@@ -105,17 +112,6 @@ def test_batch_of_four_equals_solo_runs(llm, document_ids):
 PENALTY_NEW = 48
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    """HF transformers fp32 on the same GGUF (for the penalty tests; ``hf_reference`` keeps its
-    own, since it only needs its outputs)."""
-    from transformers import AutoModelForCausalLM
-
-    path = _gguf()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                dtype=torch.float32).eval()
-
-
 def _hf_greedy(hf, prompt: list[int], penalty: float, output_only: bool = False) -> list[int]:
     """HF ``generate(do_sample=False, repetition_penalty=penalty)``; ``output_only``: a wrong
     variant penalising only the generated tokens (to show the test can tell)."""
@@ -137,7 +133,7 @@ def _hf_greedy(hf, prompt: list[int], penalty: float, output_only: bool = False)
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("penalty", [1.3, 1.1])
+@pytest.mark.parametrize("penalty", [pytest.param(1.3, marks=pytest.mark.slow), 1.1])
 def test_greedy_repetition_penalty_matches_hf(llm, document_ids, hf_model, penalty):
     prompt = document_ids[:300]  # the GPL: repetitive, so the penalty changes the tokens
     params = SamplingParams(temperature=0.0, max_tokens=PENALTY_NEW, ignore_eos=True,
@@ -154,6 +150,7 @@ def test_greedy_repetition_penalty_matches_hf(llm, document_ids, hf_model, penal
     assert _hf_greedy(hf_model, prompt, penalty, output_only=True) != expected
 
 
+@pytest.mark.slow  # bfloat16 on tiny checkpoints of every family: tests/test_families.py
 def test_bfloat16_on_the_cpu_keeps_float32s_greedy_tokens(document_ids, hf_reference):
     """dtype='bfloat16' on the CPU (bf16 weights through the row kernel, bf16 KV pages, fp32
     activations between the products; where the CPU has AVX-512 BF16, prefill chunks' products

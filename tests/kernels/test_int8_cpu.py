@@ -194,18 +194,32 @@ def test_the_comparisons_can_fail():
 PORTABLE = {"avx2": ["-mno-avx512f"], "plain-c": ["-mno-avx2"]}
 
 
+@pytest.fixture(scope="module")
+def portable_builds(tmp_path_factory):
+    """The libraries of each level in PORTABLE, built once for the module (a build takes seconds;
+    each test of a level reuses them)."""
+    built: dict[str, list] = {}
+
+    def get(level: str) -> list:
+        if level not in built:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("LONGCTX_CACHE_DIR", str(tmp_path_factory.mktemp(level)))
+                patch.setattr(cpu_build, "FLAGS", [*cpu_build.FLAGS, *PORTABLE[level]])
+                built[level] = [cpu_build.build(module.SOURCE) for module in (cpu_decode, cpu_flash)]
+        return built[level]
+
+    return get
+
+
 @pytest.fixture(params=list(PORTABLE))
-def portable_kernels(request, monkeypatch, tmp_path):
+def portable_kernels(request, monkeypatch, portable_builds):
     """cpu_decode / cpu_flash running builds made with the machine's flags minus AVX-512 (or
     minus AVX2, so the plain C loops), cached in a scratch directory."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the feature flags are x86 ones")
     if not (cpu_decode.available() and cpu_flash.available()):
         pytest.skip(f"kernels {cpu_decode.status()} / {cpu_flash.status()}")
-    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_build, "FLAGS", [*cpu_build.FLAGS, *PORTABLE[request.param]])
-    for module in (cpu_decode, cpu_flash):
-        lib = cpu_build.build(module.SOURCE)
+    for module, lib in zip((cpu_decode, cpu_flash), portable_builds(request.param)):
         module._declare(lib)
         monkeypatch.setattr(module, "_load", lambda lib=lib: lib)
     return request.param

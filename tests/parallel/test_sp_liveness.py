@@ -136,6 +136,7 @@ def _drain(response: httpx.Response, events: list[str]) -> None:
         pass
 
 
+@pytest.mark.slow  # ~35 s of polling; a stopped rank's 503 and its return stay in the default run
 def test_idle_and_busy_ranks_stay_healthy(server):
     """Longer than ``BEAT_STALE_S`` idle, then as long inside a 3,000-token request: 200 all along."""
     url = server.url

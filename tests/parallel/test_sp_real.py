@@ -37,8 +37,9 @@ def token_ids(llm: LLM, batch: list[dict], params: SamplingParams = GREEDY) -> l
     return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
 
 
-def test_two_ranks_match_one_process_on_a_long_batch_and_a_device_hit():
-    spans = [(0, 6000), (9000, 1500)]
+@pytest.mark.parametrize("spans", [[(0, 2500), (9000, 700)],
+                                   pytest.param([(0, 6000), (9000, 1500)], marks=pytest.mark.slow)])
+def test_two_ranks_match_one_process_on_a_long_batch_and_a_device_hit(spans):
     with LLM(max_num_batched_tokens=2048) as one:
         batch = prompts(one.get_tokenizer(), spans)
         expected = token_ids(one, batch)
@@ -46,7 +47,7 @@ def test_two_ranks_match_one_process_on_a_long_batch_and_a_device_hit():
         assert token_ids(two, batch) == expected
         again = token_ids(two, batch[:1])  # the document's pages are on the device tier now
         assert again == expected[:1]
-        assert two.cache_stats().hit_tokens["device"] >= 5900
+        assert two.cache_stats().hit_tokens["device"] >= spans[0][1] - 100
 
 
 SLOW_SPANS = [(0, 6000), (9000, 6400), (17000, 6901), (3000, 7333)]

@@ -112,6 +112,7 @@ def _server_url(launch: subprocess.Popen, log: Path) -> str:
     pytest.fail(f"the server did not come up in {START_S} s:\n{log.read_text(errors='replace')[-3000:]}")
 
 
+@pytest.mark.slow  # waits out heartbeats (~35 s); dead and hung ranks: test_sp_failures.py, test_sp_liveness.py
 def test_lost_launch_fails_the_request_and_health(slow_folder, tmp_path):
     expected = LLM(slow_folder, block_size=16, num_blocks=256, max_num_batched_tokens=256, lookahead=False)
     try:
