@@ -49,7 +49,7 @@
 
 #include "split_merge.h"
 
-#define TILE 32       /* tokens scored together */
+#define TILE 32       /* tokens scored together (at most; see tile_tokens) */
 #define MAX_ROWS 128  /* query rows per KV head (L * group), the caller checks */
 #define MAX_D 256
 
@@ -603,6 +603,17 @@ static inline void prefetch_rows(const void *cache, const int64_t *slots, int n,
 #endif
 }
 
+/* Tokens per tile: TILE, or 8 where a few query rows (q_len * group <= 8) meet rows of >= 4 KB
+ * (one cache's row, every KV head: float32 pages at 8 KV heads of 128). Such a tile's K and V
+ * rows (256 KB at 32 tokens) and the next tile's, asked for ahead, overflow L2 (512 KB on Zen 3).
+ * Measured on the 2-core AMD EPYC (Zen 3, AVX2 only), 2 threads, 32 / 8 heads, D 128, float32
+ * pages, caches larger than L3, builds alternating in one process (ad-hoc script, medians of
+ * 9-15): 4K, one query token, 1.70-2.25 -> 1.43-2.03 ms a layer in four runs (-10 to -16%); 16K
+ * 6.6 -> 5.8 and 7.7 -> 7.8; 2 query tokens (8 rows) 2.70 -> 2.46; 8 tokens (32 rows, the
+ * products dominate) 6.16 -> 6.53, so those keep TILE. At 2 KB rows (bfloat16 pages of that
+ * geometry, float32 at 8 x 64) 8 tokens were 5-10% slower, 16 level with 32. */
+static inline int tile_tokens(int rows, int row_bytes) { return rows <= 8 && row_bytes >= 4096 ? 8 : TILE; }
+
 /* One work item: tokens [t0, t1) for every KV head, read in token order (whole rows, so the
  * stream is sequential within a page). qs holds the scaled query rows, [Hkv][rows][D], row
  * r = i * group + g being query token i, head kvh * group + g. Writes the partial states of
@@ -642,14 +653,15 @@ static void attend_split(const float *qs, const void *k_cache, const void *v_cac
     const int row_elems = num_kv * d;
     float *kwide = wide, *vwide = wide ? wide + (int64_t)TILE * row_elems : NULL; /* bf16: widened tiles */
     int64_t slots[TILE], next_slots[TILE];
-    tile_slots(blocks, block_size, t0, (t1 - t0 < TILE) ? t1 - t0 : TILE, next_slots);
-    for (int base = t0; base < t1; base += TILE) {
-        const int n = (t1 - base < TILE) ? t1 - base : TILE;
+    const int tile = tile_tokens(rows, row_bytes);
+    tile_slots(blocks, block_size, t0, (t1 - t0 < tile) ? t1 - t0 : tile, next_slots);
+    for (int base = t0; base < t1; base += tile) {
+        const int n = (t1 - base < tile) ? t1 - base : tile;
         memcpy(slots, next_slots, sizeof(int64_t) * n);
         if (dtype == 2) tile_pages(blocks, block_size, base, n, pages);
         int next = 0; /* the next tile's rows are on their way while this one computes */
         if (base + n < t1) {
-            next = (t1 - base - n < TILE) ? t1 - base - n : TILE;
+            next = (t1 - base - n < tile) ? t1 - base - n : tile;
             tile_slots(blocks, block_size, base + n, next, next_slots);
         }
         const int64_t ahead_lines = 2 * (int64_t)next * ((row_bytes + 63) / 64);

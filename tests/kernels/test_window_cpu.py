@@ -26,6 +26,7 @@ CASES = {
     "chunk": Case((37, 1), (100, 130), num_kv_heads=2, group=2, seed=43),
     "first-chunk": Case((45,), (45,), num_kv_heads=1, group=4, head_dim=32, seed=44),
     "tree7": Case((7, 1), (150, 20), num_kv_heads=2, group=3, trees=(TWO_BRANCH_TREE, None), seed=45),
+    "wide-rows": Case((1, 2), (75, 161), num_kv_heads=8, group=4, head_dim=128, seed=46),  # 8-token tiles
 }
 WINDOWS = [1, 5, 16, 23, 70, 1000]  # block size 16: below, at, across pages; past every context
 
