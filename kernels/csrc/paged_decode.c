@@ -611,8 +611,17 @@ static inline void prefetch_rows(const void *cache, const int64_t *slots, int n,
  * 9-15): 4K, one query token, 1.70-2.25 -> 1.43-2.03 ms a layer in four runs (-10 to -16%); 16K
  * 6.6 -> 5.8 and 7.7 -> 7.8; 2 query tokens (8 rows) 2.70 -> 2.46; 8 tokens (32 rows, the
  * products dominate) 6.16 -> 6.53, so those keep TILE. At 2 KB rows (bfloat16 pages of that
- * geometry, float32 at 8 x 64) 8 tokens were 5-10% slower, 16 level with 32. */
-static inline int tile_tokens(int rows, int row_bytes) { return rows <= 8 && row_bytes >= 4096 ? 8 : TILE; }
+ * geometry, float32 at 8 x 64) 8 tokens were 5-10% slower, 16 level with 32. AVX2 builds only,
+ * as SPREAD_AHEAD (the spread prefetch it was measured with): AVX-512 CPUs have 1-2 MB of L2
+ * and were not measured; plain C builds ask for nothing ahead. */
+static inline int tile_tokens(int rows, int row_bytes) {
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
+    return rows <= 8 && row_bytes >= 4096 ? 8 : TILE;
+#else
+    (void)rows; (void)row_bytes;
+    return TILE;
+#endif
+}
 
 /* One work item: tokens [t0, t1) for every KV head, read in token order (whole rows, so the
  * stream is sequential within a page). qs holds the scaled query rows, [Hkv][rows][D], row

@@ -73,8 +73,10 @@ CASES = {
     "head-dim-256": Case((1, 2), (45, 38), num_kv_heads=1, group=3, head_dim=256, seed=15),
     "only-new-tokens": Case((4,), (4,), num_kv_heads=1, group=3, seed=11),
     "32-rows-per-head": Case((32,), (45,), num_kv_heads=1, group=3, seed=12),
-    # 4 KB float32 rows (8 KV heads of 128): 8-token tiles at 4 and 8 rows, 32 at 12
+    # rows of >= 4 KB: 8-token tiles at 4 and 8 query rows in AVX2-only builds, 32 at 12 (8 KV heads
+    # of 128: 4 KB in float32, 2 KB in bfloat16; 16 KV heads: 8 and 4 KB)
     "wide-rows-8x128": Case((1, 2, 3), (75, 161, 9), num_kv_heads=8, group=4, head_dim=128, seed=17),
+    "wide-rows-16x128": Case((1, 2), (75, 161), num_kv_heads=16, group=2, head_dim=128, seed=18),
 }
 
 

@@ -138,6 +138,7 @@ DECODE_CASES = {
     "block-size-5": Case((1, 3), (23, 64), num_kv_heads=3, group=3, block_size=5, seed=10),
     "head-dim-72": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=72, seed=11),
     "head-dim-40": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=40, seed=12),
+    "rows-4kb": Case((1, 2), (75, 161), num_kv_heads=32, group=1, head_dim=128, seed=19),  # 8-token tiles
     "head-dim-20": Case((1, 2), (50, 77), num_kv_heads=2, group=3, head_dim=20, seed=13),
     "only-new-tokens": Case((4,), (4,), num_kv_heads=1, group=3, seed=14),
 }
