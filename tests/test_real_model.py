@@ -59,7 +59,7 @@ def hf_reference(document_ids, hf_model):
     ids = torch.tensor([document_ids])
     with torch.no_grad():
         out = hf_model.generate(ids, max_new_tokens=NUM_NEW, do_sample=False, min_new_tokens=NUM_NEW,
-                          output_logits=True, return_dict_in_generate=True)
+                                output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, len(document_ids):].tolist(), out.logits[0][0].float()
 
 

@@ -3,8 +3,9 @@ to one process (fp32) for long real-text prompts, batched, across chunk sizes, l
 off, prefix-store hits on every tier (the disk tier from a fresh process) and streaming.
 
 The default run checks N = 2 on a batch of a 2,500- and a 700-token prompt plus a device-tier
-hit (6,000 and 1,500 under ``-m slow``); ``-m slow`` also runs the whole matrix (N = 1, 2, 3; four prompts of 6,000-7,333 tokens; chunks
-of 256 and 2,048; host and disk tiers), which takes ~15 minutes on 2 cores."""
+hit (6,000 and 1,500 under ``-m slow``); ``-m slow`` also runs the whole matrix (N = 1, 2, 3;
+four prompts of 6,000-7,333 tokens; chunks of 256 and 2,048; host and disk tiers), which takes
+~15 minutes on 2 cores."""
 
 from __future__ import annotations
 
