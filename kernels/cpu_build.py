@@ -209,6 +209,17 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 @contextlib.contextmanager
 def flocked(lock_file: Path):
     """Hold an exclusive flock on ``lock_file`` (made 0600, with its folder, if missing): one

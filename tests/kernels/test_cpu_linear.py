@@ -52,6 +52,36 @@ def test_matches_reference(rows, n, k, bias):
     torch.testing.assert_close(cpu_linear.linear(x, w, b), _reference(x, w, b), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DROW_PREFETCH=8192",)), ("AuthenticAMD", ()),
+                                          ("", ())])
+def test_decode_weight_prefetch_is_built_for_intel_cpus_only(vendor, flags):
+    assert cpu_linear.build_flags(vendor) == flags
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(37, 77), (5, 4100), (70, 2048)])
+def test_weight_prefetch_changes_no_bit(monkeypatch, rows, dtype, n, k):
+    """Builds that ask the weight rows 8 KB or 64 B ahead (ROW_PREFETCH) and one that does not give
+    the same bits, and the float64 product: the prefetch adds no arithmetic. The shapes' last
+    passes ask past the matrix's end (a 2 KB or 16 KB matrix against 8 KB ahead), which must not
+    fault; K = 77 leaves a tail after the passes."""
+    from longctx.kernels import cpu_build
+
+    x, w, b = _operands(rows, n, k, True, seed=rows * 31 + n + k)
+    w = w.to(dtype)
+    outs = {}
+    for ahead in (0, 64, 8192):
+        lib = cpu_build.build(cpu_linear.SOURCE, (f"-DROW_PREFETCH={ahead}",))
+        cpu_linear._declare(lib)
+        monkeypatch.setattr(cpu_linear._LIBRARY, "_lib", lib)
+        monkeypatch.setattr(cpu_linear._LIBRARY, "_status", "ok")
+        outs[ahead] = cpu_linear.linear(x, w, b)
+    assert torch.equal(outs[64], outs[0]) and torch.equal(outs[8192], outs[0])
+    torch.testing.assert_close(outs[8192], _reference(x, w.float(), b), rtol=1e-5, atol=1e-4)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 23, 64])
 @pytest.mark.parametrize("n,k", [(37, 77), (203, 576), (40, 4100)])
