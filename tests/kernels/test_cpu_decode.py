@@ -89,6 +89,34 @@ def test_matches_reference(name, split_tokens, dtype):
     check_against_reference(kernel_impl(split_tokens), make_batch(case), dtype)
 
 
+@pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DSPREAD_AHEAD=1",)), ("AuthenticAMD", ()), ("", ())])
+def test_spread_prefetch_is_built_for_intel_cpus(vendor, flags):
+    assert cpu_decode.build_flags(vendor) == flags
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["decode-gqa3", "verify-causal-5", "head-dim-128", "wide-rows-8x128",
+                                  "head-dim-36-copy-loops"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_prefetch_forms_give_the_reference_and_the_same_bits(monkeypatch, name, dtype):
+    """The next tile's rows asked for per KV head (SPREAD_AHEAD 0, AVX-512 builds on AMD) or spread
+    over the tile's work (1: AVX2 builds, Intel CPUs): each build matches the reference, and the
+    two give the same bits (asking ahead adds no arithmetic)."""
+    case = dataclasses.replace(CASES[name], dtype=dtype)
+    outs = []
+    for spread in (0, 1):
+        lib = cpu_build.build(cpu_decode.SOURCE, (f"-DSPREAD_AHEAD={spread}",))
+        cpu_decode._declare(lib)
+        monkeypatch.setattr(cpu_decode._LIBRARY, "_lib", lib)
+        monkeypatch.setattr(cpu_decode._LIBRARY, "_status", "ok")
+        batch = make_batch(case)
+        check_against_reference(kernel_impl(7), batch, dtype)
+        q, k_cache, v_cache, block_table, ctx_lens, _ = batch.args()
+        outs.append(cpu_decode.attend(q[:1], k_cache, v_cache, block_table[0].tolist(), int(ctx_lens[0]),
+                                      q.shape[-1] ** -0.5, split_tokens=7))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
 def test_items_cut_evenly_for_the_threads_keep_the_answer(threads):
