@@ -198,26 +198,29 @@ def isa_flags() -> list[str]:
     return list(_levels()[isa()][0])
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (/proc/cpuinfo's first flags line), or "" where unknown."""
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpuinfo_field(*names: str) -> str | None:
+    """The value (after the colon, unstripped) of /proc/cpuinfo's first line starting with one of
+    ``names``, or None where there is none or the file cannot be read."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith(names):
                 return line.partition(":")[2]
     except OSError:
         pass
-    return ""
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo's first flags line), or "" where unknown."""
+    return cpuinfo_field("flags", "Features") or ""
 
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    return (cpuinfo_field("vendor_id") or "").strip()
 
 
 @contextlib.contextmanager

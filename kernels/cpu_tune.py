@@ -86,13 +86,8 @@ def cache_file() -> Path:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    model = cpu_build.cpuinfo_field("model name")
+    return model.strip() if model is not None else platform.processor() or platform.machine()
 
 
 WAYS = ("blas", "amx")  # float32 matrices: the kernel or BLAS; bfloat16 ones: the kernel or the AMX tiles

@@ -41,6 +41,24 @@ def test_the_best_level_the_cpu_has(cpu, monkeypatch, flags, level):
     assert cpu_build.isa_flags() == cpu_build.X86_LEVELS[level][0]
 
 
+@pytest.mark.parametrize("text,vendor,model,flags", [
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: fpu avx2\n"
+     "processor\t: 1\nvendor_id\t: AuthenticAMD\n", "GenuineIntel", "Intel(R) Xeon(R)", " fpu avx2"),
+    ("processor\t: 0\nFeatures\t: fp asimd\n", "", None, " fp asimd"),
+    (None, "", None, "")])
+def test_cpuinfo_fields(monkeypatch, tmp_path, text, vendor, model, flags):
+    """The first line of each field, its value after the colon; "" or None where the field or the
+    file is missing (the kernels' build flags and the tuner's key read them)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    if text is not None:
+        cpuinfo.write_text(text)
+    monkeypatch.setattr(cpu_build, "CPUINFO", cpuinfo)
+    assert cpu_build.cpu_vendor() == vendor
+    assert cpu_build._cpu_flags() == flags
+    got = cpu_build.cpuinfo_field("model name")
+    assert (got.strip() if got is not None else None) == model
+
+
 def test_unknown_features_leave_it_to_the_compiler(monkeypatch):
     """No /proc/cpuinfo flags on x86: -march=native, not the slowest level."""
     monkeypatch.delenv("LONGCTX_CPU_ISA", raising=False)
