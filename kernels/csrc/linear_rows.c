@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void row_dot(int WT, int MR, const 
         {
             const int eb = WT == WT_BF16 ? 2 : 4;
             const char *pw = (const char *)w + (base + k) * eb + ROW_PREFETCH;
-            for (int b = 0; b < 8 * nu * eb; b += 64) _mm_prefetch(pw + b, _MM_HINT_T1);
+            for (int off = 0; off < 8 * nu * eb; off += 64) _mm_prefetch(pw + off, _MM_HINT_T1);
         }
 #endif
         for (int u = 0; u < nu; u++) {

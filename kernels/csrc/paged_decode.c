@@ -596,8 +596,9 @@ static inline void tile_pages(const int32_t *blocks, int block_size, int base, i
  * The next tile's rows are asked for in num_kv parts, one before each KV head's work on this
  * tile, not in one burst at its start (2026-11-25, same geometry, C harness, medians of 21,
  * builds alternating: bfloat16 11.8-12.7 ms against 15.6-16.2 with the burst and per-head
- * widening, int8 6.7-7.2 against 8.3-8.6, float32 unchanged at 20.7-21.6). AVX-512 builds keep
- * these parts (SPREAD_AHEAD 0): the spread form (Ahead) was measured on an AVX2-only CPU only. */
+ * widening, int8 6.7-7.2 against 8.3-8.6, float32 unchanged at 20.7-21.6). AVX-512 builds on
+ * AMD CPUs keep these parts (SPREAD_AHEAD 0); AVX2 builds and Intel CPUs take the spread form
+ * (Ahead), measured on the AVX2-only Zen 3 and an Intel Xeon. */
 static inline void prefetch_rows(const void *cache, const int64_t *slots, int n, int row_bytes) {
 #ifdef HAVE_AVX2
     for (int j = 0; j < n; j++) {
@@ -617,9 +618,9 @@ static inline void prefetch_rows(const void *cache, const int64_t *slots, int n,
  * 9-15): 4K, one query token, 1.70-2.25 -> 1.43-2.03 ms a layer in four runs (-10 to -16%); 16K
  * 6.6 -> 5.8 and 7.7 -> 7.8; 2 query tokens (8 rows) 2.70 -> 2.46; 8 tokens (32 rows, the
  * products dominate) 6.16 -> 6.53, so those keep TILE. At 2 KB rows (bfloat16 pages of that
- * geometry, float32 at 8 x 64) 8 tokens were 5-10% slower, 16 level with 32. AVX2 builds only,
- * as SPREAD_AHEAD (the spread prefetch it was measured with): AVX-512 CPUs have 1-2 MB of L2
- * and were not measured; plain C builds ask for nothing ahead. */
+ * geometry, float32 at 8 x 64) 8 tokens were 5-10% slower, 16 level with 32. AVX2 builds only
+ * (where it was measured, with the spread prefetch): AVX-512 CPUs have 1-2 MB of L2 and were not
+ * measured with 8-token tiles; plain C builds ask for nothing ahead. */
 static inline int tile_tokens(int rows, int row_bytes) {
 #if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
     return rows <= 8 && row_bytes >= 4096 ? 8 : TILE;

@@ -101,7 +101,8 @@ def test_spread_prefetch_is_built_for_intel_cpus(vendor, flags):
 def test_both_prefetch_forms_give_the_reference_and_the_same_bits(monkeypatch, name, dtype):
     """The next tile's rows asked for per KV head (SPREAD_AHEAD 0, AVX-512 builds on AMD) or spread
     over the tile's work (1: AVX2 builds, Intel CPUs): each build matches the reference, and the
-    two give the same bits (asking ahead adds no arithmetic)."""
+    two give the same bits (asking ahead adds no arithmetic). 512-token splits: each item holds
+    the 41-161-token contexts whole, 2 to 6 tiles, so the next tile's rows are asked for."""
     case = dataclasses.replace(CASES[name], dtype=dtype)
     outs = []
     for spread in (0, 1):
@@ -110,10 +111,10 @@ def test_both_prefetch_forms_give_the_reference_and_the_same_bits(monkeypatch, n
         monkeypatch.setattr(cpu_decode._LIBRARY, "_lib", lib)
         monkeypatch.setattr(cpu_decode._LIBRARY, "_status", "ok")
         batch = make_batch(case)
-        check_against_reference(kernel_impl(7), batch, dtype)
+        check_against_reference(kernel_impl(512), batch, dtype)  # items of several tiles: asking ahead runs
         q, k_cache, v_cache, block_table, ctx_lens, _ = batch.args()
         outs.append(cpu_decode.attend(q[:1], k_cache, v_cache, block_table[0].tolist(), int(ctx_lens[0]),
-                                      q.shape[-1] ** -0.5, split_tokens=7))
+                                      q.shape[-1] ** -0.5, split_tokens=512))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

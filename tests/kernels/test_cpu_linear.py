@@ -64,9 +64,10 @@ def test_decode_weight_prefetch_is_built_for_intel_cpus_only(vendor, flags):
 @pytest.mark.parametrize("n,k", [(37, 77), (5, 4100), (70, 2048)])
 def test_weight_prefetch_changes_no_bit(monkeypatch, rows, dtype, n, k):
     """Builds that ask the weight rows 8 KB or 64 B ahead (ROW_PREFETCH) and one that does not give
-    the same bits, and the float64 product: the prefetch adds no arithmetic. The shapes' last
-    passes ask past the matrix's end (a 2 KB or 16 KB matrix against 8 KB ahead), which must not
-    fault; K = 77 leaves a tail after the passes."""
+    the same bits, and the float64 product: the prefetch adds no arithmetic (a misplaced brace in
+    the pass loop would change the sums). The last passes ask past the matrix's end (a 2 KB or 16
+    KB matrix against 8 KB ahead; x86 prefetches never fault); K = 77 leaves a tail after the
+    passes. Four rows take the tiles, which ask nothing ahead; without AVX2 the builds are one."""
     from longctx.kernels import cpu_build
 
     x, w, b = _operands(rows, n, k, True, seed=rows * 31 + n + k)
