@@ -223,6 +223,12 @@ def cpu_vendor() -> str:
     return (cpuinfo_field("vendor_id") or "").strip()
 
 
+def vendor_flags(by_vendor: dict[str, tuple[str, ...]], vendor: str | None = None) -> tuple[str, ...]:
+    """The extra compiler flags ``by_vendor`` gives the CPU's vendor (``vendor``, default
+    ``cpu_vendor()``), () for a vendor it does not name: a kernel's build tuned per CPU maker."""
+    return by_vendor.get(cpu_vendor() if vendor is None else vendor, ())
+
+
 @contextlib.contextmanager
 def flocked(lock_file: Path):
     """Hold an exclusive flock on ``lock_file`` (made 0600, with its folder, if missing): one

@@ -105,14 +105,18 @@ def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
     return True
 
 
+# By CPU vendor: Intel CPUs ask for the next tile's rows spread over the tile's work (the C file's
+# SPREAD_AHEAD) at every level, where the AVX-512 build otherwise asks per KV head. On an Intel
+# Xeon (family 6 model 207) that took 30 layers of the 135M model's caches at 4K from 18.3 to
+# 15.8 ms (float32) and 15.9 to 13.8 (bfloat16), the 1B model's 16 layers 22.9 -> 19.6 and 18.7
+# -> 15.6 (the C file has the method); AMD's AVX-512 CPUs (Zen 4) were measured with the
+# per-head form only.
+VENDOR_FLAGS = {"GenuineIntel": ("-DSPREAD_AHEAD=1",)}
+
+
 def build_flags(vendor: str | None = None) -> tuple[str, ...]:
-    """The extra compiler flags of this machine's build (``vendor``: cpu_build.cpu_vendor()): Intel
-    CPUs ask for the next tile's rows spread over the tile's work (the C file's SPREAD_AHEAD) at
-    every level, where the AVX-512 build otherwise asks per KV head. On an Intel Xeon (family 6
-    model 207) that took 30 layers of the 135M model's caches at 4K from 18.3 to 15.8 ms (float32)
-    and 15.9 to 13.8 (bfloat16), the 1B model's 16 layers 22.9 -> 19.6 and 18.7 -> 15.6 (the C
-    file has the method); AMD's AVX-512 CPUs (Zen 4) were measured with the per-head form only."""
-    return ("-DSPREAD_AHEAD=1",) if (cpu_build.cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else ()
+    """The extra compiler flags of this machine's build (``vendor``: cpu_build.cpu_vendor())."""
+    return cpu_build.vendor_flags(VENDOR_FLAGS, vendor)
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=build_flags())

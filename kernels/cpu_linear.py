@@ -58,17 +58,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_linear_bf16_panels.argtypes = []
 
 
-# Bytes ahead that the one-to-three-row products (decode) ask their weight rows into L2, by CPU
-# vendor: on an Intel Xeon it took one row's stream from 13-17 to 20-26 GB/s; on an AMD EPYC
-# (Zen 4) 512 B to 4 KB ahead measured slower than the hardware prefetcher alone (the C file's
-# row_dot has the figures). CPUs of other vendors keep none.
-ROW_PREFETCH_BYTES = {"GenuineIntel": 8192}
+# By CPU vendor: the bytes ahead that the one-to-three-row products (decode) ask their weight rows
+# into L2 (ROW_PREFETCH). On an Intel Xeon it took one row's stream from 13-17 to 20-26 GB/s; on
+# an AMD EPYC (Zen 4) 512 B to 4 KB ahead measured slower than the hardware prefetcher alone (the
+# C file's row_dot has the figures). CPUs of other vendors keep none.
+VENDOR_FLAGS = {"GenuineIntel": ("-DROW_PREFETCH=8192",)}
 
 
 def build_flags(vendor: str | None = None) -> tuple[str, ...]:
     """The extra compiler flags of this machine's build (``vendor``: cpu_build.cpu_vendor())."""
-    ahead = ROW_PREFETCH_BYTES.get(cpu_build.cpu_vendor() if vendor is None else vendor, 0)
-    return (f"-DROW_PREFETCH={ahead}",) if ahead else ()
+    return cpu_build.vendor_flags(VENDOR_FLAGS, vendor)
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=build_flags())
