@@ -83,6 +83,13 @@ def test_lookahead_and_a_prefix_hit_keep_the_tokens(family):
     assert again == reference_greedy(hf, follow)
 
 
+# Two ranks on every family's own mechanism (windows, caps, local rope, long-rope scaling); the plain
+# ones (llama with biases, qwen3's norms, qwen2's window is mistral's) run under -m slow.
+SP_DEFAULT = ("mistral-window", "gemma2", "gemma3", "phi3-longrope")
+
+
+@pytest.mark.parametrize("family", [f if f in SP_DEFAULT else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES], indirect=True)
 def test_two_sequence_parallel_ranks_keep_the_tokens(family):
     """Windows and caps too: each rank's pages in a window are found by their positions
     (64-token chunks: longer than the 40-token windows, so the new tokens' own part windows too)."""

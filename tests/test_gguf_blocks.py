@@ -35,6 +35,8 @@ CASES = {
     "q4_k_m": {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K", "attn_k": "Q5_K"},
     "f16-bf16": {"*": "F16", "ffn_up": "BF16", "attn_q": "BF16"},
 }
+# the formats whose runs of the slower combined tests stay in the default run (the rest: -m slow)
+FORMATS_DEFAULT = ("q4_1-embed-q8_0", "q4_k_m")
 SIMPLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16")  # gguf-py quantizes these
 K_LAYOUT = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}  # bytes, fp16 scale offsets
 
@@ -254,6 +256,8 @@ def test_lookahead_prefix_hit_int8_pages_keep_the_tokens(model_file, float_refer
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_int8
 
 
+@pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)
+                                        for case in CASES], indirect=True)
 def test_two_sequence_parallel_ranks_keep_the_tokens(model_file, float_reference):
     expected_tokens, _ = float_reference
     with _llm(model_file, sequence_parallel_size=2, lookahead=False) as llm:
@@ -283,7 +287,11 @@ def test_prefill_chunks_on_blas_keep_the_tokens(model_file, float_reference, mon
             assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("numerics", ["fast", "fast2"])
+# fast2 (two int8 terms) on the default model's mix and the K formats; on the others under -m slow
+@pytest.mark.parametrize("model_file,numerics", [
+    pytest.param(case, numerics, marks=() if numerics == "fast" or case in FORMATS_DEFAULT else pytest.mark.slow,
+                 id=f"{case}-{numerics}")
+    for case in CASES for numerics in ("fast", "fast2")], indirect=["model_file"])
 def test_integer_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file, numerics):
     """fast and fast2 inside the other modes: lookahead's verification steps (several rows a
     product), a prefix hit, int8 pages and two sequence-parallel ranks give the tokens the

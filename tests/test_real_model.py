@@ -68,6 +68,7 @@ def _run_capturing_first_logits(llm: LLM, ids: list[int]) -> tuple[list[int], to
     return tokens, logits
 
 
+@pytest.mark.slow  # the many-row prefill paths on the blocks: tests/test_gguf_blocks.py (prefill chunks on BLAS)
 def test_greedy_tokens_match_hf_blocks_chunk2048(document_ids, hf_reference):
     """The blocks with 2,048-token chunks: prefill's products on dequantized slices (the row
     kernel's panels), decode's on the blocks."""
