@@ -236,3 +236,28 @@ def test_issue_42_vllm_bars_each_come_from_the_newest_record_holding_them(tables
     assert not any("bf16 prefill" in line for line in lines)  # no record ran bf16 beside vLLM
     readme = tables.render("readme-results", [old, new], tables.Doc(Path("README.md")))
     assert "int8-fast 40.00 s / 55.0 ms" in readme and "int8-fast 5.00x / 0.55x vs its bf16" in readme
+
+
+def test_vllm_bars_are_read_per_machine_folder(tmp_path: Path, tables):
+    """A bar that must hold on every kind of CPU (vLLM-CPU's prefill) is read from the newest
+    record of each machine folder: a newer run on one machine does not hide another's."""
+    root = tmp_path / "repo"
+    engines = ("vllm-fp32", "longctx-fp32", "vllm-bf16", "longctx-bf16")
+    fast, slow = _e2e(50.0, 80.0, engines=engines), _e2e(50.0, 80.0, engines=engines)
+    for engine in ("longctx-fp32", "longctx-bf16"):  # here longctx takes 1.2x vLLM's time
+        slow["results"][engine]["prefill_s"]["8000"] = [60.0]
+    old = _record(root, "e2e", "cpu-a-2c", "aaaaaaa", "2026-01-01T00:00:00+00:00", fast, rev="aaaaaaa", cpu="CPU A")
+    _record(root, "e2e", "cpu-b-2c", "bbbbbbb", "2026-01-02T00:00:00+00:00", slow, rev="bbbbbbb", cpu="CPU B")
+    _record(root, "e2e", "cpu-b-2c", "0000000", "2026-01-01T12:00:00+00:00", fast, rev="0000000", cpu="CPU B")
+    records = tables.load_records(root / "benchmarks" / "results", root)
+    doc = tables.Doc(root / "docs" / "benchmarks.md", root)
+    rows = [line for line in tables.targets(records, doc) if "prefill, time against vLLM-CPU's" in line]
+    assert len(rows) == 4, rows  # bf16 and fp32, on each machine
+    for dtype in ("bf16", "fp32"):
+        a = next(r for r in rows if r.startswith(f"| {dtype} ") and old.name in r)
+        b = next(r for r in rows if r.startswith(f"| {dtype} ") and "bbbbbbb.json" in r)
+        assert "| 0.50x | met |" in a and "| 1.20x | not met |" in b, (a, b)
+    assert not any("0000000.json" in r for r in rows)  # CPU B's older record is not read
+    table = tables.e2e_vllm(records, doc)
+    assert sum("8K prefill |" in line for line in table) == 4
+    assert any("| fp32 8K prefill | 60.00 s | 50.00 s | 1.20x |" in line for line in table), table
