@@ -650,9 +650,10 @@ def ceilings_sentence(rec: Record, names: Iterable[str]) -> str:
 
 
 def e2e_vllm(records: list[Record], doc: Doc) -> list[str]:
-    rows = []
+    rows, used = [], []
     for dtype, lc_name, vl_name in (("fp32", LC, VF), ("bf16", LB, VB)):
         for v in newest_per_folder(records, "e2e", both(has_prefill(vl_name, lc_name), has(decode, vl_name, lc_name))):
+            used += [v] if v not in used else []
             n = lengths(v, vl_name, lc_name)[-1]
             a, b = prefill(v, lc_name, n), prefill(v, vl_name, n)
             rows.append([f"{dtype} {tokens(n)} prefill", f"{sec(a)} s", f"{sec(b)} s", times(a, b), doc.run(v)])
@@ -684,8 +685,10 @@ def e2e_vllm(records: list[Record], doc: Doc) -> list[str]:
     v = newest(records, "e2e", has_prefill(VF, LC, VB, LB)) or newest(records, "e2e", has_prefill(VF, LC))
     lines = table(["measure", "longctx", f"vLLM-CPU{vllm_version(v) if v else ''}",
                    "longctx / vLLM (below 1: longctx faster or smaller)", "run"], rows)
-    if v:
-        lines += ["", ceilings_sentence(v, (LC, VF, LB, VB))]
+    for u in used:  # each machine's record its own ceilings
+        sentence = ceilings_sentence(u, (LC, VF, LB, VB))
+        if sentence:
+            lines += ["", f"{machine_name(u)}, git {rev(u)}: {sentence}"]
     return lines
 
 

@@ -1,7 +1,8 @@
 """Every model family and feature the engine serves, end to end, against HF transformers in
 fp32 on tiny random checkpoints (1K window, prompts of 150 tokens): greedy tokens identical over
 24 new tokens and every prompt log-prob within 1e-4, on each CPU weight path; the same tokens
-with lookahead, with a prefix hit and with 2 sequence-parallel ranks; int8 KV pages; and a bf16
+with lookahead, with a prefix hit and with 2 sequence-parallel ranks (the families with their own
+attention mechanism by default, every one under -m slow); int8 KV pages; and a bf16
 model following HF on the bf16-rounded weights. (CUDA graphs run on a GPU only: not here.)
 
 Families here: Llama with q/k/v/o and MLP biases (``attention_bias``, ``mlp_bias``), Qwen3
@@ -83,8 +84,8 @@ def test_lookahead_and_a_prefix_hit_keep_the_tokens(family):
     assert again == reference_greedy(hf, follow)
 
 
-# Two ranks on every family's own mechanism (windows, caps, local rope, long-rope scaling); the plain
-# ones (llama with biases, qwen3's norms, qwen2's window is mistral's) run under -m slow.
+# Two ranks on every family's own mechanism (windows, caps, local rope, long-rope scaling); the others
+# (llama with biases, qwen3 untied and tied, qwen2's window is mistral's, phi3) run under -m slow.
 SP_DEFAULT = ("mistral-window", "gemma2", "gemma3", "phi3-longrope")
 
 

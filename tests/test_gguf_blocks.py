@@ -287,15 +287,23 @@ def test_prefill_chunks_on_blas_keep_the_tokens(model_file, float_reference, mon
             assert worst < 1e-4, worst
 
 
-# fast2 (two int8 terms) on the default model's mix and the K formats; on the others under -m slow
-@pytest.mark.parametrize("model_file,numerics", [
-    pytest.param(case, numerics, marks=() if numerics == "fast" or case in FORMATS_DEFAULT else pytest.mark.slow,
-                 id=f"{case}-{numerics}")
-    for case in CASES for numerics in ("fast", "fast2")], indirect=["model_file"])
-def test_integer_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file, numerics):
-    """fast and fast2 inside the other modes: lookahead's verification steps (several rows a
-    product), a prefix hit, int8 pages and two sequence-parallel ranks give the tokens the
-    same numerics give alone (each row of a product is computed as a one-row step's)."""
+def test_integer_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file):
+    """fast inside the other modes: lookahead's verification steps (several rows a product), a
+    prefix hit, int8 pages and two sequence-parallel ranks give the tokens the same numerics
+    give alone (each row of a product is computed as a one-row step's)."""
+    _integer_numerics_with_the_other_modes(model_file, "fast")
+
+
+# (every argument indirect, so model_file keeps its module scope: one file per format)
+@pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)
+                                        for case in CASES], indirect=True)
+def test_two_term_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file):
+    """The same for fast2 (two int8 terms), on the default model's mix and the K formats; on the
+    others under -m slow."""
+    _integer_numerics_with_the_other_modes(model_file, "fast2")
+
+
+def _integer_numerics_with_the_other_modes(model_file, numerics: str) -> None:
     follow = PROMPT[:80] + random_tokens(12, seed=22)
     with _llm(model_file, block_numerics=numerics, lookahead=False) as llm:
         alone = [llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids for p in (PROMPT, follow)]
