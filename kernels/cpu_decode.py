@@ -113,13 +113,7 @@ def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
 # per-head form only.
 VENDOR_FLAGS = {"GenuineIntel": ("-DSPREAD_AHEAD=1",)}
 
-
-def build_flags(vendor: str | None = None) -> tuple[str, ...]:
-    """The extra compiler flags of this machine's build (``vendor``: cpu_build.cpu_vendor())."""
-    return cpu_build.vendor_flags(VENDOR_FLAGS, vendor)
-
-
-_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=build_flags())
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=cpu_build.vendor_flags(VENDOR_FLAGS))
 _load = _LIBRARY.load
 available = _LIBRARY.available  # whether the kernel runs here
 status = _LIBRARY.status  # 'ok', or why the kernel is not used

@@ -26,8 +26,7 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "rounds_bf16_rows", "DOT_MAX_ROWS",
-           "build_flags"]
+__all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "rounds_bf16_rows", "DOT_MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
 # Rows up to which the model's Linear takes this kernel when it was built without AVX2/FMA (dot
@@ -64,13 +63,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 # C file's row_dot has the figures). CPUs of other vendors keep none.
 VENDOR_FLAGS = {"GenuineIntel": ("-DROW_PREFETCH=8192",)}
 
-
-def build_flags(vendor: str | None = None) -> tuple[str, ...]:
-    """The extra compiler flags of this machine's build (``vendor``: cpu_build.cpu_vendor())."""
-    return cpu_build.vendor_flags(VENDOR_FLAGS, vendor)
-
-
-_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=build_flags())
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=cpu_build.vendor_flags(VENDOR_FLAGS))
 _load = _LIBRARY.load
 available = _LIBRARY.available  # whether the kernel runs here
 status = _LIBRARY.status  # 'ok', or why the kernel is not used

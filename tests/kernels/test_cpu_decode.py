@@ -91,7 +91,7 @@ def test_matches_reference(name, split_tokens, dtype):
 
 @pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DSPREAD_AHEAD=1",)), ("AuthenticAMD", ()), ("", ())])
 def test_spread_prefetch_is_built_for_intel_cpus(vendor, flags):
-    assert cpu_decode.build_flags(vendor) == flags
+    assert cpu_build.vendor_flags(cpu_decode.VENDOR_FLAGS, vendor) == flags
 
 
 @needs_kernel

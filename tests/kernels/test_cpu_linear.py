@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from longctx.kernels import cpu_linear
+from longctx.kernels import cpu_build, cpu_linear
 
 HAVE_COMPILER = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"kernel {cpu_linear.status()}")
@@ -55,7 +55,7 @@ def test_matches_reference(rows, n, k, bias):
 @pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DROW_PREFETCH=8192",)), ("AuthenticAMD", ()),
                                           ("", ())])
 def test_decode_weight_prefetch_is_built_for_intel_cpus_only(vendor, flags):
-    assert cpu_linear.build_flags(vendor) == flags
+    assert cpu_build.vendor_flags(cpu_linear.VENDOR_FLAGS, vendor) == flags
 
 
 @needs_kernel
@@ -68,8 +68,6 @@ def test_weight_prefetch_changes_no_bit(monkeypatch, rows, dtype, n, k):
     the pass loop would change the sums). The last passes ask past the matrix's end (a 2 KB or 16
     KB matrix against 8 KB ahead; x86 prefetches never fault); K = 77 leaves a tail after the
     passes. Four rows take the tiles, which ask nothing ahead; without AVX2 the builds are one."""
-    from longctx.kernels import cpu_build
-
     x, w, b = _operands(rows, n, k, True, seed=rows * 31 + n + k)
     w = w.to(dtype)
     outs = {}
