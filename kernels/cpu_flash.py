@@ -33,13 +33,15 @@ __all__ = ["available", "status", "amx_status", "supports", "attend", "attend_ba
            "prepare"]
 
 SOURCE = cpu_build.CSRC / "paged_flash.c"
-ROW_BLOCK = 96  # query rows per work item (the C file's RB)
+ROW_BLOCK = 96  # query rows per work item (the C file's RB; the AMX build's: row_block)
 MAX_HEAD_DIM = 256
 MAX_TREE_Q = 63  # tree-mask words hold 63 new tokens (reference.py)
 SPLIT_MIN_TOKENS = 512  # a KV split is never shorter than this
 
 
 def _declare(lib: ctypes.CDLL) -> None:
+    lib.longctx_flash_row_block.restype = ctypes.c_int
+    lib.longctx_flash_row_block.argtypes = []
     fn = lib.longctx_paged_flash_batch
     fn.restype = ctypes.c_int
     fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, *BATCH_SHAPE, *BATCH_TAIL]
@@ -94,10 +96,18 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, tree: bool = False) -> bool
             and (not tree or q_len <= MAX_TREE_Q) and available())
 
 
-def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int, threads: int | None = None) -> int:
+def row_block(k_cache: torch.Tensor) -> int:
+    """Query rows per work item of the library that takes this cache (the C file's RB)."""
+    lib = _library_for(k_cache)
+    return ROW_BLOCK if lib is None else lib.longctx_flash_row_block()
+
+
+def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int, threads: int | None = None,
+               rows_per_item: int = ROW_BLOCK) -> int:
     """KV splits for a sequence: enough work items to keep the threads (default torch's) busy
-    when the rows alone give few (verification), none when they give plenty (a prefill chunk)."""
-    items = num_kv * -(-q_len * group // ROW_BLOCK)
+    when the rows alone give few (verification), none when they give plenty (a prefill chunk).
+    ``rows_per_item``: the library's ``row_block``."""
+    items = num_kv * -(-q_len * group // rows_per_item)
     threads = torch.get_num_threads() if threads is None else threads
     if items >= 4 * threads:
         return 1
@@ -169,7 +179,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"tree_words must have shape ({q_len},), got {tuple(tree_words.shape)}")
     blocks, out, lse = checked_arguments(q, k_cache, v_cache, blocks, ctx_len, out, lse,
                                          k_scale, v_scale)
-    splits = num_splits(q_len, num_heads // num_kv, num_kv, ctx_len) if splits is None else splits
+    if splits is None:
+        splits = num_splits(q_len, num_heads // num_kv, num_kv, ctx_len, rows_per_item=row_block(k_cache))
     tables, seqs, words = single(q, blocks, tree_words, all_visible=False)
     attend_batch(q.float().contiguous(), k_cache, v_cache, tables, seqs, scale, words, out=out, lse=lse,
                  splits=torch.tensor([splits], dtype=torch.int32), k_scale=k_scale, v_scale=v_scale)

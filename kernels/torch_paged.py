@@ -311,7 +311,8 @@ class _StepPlan:
             if compiled and q_len * group > CPU_KERNEL_MAX_ROWS:
                 if cpu_flash.supports(view, k_cache, tree=tree):
                     flash.append(b)
-                    splits.append(cpu_flash.num_splits(q_len, group, k_cache.shape[2], ctx_len, threads))
+                    splits.append(cpu_flash.num_splits(q_len, group, k_cache.shape[2], ctx_len, threads,
+                                                       cpu_flash.row_block(k_cache)))
                     continue
             elif compiled and cpu_decode.supports(view, k_cache):
                 decode.append(b)

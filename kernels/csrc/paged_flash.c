@@ -58,7 +58,14 @@
 #include "split_merge.h"
 
 #ifndef RB
+#ifdef LONGCTX_AMX
+/* The AMX build packs each key tile's K and V for the tiles once per work item (amx_gather_k,
+ * amx_v_transposed): twice the rows share that packing, while amx_tile keeps each strip
+ * group's S^T in L1 whatever the block's rows (see amx_tile for the figures). */
+#define RB 192
+#else
 #define RB 96 /* query rows per work item (a multiple of 16) */
+#endif
 #endif
 #ifndef KT
 #define KT 96 /* keys per tile (a multiple of 6) */
@@ -407,6 +414,29 @@ static void pair_rows_bf16(const float *src, int rbp, int n, uint32_t *dst_rows)
     }
 }
 
+/* What rounding to bfloat16 leaves of n rows of float32, as pair_rows_bf16 lays them out:
+ * dst[p][i] = (rest(src[2p][i]), rest(src[2p + 1][i])), rest(x) = bf16(x - bf16(x)). Q^T as
+ * these and its pair_rows_bf16 pairs, two products carry q to about 2^-17 of itself. */
+static void pair_rows_bf16_rest(const float *src, int rbp, int n, uint32_t *dst_rows) {
+    for (int jp = 0; jp < (n + 1) / 2; jp++) {
+        const float *lo = src + (int64_t)(2 * jp) * rbp, *hi = lo + rbp;
+        const int has_hi = 2 * jp + 1 < n;
+        uint32_t *dst = dst_rows + (int64_t)jp * rbp;
+        for (int i = 0; i < rbp; i += 16) {
+            const __mmask16 live = rbp - i >= 16 ? 0xFFFF : 0x00FF;
+            __m512 x = _mm512_maskz_loadu_ps(live, lo + i);
+            __m512 y = has_hi ? _mm512_maskz_loadu_ps(live, hi + i) : _mm512_setzero_ps();
+            x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16)));
+            y = _mm512_sub_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16)));
+            const __m512i xl = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+            const __m512i yh = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16);
+            _mm512_mask_storeu_epi32(dst + i, live, _mm512_or_si512(xl, yh));
+        }
+    }
+}
+
 /* V's rows of a tile's n keys (bfloat16 rows vrow[j]) as (n + 1) / 2 rows of pairs. */
 static void pair_v_bf16(const uint16_t *const *vrow, int n, int d, const uint16_t *zero, uint32_t *vp) {
     for (int jp = 0; jp < (n + 1) / 2; jp++) {
@@ -467,24 +497,32 @@ static void tile_accumulate_bf16(const uint32_t *pp, int rbp, const uint32_t *vp
 }
 #endif
 
+struct Args;
+static void mask_columns(const struct Args *a, int row0, int rows, int base, int n, int meets_window,
+                         int meets_mask, float *st, int stride, int c0, int w);
+
 #if defined(LONGCTX_AMX) && defined(HAVE_BF16_DOT)
 #define HAVE_AMX 1
 #include "amx_tiles.h"
 /* bfloat16 pages on the AMX tiles (this file built with -DLONGCTX_AMX -mamx-tile -mamx-bf16,
  * where the CPU has AMX-BF16, kernels/cpu_flash.py): the two products of the vdpbf16ps forms
- * above with the same operands -- Q^T pairs (qp) against K's bfloat16 rows in the tiles between
- * the edges, P rounded to bfloat16 (pp) against V's -- as 16 x 16 x 32 tile products, so only
- * the order of the float32 sums differs. Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN).
- * Tiles: C 0-3 the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16
- * rows), A 4 (16 keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7
- * (16 pairs x 16 rows of qp or pp). Tile numbers are immediates, hence the unrolled strips. */
-#define AMX_B(t, off) _tile_loadd(t, b + (off), rbp * 4) /* B: 16 pairs x 16 rows of qp or pp at b */
-#define AMX_STRIPS()                                                                              \
+ * above with the same operands -- Q^T pairs (qp) against K's bfloat16 rows, P rounded to
+ * bfloat16 (pp) against V's -- as 16 x 16 x 32 tile products, so only the order of the float32
+ * sums differs. The first tile and the tiles on a row block's causal edge, where the vector
+ * build scores with float32 q, add a second score product with what rounding q to bfloat16 left
+ * (qrest): q to ~2^-17 of itself, on the tiles too. Needs d % 32 == 0 and rbp % 16 == 0
+ * (ROW_ALIGN). Tiles: C 0-3 the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T:
+ * 16 of d x 16 rows), A 4 (16 keys x 32 of d from the gathered K rows; 16 of d x 32 keys from
+ * V^T), B 5-7 (16 pairs x 16 rows of qp, qrest or pp). Tile numbers are immediates, hence the
+ * unrolled strips. */
+/* B operands (16 pairs x 16 rows each, of Q^T's or P^T's pairs at b, rows bstride bytes apart)
+ * against A in tile 4, into the C tiles of up to four 16-row strips */
+#define AMX_STRIPS(bstride)                                                                       \
     do {                                                                                          \
-        AMX_B(5, 0); _tile_dpbf16ps(0, 4, 5);                                                     \
-        if (ns > 1) { AMX_B(6, 16); _tile_dpbf16ps(1, 4, 6); }                                    \
-        if (ns > 2) { AMX_B(7, 32); _tile_dpbf16ps(2, 4, 7); }                                    \
-        if (ns > 3) { AMX_B(5, 48); _tile_dpbf16ps(3, 4, 5); }                                    \
+        _tile_loadd(5, b, bstride); _tile_dpbf16ps(0, 4, 5);                                      \
+        if (ns > 1) { _tile_loadd(6, b + 16, bstride); _tile_dpbf16ps(1, 4, 6); }                 \
+        if (ns > 2) { _tile_loadd(7, b + 32, bstride); _tile_dpbf16ps(2, 4, 7); }                 \
+        if (ns > 3) { _tile_loadd(5, b + 48, bstride); _tile_dpbf16ps(3, 4, 5); }                 \
     } while (0)
 #define AMX_C(OP, base, stride)                                                                   \
     do {                                                                                          \
@@ -506,22 +544,6 @@ static void amx_gather_k(const uint16_t *k_cache, const int64_t *at, int n, int 
     if (n16 > n) memset(kb + (int64_t)n * d, 0, sizeof(uint16_t) * (size_t)(n16 - n) * d);
 }
 
-/* S^T rows 0..n16 (kb's keys), every column: sum over d of K[key][x] * Q^T[x][row]. */
-static void amx_scores(const uint32_t *qp, int rbp, const uint16_t *kb, int n16, int d, float *st) {
-    const int strips = rbp / 16;
-    for (int g = 0; g < n16; g += 16)
-        for (int s0 = 0; s0 < strips; s0 += 4) {
-            const int ns = strips - s0 < 4 ? strips - s0 : 4;
-            AMX_C(TILE_ZERO, 0, 0);
-            for (int c = 0; c < d / 32; c++) {
-                const uint32_t *b = qp + (int64_t)16 * c * rbp + 16 * s0;
-                _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
-                AMX_STRIPS();
-            }
-            AMX_C(TILE_STORE, st + (int64_t)g * rbp + 16 * s0, rbp * 4);
-        }
-}
-
 /* vp [n32 / 2][d] pairs of V rows -> vt [d][VT_STRIDE]: vt[x][p] = vp[p][x] (operand A of P.V:
  * row x holds (V[2p][x], V[2p + 1][x]) for the pairs p), by 16 x 16 word transposes. */
 static void amx_v_transposed(const uint32_t *vp, int n32, int d, uint32_t *vt) {
@@ -534,29 +556,74 @@ static void amx_v_transposed(const uint32_t *vp, int n32, int d, uint32_t *vt) {
         }
 }
 
-/* O^T = alpha * O^T + V^T P^T over the tile's keys (n32: their count rounded up to 32, the pairs
- * past the keys zero in pp and vt). alpha NULL: 1. */
-static void amx_accumulate(const uint32_t *pp, int rbp, const uint32_t *vt, int n32, int d, float *ot,
-                           const float *alpha) {
-    if (alpha)
-        for (int x = 0; x < d; x++)
-            for (int i = 0; i < rbp; i += 16) {
-                float *o = ot + (int64_t)x * rbp + i;
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(alpha + i)));
+#ifndef AMX_SW
+#define AMX_SW 32 /* rows per strip group of amx_tile (a multiple of 16, at most 64) */
+#endif
+
+/* One key tile on the tiles, a strip group of AMX_SW rows at a time: its scores (K gathered in
+ * kb, zero rows up to n16; qrest non-NULL: its product added), the cap where cap > 0, the
+ * window's and the causal or tree mask where the tile meets them (mask_columns), the
+ * online-softmax step, P^T's bfloat16 pairs (zero past the keys, up to n32) and its part of O^T
+ * (V^T's pairs in vt), each row through the same steps in the same order as tile_softmax and
+ * pair_rows_bf16 take it over the whole block. Why strip groups: the whole block's S^T (96
+ * keys x 96 rows, 36 KB) left L1 between the passes over it (scores, max, exp, pairs, P.V), a
+ * group's (96 x 32, 12 KB) stays, and a work item can then take more rows per K and V packing
+ * (RB 192 in this build). Intel Xeon (family 6 model 207), 2 threads, one layer of SmolLM2's
+ * geometry over bfloat16 pages, 8K keys in 2,048-token chunks (ad-hoc script, builds alternating
+ * in one process, medians of 7-11; the machine's speed moved up to 1.3x between runs): the
+ * whole-block form 187 / 197 / 219 ms, strip groups 178 / 192 / 208 ms, with RB 192 as well
+ * 168 / 178 / 191 ms. Groups of 64 rows measured level with 32, of 16 rows 24% slower; RB 144
+ * level with 96, 240 within 2% of 192; the exponentials written straight as pairs, level. The
+ * edge tiles here with two products instead of the vector path's float32 q: 220 -> 209 ms (same
+ * run). Two products on every tile: 225 ms, and the real model's bf16 greedy tokens
+ * (tests/test_real_model.py) parted from float32's at token 3, the three-way tie noted above. */
+static void amx_tile(const struct Args *a, int row0, int rows, int base, int meets_window, int meets_mask,
+                     const uint32_t *qp, const uint32_t *qrest, int rbp, const uint16_t *kb, int n, int n16,
+                     int n32, int d, const uint32_t *vt, float *ot, float *m, float *l, float *alpha, float *sbuf,
+                     float cap, float inv_cap) {
+    for (int r0 = 0; r0 < rbp; r0 += AMX_SW) {
+        const int w = rbp - r0 < AMX_SW ? rbp - r0 : AMX_SW, ns = w / 16;
+        for (int g = 0; g < n16; g += 16) {
+            AMX_C(TILE_ZERO, 0, 0);
+            for (int c = 0; c < d / 32; c++) {
+                const uint32_t *b = qp + (int64_t)16 * c * rbp + r0;
+                _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
+                AMX_STRIPS(rbp * 4);
+                if (qrest) {
+                    b = qrest + (int64_t)16 * c * rbp + r0;
+                    AMX_STRIPS(rbp * 4);
+                }
             }
-    const int strips = rbp / 16;
-    for (int xg = 0; xg < d; xg += 16)
-        for (int s0 = 0; s0 < strips; s0 += 4) {
-            const int ns = strips - s0 < 4 ? strips - s0 : 4;
-            float *c0 = ot + (int64_t)xg * rbp + 16 * s0;
+            AMX_C(TILE_STORE, sbuf + (int64_t)g * w, w * 4);
+        }
+        if (cap > 0.0f)
+            for (int j = 0; j < n; j++)
+                for (int r = 0; r < w; r++) sbuf[(int64_t)j * w + r] = cap * tanhf(sbuf[(int64_t)j * w + r] * inv_cap);
+        if (meets_window || meets_mask)
+            mask_columns(a, row0, rows, base, n, meets_window, meets_mask, sbuf, w, r0, w);
+        for (int i = 0; i < w; i += 16) softmax_16(sbuf, w, n, i, m + r0, l + r0, alpha + r0);
+        int rescale = 0;
+        for (int r = 0; r < w; r++) rescale |= alpha[r0 + r] != 1.0f;
+        pair_rows_bf16(sbuf, w, n, (uint32_t *)sbuf);
+        for (int jp = (n + 1) / 2; jp < n32 / 2; jp++) memset((uint32_t *)sbuf + (int64_t)jp * w, 0, sizeof(uint32_t) * (size_t)w);
+        if (rescale)
+            for (int x = 0; x < d; x++)
+                for (int i = 0; i < w; i += 16) {
+                    float *o = ot + (int64_t)x * rbp + r0 + i;
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(alpha + r0 + i)));
+                }
+        const uint32_t *pp = (const uint32_t *)sbuf;
+        for (int xg = 0; xg < d; xg += 16) {
+            float *c0 = ot + (int64_t)xg * rbp + r0;
             AMX_C(TILE_LOAD, c0, rbp * 4);
             for (int kc = 0; kc < n32 / 32; kc++) {
-                const uint32_t *b = pp + (int64_t)16 * kc * rbp + 16 * s0;
+                const uint32_t *b = pp + (int64_t)16 * kc * w;
                 _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
-                AMX_STRIPS();
+                AMX_STRIPS(w * 4);
             }
             AMX_C(TILE_STORE, c0, rbp * 4);
         }
+    }
 }
 #endif
 #if defined(LONGCTX_AMX) && !defined(HAVE_AMX)
@@ -682,7 +749,7 @@ static void prefetch_tile(const void *cache, int elem, const int32_t *blocks, in
 #endif
 }
 
-typedef struct {
+typedef struct Args {
     const float *q;
     const void *k_cache, *v_cache;
     const float *k_scale, *v_scale; /* int8 caches only */
@@ -700,6 +767,7 @@ typedef struct {
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
     uint32_t *qp; /* Q^T as bfloat16 pairs (bfloat16 pages' scores by vdpbf16ps) */
+    uint32_t *qrest; /* what that rounding left, as pairs (the AMX build's second score product) */
     uint32_t *vt; /* V^T as bfloat16 pairs, [d][VT_STRIDE] (the AMX build's P.V) */
     float m[RB], l[RB], alpha[RB];
     const float *krow[KT + 6], *vrow[KT];
@@ -710,6 +778,33 @@ typedef struct {
 static inline int window_low(const Args *a, int t) {
     const int first_new = a->ctx_len - a->q_len;
     return first_new + (a->tail_words ? __builtin_popcountll(a->tail_words[t]) - 1 : t) - a->window + 1;
+}
+
+/* -inf into S^T (row stride `stride`, column c = block row c0 + c, w columns) where a key of the
+ * tile [base, base + n) is outside a row's window (meets_window) or its mask (meets_mask: causal
+ * or tree words); the block's rows start at query row row0, and its rows past `rows` (padding)
+ * are left alone. */
+static void mask_columns(const Args *a, int row0, int rows, int base, int n, int meets_window, int meets_mask,
+                         float *st, int stride, int c0, int w) {
+    const int group = a->num_heads / a->num_kv, first_new = a->ctx_len - a->q_len;
+    const int end = c0 + w < rows ? c0 + w : rows;
+    if (meets_window)
+        for (int r = c0; r < end; r++) {
+            const int low = window_low(a, (row0 + r) / group);
+            for (int j = 0; j < n && base + j < low; j++) st[(int64_t)j * stride + r - c0] = -INFINITY;
+        }
+    if (meets_mask)
+        for (int j = 0; j < n; j++) {
+            const int key = base + j;
+            if (key < first_new) continue;
+            float *col = st + (int64_t)j * stride - c0;
+            for (int r = c0; r < end; r++) {
+                const int t = (row0 + r) / group;
+                const int visible = a->tail_words ? (int)((a->tail_words[t] >> (key - first_new)) & 1u)
+                                                  : key - first_new <= t;
+                if (!visible) col[r] = -INFINITY;
+            }
+        }
 }
 
 /* One work item: rows [r0, r1) of KV head kvh against keys [k0, k1). Leaves the block's
@@ -740,6 +835,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 #endif
 #ifdef HAVE_AMX
     const int amx = qpairs && d % 32 == 0; /* both products on the tiles */
+    if (amx && QK_EXACT_EDGES) pair_rows_bf16_rest(s->qt, rbp, d, s->qrest);
 #endif
     memset(s->ot, 0, sizeof(float) * (size_t)d * rbp);
     for (int r = 0; r < rbp; r++) {
@@ -776,22 +872,29 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
         /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
-        if (qpairs && !(QK_EXACT_EDGES && (base < KT || meets_mask))) {
+        const int exact_edge = QK_EXACT_EDGES && (base < KT || meets_mask);
 #ifdef HAVE_AMX
-            if (amx) {
-                const int n16 = (n + 15) / 16 * 16;
-                amx_gather_k((const uint16_t *)a->k_cache, at, n, n16, d, (uint16_t *)s->kbuf);
-                amx_scores(s->qp, rbp, (const uint16_t *)s->kbuf, n16, d, s->st);
-            } else
+        if (amx) { /* the whole tile, a strip group at a time; q's rest too on the edges */
+            const int n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
+            amx_gather_k((const uint16_t *)a->k_cache, at, n, n16, d, (uint16_t *)s->kbuf);
+            for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
+            pair_v_bf16(s->vrow16, n, d, (const uint16_t *)s->zero, (uint32_t *)s->vbuf);
+            for (int jp = (n + 1) / 2; jp < n32 / 2; jp++)
+                memset((uint32_t *)s->vbuf + (int64_t)jp * d, 0, sizeof(uint32_t) * (size_t)d);
+            amx_v_transposed((const uint32_t *)s->vbuf, n32, d, s->vt);
+            amx_tile(a, r0, rows, base, meets_window, meets_mask, s->qp, exact_edge ? s->qrest : NULL,
+                     rbp, (const uint16_t *)s->kbuf, n, n16, n32, d, s->vt, s->ot, s->m, s->l, s->alpha, s->st,
+                     a->softcap > 0.0f ? cap : 0.0f, inv_cap);
+            continue;
+        }
 #endif
-            {
+        if (qpairs && !exact_edge) {
 #ifdef HAVE_BF16_DOT
             const uint16_t *krow16[KT + 6];
             for (int j = 0; j < n; j++) krow16[j] = (const uint16_t *)a->k_cache + at[j];
             for (int j = n; j < (n + 5) / 6 * 6; j++) krow16[j] = (const uint16_t *)s->zero;
             tile_scores_bf16(s->qp, rbp, krow16, n, d, s->st);
 #endif
-            }
         } else {
             tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
                       s->kbuf, s->krow);
@@ -803,42 +906,14 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
                 float *col = s->st + (int64_t)j * rbp;
                 for (int r = 0; r < rbp; r++) col[r] = cap * tanhf(col[r] * inv_cap);
             }
-        if (meets_window) {
-            for (int r = 0; r < rows; r++) {
-                const int low = window_low(a, (r0 + r) / group);
-                for (int j = 0; j < n && base + j < low; j++) s->st[(int64_t)j * rbp + r] = -INFINITY;
-            }
-        }
-        if (meets_mask) {
-            for (int j = 0; j < n; j++) {
-                const int key = base + j;
-                if (key < first_new) continue;
-                float *col = s->st + (int64_t)j * rbp;
-                for (int r = 0; r < rows; r++) {
-                    const int t = (r0 + r) / group;
-                    const int visible = a->tail_words ? (int)((a->tail_words[t] >> (key - first_new)) & 1u)
-                                                      : key - first_new <= t;
-                    if (!visible) col[r] = -INFINITY;
-                }
-            }
-        }
+        if (meets_window || meets_mask)
+            mask_columns(a, r0, rows, base, n, meets_window, meets_mask, s->st, rbp, 0, rbp);
         const int rescale = tile_softmax(s->st, rbp, n, s->m, s->l, s->alpha);
         if (pairs) {
 #ifdef HAVE_BF16_DOT
             pair_rows_bf16(s->st, rbp, n, (uint32_t *)s->st);
             for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
             pair_v_bf16(s->vrow16, n, d, (const uint16_t *)s->zero, (uint32_t *)s->vbuf);
-#ifdef HAVE_AMX
-            if (amx) { /* the pairs past the keys zero, up to whole 32-key chunks */
-                const int n32 = (n + 31) / 32 * 32;
-                for (int jp = (n + 1) / 2; jp < n32 / 2; jp++) {
-                    memset((uint32_t *)s->st + (int64_t)jp * rbp, 0, sizeof(uint32_t) * (size_t)rbp);
-                    memset((uint32_t *)s->vbuf + (int64_t)jp * d, 0, sizeof(uint32_t) * (size_t)d);
-                }
-                amx_v_transposed((const uint32_t *)s->vbuf, n32, d, s->vt);
-                amx_accumulate((const uint32_t *)s->st, rbp, s->vt, n32, d, s->ot, rescale ? s->alpha : NULL);
-            } else
-#endif
             tile_accumulate_bf16((const uint32_t *)s->st, rbp, (const uint32_t *)s->vbuf, n, d, s->ot,
                                  rescale ? s->alpha : NULL);
 #endif
@@ -853,7 +928,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 /* Floats of one thread's scratch, a multiple of 16 so that every thread's part stays aligned. */
 static size_t scratch_floats(int d) {
     const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d
-                          + (size_t)(d + 1) / 2 * RB + (size_t)d * VT_STRIDE;
+                          + (size_t)(d + 1) / 2 * RB * 2 + (size_t)d * VT_STRIDE;
     return (floats + 15) / 16 * 16;
 }
 
@@ -867,7 +942,8 @@ static void scratch_init(Scratch *s, float *base, int d) {
     s->zero = s->vbuf + (size_t)KT * d;
     memset(s->zero, 0, sizeof(float) * (size_t)d);
     s->qp = (uint32_t *)(s->zero + d);
-    s->vt = s->qp + (size_t)(d + 1) / 2 * RB;
+    s->qrest = s->qp + (size_t)(d + 1) / 2 * RB;
+    s->vt = s->qrest + (size_t)(d + 1) / 2 * RB;
 }
 
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
@@ -883,6 +959,9 @@ static void scratch_init(Scratch *s, float *base, int d) {
  * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
  * cache, see batch_seq_ok). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
  * required, else ignored). */
+/* Query rows per work item in this build (kernels/cpu_flash.py counts work items with it). */
+int longctx_flash_row_block(void) { return RB; }
+
 int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v_cache,
                               const float *k_scale, const float *v_scale, int dtype,
                               const int32_t *block_table, int table_rows, int64_t table_stride,

@@ -60,6 +60,9 @@ CASES = {
     # keys between the first tile and the causal edge: the tiles whose scores take bfloat16 q
     # (vdpbf16ps, or the AMX build's tiles), 4 x 20 = 80 rows (a 16-row strip past 64) and 15 x 4
     "long-context-gqa4": Case((20, 15), (400, 333), num_kv_heads=2, group=4, seed=24),
+    # 70 x 3 = 210 rows after 430 keys: the AMX build's 192-row block (six 32-row strip groups)
+    # and an 18-row one (a group of 32, padded), each over interior tiles
+    "long-context-two-blocks": Case((70,), (500,), num_kv_heads=2, group=3, seed=25),
 }
 
 
@@ -72,19 +75,32 @@ def test_matches_reference(name, splits, dtype):
     check_against_reference(kernel_impl(splits), make_batch(case), dtype)
 
 
+def _vector_build_with_rows(rows: int):
+    """The vector build of the flash kernel with ``rows`` query rows per work item (its RB)."""
+    lib = cpu_build.build(cpu_flash.SOURCE, (f"-DRB={rows}",))
+    cpu_flash._declare(lib)
+    assert lib.longctx_flash_row_block() == rows
+    return lib
+
+
 @pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
-@pytest.mark.parametrize("name", ["long-context-gqa4", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5"])
+@pytest.mark.parametrize("name", ["long-context-gqa4", "long-context-two-blocks", "prefill-gqa3", "verify-8-gqa3",
+                                  "tree-7", "block-size-5"])
 @pytest.mark.parametrize("splits", [1, 5])
 def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, name, splits):
     """bfloat16 pages go to the AMX build where it loads: the same roundings (q, P to bfloat16)
     and float32 sums in another order, so it agrees with the vdpbf16ps build to float32 rounding,
-    up to a weight whose bfloat16 rounding the order flips (2^-9 of it). Head dim 64, causal and
-    tree masks, odd block sizes, KV splits; test_matches_reference checks both against the reference."""
+    up to a weight whose bfloat16 rounding the order flips (2^-9 of it); on the first and the
+    diagonal key tiles, where the vector build scores with float32 q, the tiles add q's rest
+    (~2^-17 of q). The vector build is compiled with the AMX build's rows per work item, as those
+    tiles follow the row blocks. Head dim 64, causal and tree masks, odd block sizes, KV splits,
+    two 192-row blocks; test_matches_reference checks both builds against the reference."""
     batch = make_batch(dataclasses.replace(CASES[name], dtype=torch.bfloat16))
-    assert cpu_flash._library_for(batch.k_cache) is cpu_flash._AMX_LIBRARY.load()
+    amx = cpu_flash._AMX_LIBRARY.load()
+    assert cpu_flash._library_for(batch.k_cache) is amx and cpu_flash.row_block(batch.k_cache) == 192
     amx_out, amx_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
-    monkeypatch.setenv("LONGCTX_FLASH_AMX", "0")
-    assert cpu_flash._library_for(batch.k_cache) is cpu_flash._LIBRARY.load()
+    vector = _vector_build_with_rows(amx.longctx_flash_row_block())
+    monkeypatch.setattr(cpu_flash, "_library_for", lambda k_cache: vector)
     vec_out, vec_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
     torch.testing.assert_close(amx_out.float(), vec_out.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(amx_lse, vec_lse, atol=1e-4, rtol=1e-5)

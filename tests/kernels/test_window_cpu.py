@@ -80,18 +80,45 @@ def test_window_and_cap_over_bf16_and_int8_pages(name, dtype):
         data = int8_batch(case)
         _check(*_run(data.batch, window, 5.0, **data.scales), torch.float32)
         return
-    batch = make_batch(case)
+    _check_bf16_pages(make_batch(case), window, 5.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 300])
+def test_cap_over_bf16_pages_between_the_first_tile_and_the_edge(window):
+    """A 70-token chunk after 430 keys over bfloat16 pages: the key tiles between the first and
+    the causal edge, whose scores take bfloat16 q at avx512bf16 (the AMX build's tiles, a strip
+    group of rows at a time), capped; with a window, the tiles it skips and masks as well."""
+    batch = make_batch(Case((70,), (500,), num_kv_heads=2, group=3, seed=47))
+    _check_bf16_pages(dataclasses.replace(batch, q=batch.q * 4), window, 5.0, q_rounded=True)
+
+
+def _check_bf16_pages(batch, window, softcap, q_rounded=False):
+    """``q_rounded``: at avx512bf16 the tiles between the first and the causal edge score with q
+    rounded to bf16 (2^-9 of each |q_x|), which moves a score by at most 2^-9 * scale * sum_x
+    |q_x k_x| (the cap's slope is at most 1), the lse by as much and a weight by that
+    share of itself."""
     batch = dataclasses.replace(batch, k_cache=batch.k_cache.bfloat16(), v_cache=batch.v_cache.bfloat16())
-    out, lse, _, _ = _run(batch, window, 5.0)
+    out, lse, _, _ = _run(batch, window, softcap)
     ref_out, ref_lse = reference.paged_attention(batch.q, batch.k_cache.float(), batch.v_cache.float(),
                                                  *batch.args()[3:], tree_mask=batch.tree_mask, window=window,
-                                                 softcap=5.0)
+                                                 softcap=softcap)
     # as test_torch_paged's bf16-pages test: at avx512bf16 the flash kernel rounds each softmax
     # weight to bf16 for its P.V, moving the output by up to 2^-9 of the largest |V|
     v = batch.v_cache.float()[batch.v_cache.isfinite()]
-    atol = 1e-4 + (2 ** -9 * float(v.abs().max()) if cpu_build.isa() == "avx512bf16" else 0.0)
+    bf16 = cpu_build.isa() == "avx512bf16"
+    atol = 1e-4 + (2 ** -9 * float(v.abs().max()) if bf16 else 0.0)
+    lse_atol = 1e-4
+    if q_rounded and bf16:
+        ctx = int(batch.context_lens[0])
+        k = torch_paged.sequence_kv(batch.k_cache, batch.block_table[0].tolist(), ctx).float()  # [ctx, Hkv, D]
+        k = k.repeat_interleave(batch.q.shape[1] // k.shape[1], dim=1)
+        pairs = torch.einsum("thd,nhd->thn", batch.q.abs(), k.abs())
+        shift = 2 ** -9 * batch.q.shape[-1] ** -0.5 * float(pairs.max())
+        lse_atol += shift
+        atol += 2 * shift * float(v.abs().max())
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=atol)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=lse_atol)
 
 
 @needs_kernels
