@@ -79,7 +79,9 @@ def amx_status() -> str:
 
 
 def _library_for(k_cache: torch.Tensor) -> ctypes.CDLL | None:
-    if k_cache.dtype == torch.bfloat16 and not _amx_switched_off():
+    # the AMX build's tiles take head dims that are multiples of 32; it would run others on the
+    # vector build's loops, over its larger row blocks
+    if k_cache.dtype == torch.bfloat16 and k_cache.shape[-1] % 32 == 0 and not _amx_switched_off():
         lib = _AMX_LIBRARY.load()
         if lib is not None:
             return lib

@@ -74,7 +74,8 @@
 #define KT32 ((KT + 31) / 32 * 32)
 #define VT_STRIDE (KT32 / 2) /* words in a row of V^T's pairs (the AMX build's operand A) */
 /* bfloat16 pages at avx512bf16: scores by vdpbf16ps (QK_BF16), the sink and diagonal tiles
- * with float32 q (QK_EXACT_EDGES); build-time switches for A/B runs (see HAVE_BF16_DOT). */
+ * with float32 q (QK_EXACT_EDGES; the AMX build: q's bf16 rounding and its rest, see HAVE_AMX);
+ * build-time switches for A/B runs (see HAVE_BF16_DOT). */
 #ifndef QK_BF16
 #define QK_BF16 1
 #endif
@@ -416,7 +417,8 @@ static void pair_rows_bf16(const float *src, int rbp, int n, uint32_t *dst_rows)
 
 /* What rounding to bfloat16 leaves of n rows of float32, as pair_rows_bf16 lays them out:
  * dst[p][i] = (rest(src[2p][i]), rest(src[2p + 1][i])), rest(x) = bf16(x - bf16(x)). Q^T as
- * these and its pair_rows_bf16 pairs, two products carry q to about 2^-17 of itself. */
+ * these and its pair_rows_bf16 pairs, two products carry q to within 2^-16 of itself (each
+ * rounding to bfloat16 is within 2^-8 of its value). */
 static void pair_rows_bf16_rest(const float *src, int rbp, int n, uint32_t *dst_rows) {
     for (int jp = 0; jp < (n + 1) / 2; jp++) {
         const float *lo = src + (int64_t)(2 * jp) * rbp, *hi = lo + rbp;
@@ -510,7 +512,7 @@ static void mask_columns(const struct Args *a, int row0, int rows, int base, int
  * bfloat16 (pp) against V's -- as 16 x 16 x 32 tile products, so only the order of the float32
  * sums differs. The first tile and the tiles on a row block's causal edge, where the vector
  * build scores with float32 q, add a second score product with what rounding q to bfloat16 left
- * (qrest): q to ~2^-17 of itself, on the tiles too. Needs d % 32 == 0 and rbp % 16 == 0
+ * (qrest): q to within 2^-16 of itself, on the tiles too. Needs d % 32 == 0 and rbp % 16 == 0
  * (ROW_ALIGN). Tiles: C 0-3 the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T:
  * 16 of d x 16 rows), A 4 (16 keys x 32 of d from the gathered K rows; 16 of d x 32 keys from
  * V^T), B 5-7 (16 pairs x 16 rows of qp, qrest or pp). Tile numbers are immediates, hence the
@@ -581,8 +583,13 @@ static void amx_tile(const struct Args *a, int row0, int rows, int base, int mee
                      const uint32_t *qp, const uint32_t *qrest, int rbp, const uint16_t *kb, int n, int n16,
                      int n32, int d, const uint32_t *vt, float *ot, float *m, float *l, float *alpha, float *sbuf,
                      float cap, float inv_cap) {
+    const int group = a->num_heads / a->num_kv, first_new = a->ctx_len - a->q_len;
     for (int r0 = 0; r0 < rbp; r0 += AMX_SW) {
         const int w = rbp - r0 < AMX_SW ? rbp - r0 : AMX_SW, ns = w / 16;
+        /* causal: a group whose last token comes before every key of the tile sees none of it
+         * (a step over keys all masked changes no row's m, l or O^T) */
+        if (meets_mask && !a->tail_words && base - first_new > (row0 + (r0 + w < rows ? r0 + w : rows) - 1) / group)
+            continue;
         for (int g = 0; g < n16; g += 16) {
             AMX_C(TILE_ZERO, 0, 0);
             for (int c = 0; c < d / 32; c++) {
@@ -871,7 +878,8 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         const int meets_mask = base + n > first_new + (a->tail_words ? 0 : t_first + 1) || meets_window;
         int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
-        /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
+        /* q exact (float32; the AMX build: to 2^-16): the first tile, and the tiles with keys
+         * the block's rows may not all see */
         const int exact_edge = QK_EXACT_EDGES && (base < KT || meets_mask);
 #ifdef HAVE_AMX
         if (amx) { /* the whole tile, a strip group at a time; q's rest too on the edges */

@@ -1,7 +1,7 @@
 """The compiled CPU flash kernel (kernels/csrc/paged_flash.c) against the reference: GQA ratios
 1, 3 and 8, head dims 64, 80, 17 and 8 (its products run over the head dim one element at a
 time, so any width takes the vector path), row counts that leave 32-row (AVX-512), 16-row,
-8-row and partial strips and span several 96-row blocks, odd block sizes with shuffled tables and NaN in every slot no
+8-row and partial strips and span several row blocks (96 rows; 192 in the AMX build), odd block sizes with shuffled tables and NaN in every slot no
 sequence owns, causal and tree masks, float32 and bfloat16 caches, and KV splits merged by
 log-sum-exp. Then how torch_paged routes to it, and the fallback when it cannot be built."""
 
@@ -63,6 +63,10 @@ CASES = {
     # 70 x 3 = 210 rows after 430 keys: the AMX build's 192-row block (six 32-row strip groups)
     # and an 18-row one (a group of 32, padded), each over interior tiles
     "long-context-two-blocks": Case((70,), (500,), num_kv_heads=2, group=3, seed=25),
+    # head dims 128 and 32 on the AMX build's tiles: four and one 32-wide chunks of the scores,
+    # eight and two 16-wide groups of O^T
+    "long-context-d128": Case((30, 9), (300, 250), num_kv_heads=2, group=4, head_dim=128, seed=26),
+    "long-context-d32": Case((50,), (400,), num_kv_heads=2, group=2, head_dim=32, seed=27),
 }
 
 
@@ -84,17 +88,17 @@ def _vector_build_with_rows(rows: int):
 
 
 @pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
-@pytest.mark.parametrize("name", ["long-context-gqa4", "long-context-two-blocks", "prefill-gqa3", "verify-8-gqa3",
-                                  "tree-7", "block-size-5"])
+@pytest.mark.parametrize("name", ["long-context-gqa4", "long-context-two-blocks", "long-context-d128",
+                                  "long-context-d32", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5"])
 @pytest.mark.parametrize("splits", [1, 5])
 def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, name, splits):
     """bfloat16 pages go to the AMX build where it loads: the same roundings (q, P to bfloat16)
     and float32 sums in another order, so it agrees with the vdpbf16ps build to float32 rounding,
     up to a weight whose bfloat16 rounding the order flips (2^-9 of it); on the first and the
     diagonal key tiles, where the vector build scores with float32 q, the tiles add q's rest
-    (~2^-17 of q). The vector build is compiled with the AMX build's rows per work item, as those
-    tiles follow the row blocks. Head dim 64, causal and tree masks, odd block sizes, KV splits,
-    two 192-row blocks; test_matches_reference checks both builds against the reference."""
+    (q to within 2^-16). The vector build is compiled with the AMX build's rows per work item, as those
+    tiles follow the row blocks. Head dims 64, 128 and 32, causal and tree masks, odd block sizes,
+    KV splits, two 192-row blocks; test_matches_reference checks both builds against the reference."""
     batch = make_batch(dataclasses.replace(CASES[name], dtype=torch.bfloat16))
     amx = cpu_flash._AMX_LIBRARY.load()
     assert cpu_flash._library_for(batch.k_cache) is amx and cpu_flash.row_block(batch.k_cache) == 192
@@ -322,7 +326,8 @@ def _sink_and_recent_case(d: int = 64, ctx: int = 700, q_len: int = 24, seed: in
 def test_bfloat16_pages_score_the_first_and_the_diagonal_keys_with_float32_q(splits):
     """Where the scores over bf16 pages run by vdpbf16ps (avx512bf16: q rounded to bf16 in the
     key tiles between the sequence's first tile and the tiles its new tokens' causal edge
-    crosses), the first tile (the attention sink) and the diagonal tiles keep float32 q: with
+    crosses), the first tile (the attention sink) and the diagonal tiles keep float32 q (the
+    AMX build: q's bf16 rounding and its rest, two tile products, q to within 2^-16): with
     the attention on those keys only, the log-sum-exp equals float32 q's to float32 error,
     where rounding q there moves it by more than 1e-4 (checked against a reference fed the
     rounded q). (The output is also checked, to the bound of P.V's rounding of p.)"""
