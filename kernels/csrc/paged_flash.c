@@ -70,12 +70,17 @@
 #ifndef KT
 #define KT 96 /* keys per tile (a multiple of 6) */
 #endif
+/* Rows whose first token decides which key tiles are a block's edge (scored with exact q, see
+ * QK_EXACT_EDGES): the vector build's RB. The AMX build (RB 192) decides per EXACT_ROWS of its
+ * blocks, so both builds round q on the same keys: deciding per 192 rows parted the default
+ * model's bf16 greedy tokens from float32's on bench_e2e's 8K prompt (token 3, a 0.15-nat margin
+ * turned by 0.17) and moved the real-model test's logits from 0.9% to 1.4% off float32's. */
+#define EXACT_ROWS 96
 #define MAX_D 256
 #define KT32 ((KT + 31) / 32 * 32)
 #define VT_STRIDE (KT32 / 2) /* words in a row of V^T's pairs (the AMX build's operand A) */
 /* bfloat16 pages at avx512bf16: scores by vdpbf16ps (QK_BF16), the sink and diagonal tiles
- * with float32 q (QK_EXACT_EDGES; the AMX build: q's bf16 rounding and its rest, see HAVE_AMX);
- * build-time switches for A/B runs (see HAVE_BF16_DOT). */
+ * with float32 q (QK_EXACT_EDGES); build-time switches for A/B runs (see HAVE_BF16_DOT). */
 #ifndef QK_BF16
 #define QK_BF16 1
 #endif
@@ -128,7 +133,8 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
         const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);      \
         return P##_mul_ps(p, CAST(e));                                                                \
     }                                                                                                 \
-    INLINE void qk_##W(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) { \
+    INLINE void qk_##W(const float *qt, int rbp, const float *const *krow, int d, float *st, int sstride, \
+                       int i0) {                                                                      \
         VT a0 = P##_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;                        \
         VT b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;                                      \
         const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3], *k4 = krow[4],        \
@@ -150,11 +156,11 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
             a5 = P##_fmadd_ps(k, q0, a5); b5 = P##_fmadd_ps(k, q1, b5);                               \
         }                                                                                             \
         float *s = st + i0;                                                                           \
-        P##_storeu_ps(s, a0); P##_storeu_ps(s + W, b0); s += rbp;                                     \
-        P##_storeu_ps(s, a1); P##_storeu_ps(s + W, b1); s += rbp;                                     \
-        P##_storeu_ps(s, a2); P##_storeu_ps(s + W, b2); s += rbp;                                     \
-        P##_storeu_ps(s, a3); P##_storeu_ps(s + W, b3); s += rbp;                                     \
-        P##_storeu_ps(s, a4); P##_storeu_ps(s + W, b4); s += rbp;                                     \
+        P##_storeu_ps(s, a0); P##_storeu_ps(s + W, b0); s += sstride;                                 \
+        P##_storeu_ps(s, a1); P##_storeu_ps(s + W, b1); s += sstride;                                 \
+        P##_storeu_ps(s, a2); P##_storeu_ps(s + W, b2); s += sstride;                                 \
+        P##_storeu_ps(s, a3); P##_storeu_ps(s + W, b3); s += sstride;                                 \
+        P##_storeu_ps(s, a4); P##_storeu_ps(s + W, b4); s += sstride;                                 \
         P##_storeu_ps(s, a5); P##_storeu_ps(s + W, b5);                                               \
     }                                                                                                 \
     INLINE void pv_##W(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd,      \
@@ -279,9 +285,9 @@ static void tile_scores(const float *qt, int rbp, const float *const *krow, int 
 #ifdef HAVE_AVX2
         int i0 = 0;
 #ifdef HAVE_AVX512
-        for (; i0 + 32 <= rbp; i0 += 32) qk_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
+        for (; i0 + 32 <= rbp; i0 += 32) qk_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
 #endif
-        for (; i0 + 16 <= rbp; i0 += 16) qk_8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
+        for (; i0 + 16 <= rbp; i0 += 16) qk_8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
         if (i0 < rbp) qk_6x8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
 #else
         for (int k = k0; k < k0 + 6; k++) {
@@ -415,30 +421,6 @@ static void pair_rows_bf16(const float *src, int rbp, int n, uint32_t *dst_rows)
     }
 }
 
-/* What rounding to bfloat16 leaves of n rows of float32, as pair_rows_bf16 lays them out:
- * dst[p][i] = (rest(src[2p][i]), rest(src[2p + 1][i])), rest(x) = bf16(x - bf16(x)). Q^T as
- * these and its pair_rows_bf16 pairs, two products carry q to within 2^-16 of itself (each
- * rounding to bfloat16 is within 2^-8 of its value). */
-static void pair_rows_bf16_rest(const float *src, int rbp, int n, uint32_t *dst_rows) {
-    for (int jp = 0; jp < (n + 1) / 2; jp++) {
-        const float *lo = src + (int64_t)(2 * jp) * rbp, *hi = lo + rbp;
-        const int has_hi = 2 * jp + 1 < n;
-        uint32_t *dst = dst_rows + (int64_t)jp * rbp;
-        for (int i = 0; i < rbp; i += 16) {
-            const __mmask16 live = rbp - i >= 16 ? 0xFFFF : 0x00FF;
-            __m512 x = _mm512_maskz_loadu_ps(live, lo + i);
-            __m512 y = has_hi ? _mm512_maskz_loadu_ps(live, hi + i) : _mm512_setzero_ps();
-            x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16)));
-            y = _mm512_sub_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16)));
-            const __m512i xl = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
-            const __m512i yh = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16);
-            _mm512_mask_storeu_epi32(dst + i, live, _mm512_or_si512(xl, yh));
-        }
-    }
-}
-
 /* V's rows of a tile's n keys (bfloat16 rows vrow[j]) as (n + 1) / 2 rows of pairs. */
 static void pair_v_bf16(const uint16_t *const *vrow, int n, int d, const uint16_t *zero, uint32_t *vp) {
     for (int jp = 0; jp < (n + 1) / 2; jp++) {
@@ -499,8 +481,21 @@ static void tile_accumulate_bf16(const uint32_t *pp, int rbp, const uint32_t *vp
 }
 #endif
 
-struct Args;
-static void mask_columns(const struct Args *a, int row0, int rows, int base, int n, int meets_window,
+typedef struct Args {
+    const float *q;
+    const void *k_cache, *v_cache;
+    const float *k_scale, *v_scale; /* int8 caches only */
+    int dtype;
+    const int32_t *blocks;
+    int block_size, ctx_len, q_len, num_heads, num_kv, d;
+    float scale;
+    const uint64_t *tail_words;
+    int window;    /* 0: none */
+    float softcap; /* 0: none */
+    int key_lo;    /* the first key any row may see (key_start) */
+} Args;
+
+static void mask_columns(const Args *a, int row0, int rows, int base, int n, int meets_window,
                          int meets_mask, float *st, int stride, int c0, int w);
 
 #if defined(LONGCTX_AMX) && defined(HAVE_BF16_DOT)
@@ -510,13 +505,11 @@ static void mask_columns(const struct Args *a, int row0, int rows, int base, int
  * where the CPU has AMX-BF16, kernels/cpu_flash.py): the two products of the vdpbf16ps forms
  * above with the same operands -- Q^T pairs (qp) against K's bfloat16 rows, P rounded to
  * bfloat16 (pp) against V's -- as 16 x 16 x 32 tile products, so only the order of the float32
- * sums differs. The first tile and the tiles on a row block's causal edge, where the vector
- * build scores with float32 q, add a second score product with what rounding q to bfloat16 left
- * (qrest): q to within 2^-16 of itself, on the tiles too. Needs d % 32 == 0 and rbp % 16 == 0
- * (ROW_ALIGN). Tiles: C 0-3 the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T:
- * 16 of d x 16 rows), A 4 (16 keys x 32 of d from the gathered K rows; 16 of d x 32 keys from
- * V^T), B 5-7 (16 pairs x 16 rows of qp, qrest or pp). Tile numbers are immediates, hence the
- * unrolled strips. */
+ * sums differs; the first tile's and the diagonal tiles' scores keep float32 q and the vector
+ * products, as in the vector build. Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN). Tiles: C 0-3
+ * the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16 rows), A 4 (16
+ * keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7 (16 pairs x 16 rows
+ * of qp or pp). Tile numbers are immediates, hence the unrolled strips. */
 /* B operands (16 pairs x 16 rows each, of Q^T's or P^T's pairs at b, rows bstride bytes apart)
  * against A in tile 4, into the C tiles of up to four 16-row strips */
 #define AMX_STRIPS(bstride)                                                                       \
@@ -559,11 +552,14 @@ static void amx_v_transposed(const uint32_t *vp, int n32, int d, uint32_t *vt) {
 }
 
 #ifndef AMX_SW
-#define AMX_SW 32 /* rows per strip group of amx_tile (a multiple of 16, at most 64) */
+#define AMX_SW 32 /* rows per strip group of amx_tile (a multiple of 16 dividing EXACT_ROWS, at most 64) */
 #endif
+_Static_assert(EXACT_ROWS % AMX_SW == 0 && AMX_SW % 16 == 0 && AMX_SW <= 64, "strip groups within EXACT_ROWS");
 
 /* One key tile on the tiles, a strip group of AMX_SW rows at a time: its scores (K gathered in
- * kb, zero rows up to n16; qrest non-NULL: its product added), the cap where cap > 0, the
+ * kb, zero rows up to n16; for the groups in the EXACT_ROWS parts whose bit is set in exact_bits,
+ * float32 q^T (qt) against K's rows as float32 (kf, n rounded up to 6 with zero rows) by the
+ * vector products, as tile_scores computes them), the cap where cap > 0, the
  * window's and the causal or tree mask where the tile meets them (mask_columns), the
  * online-softmax step, P^T's bfloat16 pairs (zero past the keys, up to n32) and its part of O^T
  * (V^T's pairs in vt), each row through the same steps in the same order as tile_softmax and
@@ -574,13 +570,17 @@ static void amx_v_transposed(const uint32_t *vp, int n32, int d, uint32_t *vt) {
  * geometry over bfloat16 pages, 8K keys in 2,048-token chunks (ad-hoc script, builds alternating
  * in one process, medians of 7-11; the machine's speed moved up to 1.3x between runs): the
  * whole-block form 187 / 197 / 219 ms, strip groups 178 / 192 / 208 ms, with RB 192 as well
- * 168 / 178 / 191 ms. Groups of 64 rows measured level with 32, of 16 rows 24% slower; RB 144
- * level with 96, 240 within 2% of 192; the exponentials written straight as pairs, level. The
- * edge tiles here with two products instead of the vector path's float32 q: 220 -> 209 ms (same
- * run). Two products on every tile: 225 ms, and the real model's bf16 greedy tokens
- * (tests/test_real_model.py) parted from float32's at token 3, the three-way tie noted above. */
-static void amx_tile(const struct Args *a, int row0, int rows, int base, int meets_window, int meets_mask,
-                     const uint32_t *qp, const uint32_t *qrest, int rbp, const uint16_t *kb, int n, int n16,
+ * 168 / 178 / 191 ms; against git 45b7b7c's build, 195 vs 222 ms with the same bits out.
+ * Groups of 64 rows measured level with 32, of 16 rows 24% slower; RB 144
+ * level with 96, 240 within 2% of 192; the exponentials written straight as pairs, level. Not
+ * kept: the edge tiles' scores on the tiles too, as two products (q's bfloat16 rounding and what
+ * it left, q to within 2^-16): 220 -> 209 ms, but at bf16's level any change of the numbers
+ * moves a bf16 model's tokens where they sit on a tie, and the real model's bf16 test
+ * (tests/test_real_model.py) parted from float32's at token 3 (its three-way tie, noted above);
+ * these groups' float32 scores keep the kernel's numbers bit for bit. */
+static void amx_tile(const Args *a, int row0, int rows, int base, int meets_window, int meets_mask,
+                     const uint32_t *qp, const float *qt, const float *const *kf, int exact_bits, int rbp,
+                     const uint16_t *kb, int n, int n16,
                      int n32, int d, const uint32_t *vt, float *ot, float *m, float *l, float *alpha, float *sbuf,
                      float cap, float inv_cap) {
     const int group = a->num_heads / a->num_kv, first_new = a->ctx_len - a->q_len;
@@ -590,19 +590,22 @@ static void amx_tile(const struct Args *a, int row0, int rows, int base, int mee
          * (a step over keys all masked changes no row's m, l or O^T) */
         if (meets_mask && !a->tail_words && base - first_new > (row0 + (r0 + w < rows ? r0 + w : rows) - 1) / group)
             continue;
-        for (int g = 0; g < n16; g += 16) {
-            AMX_C(TILE_ZERO, 0, 0);
-            for (int c = 0; c < d / 32; c++) {
-                const uint32_t *b = qp + (int64_t)16 * c * rbp + r0;
-                _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
-                AMX_STRIPS(rbp * 4);
-                if (qrest) {
-                    b = qrest + (int64_t)16 * c * rbp + r0;
+        if ((exact_bits >> (r0 / EXACT_ROWS)) & 1) { /* float32 q and K (kf), the vector products */
+            for (int k0 = 0; k0 < n; k0 += 6) {
+                float *st = sbuf + (int64_t)k0 * w - r0;
+                if (w == 32) qk_16(qt, rbp, kf + k0, d, st, w, r0);
+                else qk_8(qt, rbp, kf + k0, d, st, w, r0);
+            }
+        } else
+            for (int g = 0; g < n16; g += 16) {
+                AMX_C(TILE_ZERO, 0, 0);
+                for (int c = 0; c < d / 32; c++) {
+                    const uint32_t *b = qp + (int64_t)16 * c * rbp + r0;
+                    _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
                     AMX_STRIPS(rbp * 4);
                 }
+                AMX_C(TILE_STORE, sbuf + (int64_t)g * w, w * 4);
             }
-            AMX_C(TILE_STORE, sbuf + (int64_t)g * w, w * 4);
-        }
         if (cap > 0.0f)
             for (int j = 0; j < n; j++)
                 for (int r = 0; r < w; r++) sbuf[(int64_t)j * w + r] = cap * tanhf(sbuf[(int64_t)j * w + r] * inv_cap);
@@ -756,25 +759,12 @@ static void prefetch_tile(const void *cache, int elem, const int32_t *blocks, in
 #endif
 }
 
-typedef struct Args {
-    const float *q;
-    const void *k_cache, *v_cache;
-    const float *k_scale, *v_scale; /* int8 caches only */
-    int dtype;
-    const int32_t *blocks;
-    int block_size, ctx_len, q_len, num_heads, num_kv, d;
-    float scale;
-    const uint64_t *tail_words;
-    int window;    /* 0: none */
-    float softcap; /* 0: none */
-    int key_lo;    /* the first key any row may see (key_start) */
-} Args;
 
 /* Per-thread buffers, 64-byte aligned (a 16-row strip of Q^T, S^T or O^T is one cache line). */
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
     uint32_t *qp; /* Q^T as bfloat16 pairs (bfloat16 pages' scores by vdpbf16ps) */
-    uint32_t *qrest; /* what that rounding left, as pairs (the AMX build's second score product) */
+    float *kf; /* the AMX build's edge tiles: K's rows as float32 */
     uint32_t *vt; /* V^T as bfloat16 pairs, [d][VT_STRIDE] (the AMX build's P.V) */
     float m[RB], l[RB], alpha[RB];
     const float *krow[KT + 6], *vrow[KT];
@@ -842,7 +832,6 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 #endif
 #ifdef HAVE_AMX
     const int amx = qpairs && d % 32 == 0; /* both products on the tiles */
-    if (amx && QK_EXACT_EDGES) pair_rows_bf16_rest(s->qt, rbp, d, s->qrest);
 #endif
     memset(s->ot, 0, sizeof(float) * (size_t)d * rbp);
     for (int r = 0; r < rbp; r++) {
@@ -866,6 +855,21 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         if (low_min > begin) begin = low_min;
     }
     const float cap = a->softcap * 1.44269504088896341f, inv_cap = a->softcap > 0.0f ? 1.0f / cap : 0.0f;
+#ifdef HAVE_AMX
+    /* the block's EXACT_ROWS parts: their first tokens and highest window starts (the edges) */
+    int part_first[RB / EXACT_ROWS + 1], part_low[RB / EXACT_ROWS + 1];
+    const int parts = (rows + EXACT_ROWS - 1) / EXACT_ROWS;
+    for (int h = 0; h < parts; h++) {
+        const int first = r0 + h * EXACT_ROWS, last = (first + EXACT_ROWS < r1 ? first + EXACT_ROWS : r1) - 1;
+        part_first[h] = first / group;
+        part_low[h] = 0;
+        if (a->window > 0)
+            for (int t = first / group; t <= last / group; t++) {
+                const int low = window_low(a, t);
+                part_low[h] = low > part_low[h] ? low : part_low[h];
+            }
+    }
+#endif
     for (int base = begin; base < end; base += KT) {
         const int n = end - base < KT ? end - base : KT;
         if (base + n < end) {
@@ -878,11 +882,10 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         const int meets_mask = base + n > first_new + (a->tail_words ? 0 : t_first + 1) || meets_window;
         int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
-        /* q exact (float32; the AMX build: to 2^-16): the first tile, and the tiles with keys
-         * the block's rows may not all see */
+        /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
         const int exact_edge = QK_EXACT_EDGES && (base < KT || meets_mask);
 #ifdef HAVE_AMX
-        if (amx) { /* the whole tile, a strip group at a time; q's rest too on the edges */
+        if (amx) { /* the whole tile, a strip group at a time */
             const int n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
             amx_gather_k((const uint16_t *)a->k_cache, at, n, n16, d, (uint16_t *)s->kbuf);
             for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
@@ -890,7 +893,17 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             for (int jp = (n + 1) / 2; jp < n32 / 2; jp++)
                 memset((uint32_t *)s->vbuf + (int64_t)jp * d, 0, sizeof(uint32_t) * (size_t)d);
             amx_v_transposed((const uint32_t *)s->vbuf, n32, d, s->vt);
-            amx_tile(a, r0, rows, base, meets_window, meets_mask, s->qp, exact_edge ? s->qrest : NULL,
+            int exact_bits = 0; /* exact_edge, per EXACT_ROWS part of the block */
+            for (int h = 0; h < parts && QK_EXACT_EDGES; h++)
+                if (base < KT || base + n > first_new + (a->tail_words ? 0 : part_first[h] + 1)
+                    || (a->window > 0 && base < part_low[h]))
+                    exact_bits |= 1 << h;
+            if (exact_bits) {
+                tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
+                          s->kf, s->krow);
+                for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
+            }
+            amx_tile(a, r0, rows, base, meets_window, meets_mask, s->qp, s->qt, s->krow, exact_bits,
                      rbp, (const uint16_t *)s->kbuf, n, n16, n32, d, s->vt, s->ot, s->m, s->l, s->alpha, s->st,
                      a->softcap > 0.0f ? cap : 0.0f, inv_cap);
             continue;
@@ -936,7 +949,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 /* Floats of one thread's scratch, a multiple of 16 so that every thread's part stays aligned. */
 static size_t scratch_floats(int d) {
     const size_t floats = (size_t)d * RB * 2 + (size_t)KT * RB + (size_t)KT * d * 2 + (size_t)d
-                          + (size_t)(d + 1) / 2 * RB * 2 + (size_t)d * VT_STRIDE;
+                          + (size_t)(d + 1) / 2 * RB + (size_t)d * VT_STRIDE + (size_t)KT * d;
     return (floats + 15) / 16 * 16;
 }
 
@@ -950,8 +963,8 @@ static void scratch_init(Scratch *s, float *base, int d) {
     s->zero = s->vbuf + (size_t)KT * d;
     memset(s->zero, 0, sizeof(float) * (size_t)d);
     s->qp = (uint32_t *)(s->zero + d);
-    s->qrest = s->qp + (size_t)(d + 1) / 2 * RB;
-    s->vt = s->qrest + (size_t)(d + 1) / 2 * RB;
+    s->vt = s->qp + (size_t)(d + 1) / 2 * RB;
+    s->kf = (float *)(s->vt + (size_t)d * VT_STRIDE);
 }
 
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are

@@ -79,14 +79,6 @@ def test_matches_reference(name, splits, dtype):
     check_against_reference(kernel_impl(splits), make_batch(case), dtype)
 
 
-def _vector_build_with_rows(rows: int):
-    """The vector build of the flash kernel with ``rows`` query rows per work item (its RB)."""
-    lib = cpu_build.build(cpu_flash.SOURCE, (f"-DRB={rows}",))
-    cpu_flash._declare(lib)
-    assert lib.longctx_flash_row_block() == rows
-    return lib
-
-
 @pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
 @pytest.mark.parametrize("name", ["long-context-gqa4", "long-context-two-blocks", "long-context-d128",
                                   "long-context-d32", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5"])
@@ -94,17 +86,18 @@ def _vector_build_with_rows(rows: int):
 def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, name, splits):
     """bfloat16 pages go to the AMX build where it loads: the same roundings (q, P to bfloat16)
     and float32 sums in another order, so it agrees with the vdpbf16ps build to float32 rounding,
-    up to a weight whose bfloat16 rounding the order flips (2^-9 of it); on the first and the
-    diagonal key tiles, where the vector build scores with float32 q, the tiles add q's rest
-    (q to within 2^-16). The vector build is compiled with the AMX build's rows per work item, as those
-    tiles follow the row blocks. Head dims 64, 128 and 32, causal and tree masks, odd block sizes,
-    KV splits, two 192-row blocks; test_matches_reference checks both builds against the reference."""
+    up to a weight whose bfloat16 rounding the order flips (2^-8 of it). The first and the
+    diagonal key tiles keep float32 q in both. The AMX build's work items take 192 rows, and it
+    picks those tiles per 96 rows as the vector build's blocks do (two 192-row blocks here, where
+    deciding per 192 rows fails this test). Head dims 64, 128 and 32,
+    causal and tree masks, odd block sizes, KV splits; test_matches_reference checks both
+    builds against the reference."""
     batch = make_batch(dataclasses.replace(CASES[name], dtype=torch.bfloat16))
     amx = cpu_flash._AMX_LIBRARY.load()
     assert cpu_flash._library_for(batch.k_cache) is amx and cpu_flash.row_block(batch.k_cache) == 192
     amx_out, amx_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
-    vector = _vector_build_with_rows(amx.longctx_flash_row_block())
-    monkeypatch.setattr(cpu_flash, "_library_for", lambda k_cache: vector)
+    monkeypatch.setenv("LONGCTX_FLASH_AMX", "0")
+    assert cpu_flash._library_for(batch.k_cache) is cpu_flash._LIBRARY.load()
     vec_out, vec_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
     torch.testing.assert_close(amx_out.float(), vec_out.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(amx_lse, vec_lse, atol=1e-4, rtol=1e-5)
@@ -326,8 +319,7 @@ def _sink_and_recent_case(d: int = 64, ctx: int = 700, q_len: int = 24, seed: in
 def test_bfloat16_pages_score_the_first_and_the_diagonal_keys_with_float32_q(splits):
     """Where the scores over bf16 pages run by vdpbf16ps (avx512bf16: q rounded to bf16 in the
     key tiles between the sequence's first tile and the tiles its new tokens' causal edge
-    crosses), the first tile (the attention sink) and the diagonal tiles keep float32 q (the
-    AMX build: q's bf16 rounding and its rest, two tile products, q to within 2^-16): with
+    crosses), the first tile (the attention sink) and the diagonal tiles keep float32 q: with
     the attention on those keys only, the log-sum-exp equals float32 q's to float32 error,
     where rounding q there moves it by more than 1e-4 (checked against a reference fed the
     rounded q). (The output is also checked, to the bound of P.V's rounding of p.)"""
