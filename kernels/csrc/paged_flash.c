@@ -759,7 +759,6 @@ static void prefetch_tile(const void *cache, int elem, const int32_t *blocks, in
 #endif
 }
 
-
 /* Per-thread buffers, 64-byte aligned (a 16-row strip of Q^T, S^T or O^T is one cache line). */
 typedef struct {
     float *qt, *st, *ot, *kbuf, *vbuf, *zero;
@@ -775,6 +774,13 @@ typedef struct {
 static inline int window_low(const Args *a, int t) {
     const int first_new = a->ctx_len - a->q_len;
     return first_new + (a->tail_words ? __builtin_popcountll(a->tail_words[t]) - 1 : t) - a->window + 1;
+}
+
+/* Whether key tile [base, base + n) holds keys some rows see not (mask_columns' meets_mask):
+ * a key after the first row's token (first_token; with tree words any new key), or below the
+ * highest window start of the rows (low, window > 0). */
+static inline int tile_meets_mask(const Args *a, int base, int n, int first_token, int low) {
+    return base + n > a->ctx_len - a->q_len + (a->tail_words ? 0 : first_token + 1) || (a->window > 0 && base < low);
 }
 
 /* -inf into S^T (row stride `stride`, column c = block row c0 + c, w columns) where a key of the
@@ -879,7 +885,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             prefetch_tile(a->v_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);
         }
         const int meets_window = a->window > 0 && base < low_max;
-        const int meets_mask = base + n > first_new + (a->tail_words ? 0 : t_first + 1) || meets_window;
+        const int meets_mask = tile_meets_mask(a, base, n, t_first, low_max);
         int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
         /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
@@ -895,9 +901,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             amx_v_transposed((const uint32_t *)s->vbuf, n32, d, s->vt);
             int exact_bits = 0; /* exact_edge, per EXACT_ROWS part of the block */
             for (int h = 0; h < parts && QK_EXACT_EDGES; h++)
-                if (base < KT || base + n > first_new + (a->tail_words ? 0 : part_first[h] + 1)
-                    || (a->window > 0 && base < part_low[h]))
-                    exact_bits |= 1 << h;
+                if (base < KT || tile_meets_mask(a, base, n, part_first[h], part_low[h])) exact_bits |= 1 << h;
             if (exact_bits) {
                 tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
                           s->kf, s->krow);
@@ -967,6 +971,9 @@ static void scratch_init(Scratch *s, float *base, int d) {
     s->kf = (float *)(s->vt + (size_t)d * VT_STRIDE);
 }
 
+/* Query rows per work item in this build (kernels/cpu_flash.py counts work items with it). */
+int longctx_flash_row_block(void) { return RB; }
+
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
  * q[cu_q[s] .. cu_q[s + 1]), whose pages are block_table[s * table_stride ..] (ctx_lens[s]
  * tokens) and whose keys are cut into splits[i] KV splits. Every (sequence, KV head, row block,
@@ -980,9 +987,6 @@ static void scratch_init(Scratch *s, float *base, int d) {
  * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
  * cache, see batch_seq_ok). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
  * required, else ignored). */
-/* Query rows per work item in this build (kernels/cpu_flash.py counts work items with it). */
-int longctx_flash_row_block(void) { return RB; }
-
 int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v_cache,
                               const float *k_scale, const float *v_scale, int dtype,
                               const int32_t *block_table, int table_rows, int64_t table_stride,
