@@ -98,10 +98,13 @@ extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "fast2-bf16kv": {"gguf_weights": "blocks", "block_numerics": "fast2", "kv_cache_dtype": "bfloat16"},
          "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
          "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
+         "blocks-bf16": {"gguf_weights": "blocks", "dtype": "bfloat16"},
          "bf16": {"dtype": "bfloat16"},
          "int8": {"quantization": "int8"},
          "int8-fast": {"quantization": "int8", "block_numerics": "fast"},
          "int8-fast-bf16kv": {"quantization": "int8", "block_numerics": "fast", "kv_cache_dtype": "bfloat16"},
+         "int8-bf16": {"quantization": "int8", "dtype": "bfloat16"},
+         "int8-fast-bf16": {"quantization": "int8", "block_numerics": "fast", "dtype": "bfloat16"},
          "int4": {"quantization": "int4"},
          "int4-g128": {"quantization": "int4", "quantization_group_size": 128}}.get(mode, {"gguf_weights": mode})
 llm = LLM(model, **extra, enable_prefix_caching=False, lookahead=False, max_num_seqs=1,
@@ -225,11 +228,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
                     help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), blocks-bf16kv (and bfloat16 "
-                         "KV pages), fast "
+                         "KV pages), blocks-bf16 (dtype='bfloat16': bfloat16 pages, prefill on AMX tiles where the "
+                         "CPU has them), fast "
                          "(block_numerics='fast'), fast2 (block_numerics='fast2'), fast-bf16kv and fast2-bf16kv (with "
                          "bfloat16 KV pages), float, bf16 (dtype='bfloat16': the weights as bfloat16), "
                          "llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "
-                         "int8, int8-fast (and block_numerics='fast'), int8-fast-bf16kv (and bfloat16 KV pages), int4, "
+                         "int8, int8-fast (and block_numerics='fast'), int8-fast-bf16kv (and bfloat16 KV pages), "
+                         "int8-bf16 and int8-fast-bf16 (dtype='bfloat16'), int4, "
                          "int4-g128: the model's HF folder "
                          "(hf_folder.py) quantized "
                          "at load (quantization=...); vllm-bf16, vllm-fp32: vLLM's CPU build on that folder "

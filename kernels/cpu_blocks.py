@@ -5,7 +5,7 @@ first use, called through ctypes, registered as the torch operators
 Owns: ``linear(x, blocks, fmt, k)`` = ``x @ dequantize(blocks).T (+ bias) (+ residual)`` for a
 ``[N, row_bytes]`` uint8 matrix in one of ``FORMATS`` (GGML's type ids), and
 ``dequantize(blocks, fmt, k, rows=...)`` (chosen rows or a range of rows as float32: the
-embedding's lookups, a prefill step's slices). Never: choosing when to use it (the model's
+embedding's lookups, a prefill step's slices; a range as bfloat16 for the AMX tiles). Never: choosing when to use it (the model's
 ``BlockWeights`` does), or failing a run: with no compiler, a failed build or
 ``LONGCTX_CPU_KERNEL=0`` it reports itself unavailable and the loader expands the file to
 float32 as before.
@@ -47,6 +47,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                                 i32, i32, ptr, ctypes.c_float, i32]
     lib.longctx_blocks_dequant.restype = i32
     lib.longctx_blocks_dequant.argtypes = [ptr, i64, i32, i64, i64, ptr, i64, i64, ptr, i64, i32]
+    lib.longctx_blocks_dequant_bf16.restype = i32
+    lib.longctx_blocks_dequant_bf16.argtypes = [ptr, i64, i32, i64, i64, i64, i64, ptr, i64, i32]
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare)
@@ -257,15 +259,23 @@ def _blocks_dequant(blocks: torch.Tensor, fmt: int, k: int, rows: torch.Tensor |
     _check_blocks(blocks, fmt, k)
     if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous()):
         raise ValueError(f"rows must be a contiguous int64 vector, got {rows.dtype} {tuple(rows.shape)}")
-    nrows = out.shape[0]
-    if out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != k or out.stride(1) != 1 or (
+    nrows = out.shape[0] if out.dim() == 2 else -1
+    bf16 = out.dtype == torch.bfloat16 and rows is None  # a range of rows rounded to bfloat16
+    if (out.dtype != torch.float32 and not bf16) or out.dim() != 2 or out.shape[1] != k or out.stride(1) != 1 or (
             rows is not None and rows.shape[0] != nrows):
-        raise ValueError(f"out must be float32 [{nrows}, {k}] with contiguous rows, got {out.dtype} {tuple(out.shape)}")
-    rc = lib.longctx_blocks_dequant(blocks.data_ptr(), blocks.shape[1], fmt, blocks.shape[0], k,
-                                    None if rows is None else rows.data_ptr(), first_row, nrows,
-                                    out.data_ptr(), max(out.stride(0), k), num_threads)
+        raise ValueError(f"out must be float32 [{nrows}, {k}] (or bfloat16, for a range of rows) with contiguous "
+                         f"rows, got {out.dtype} {tuple(out.shape)}")
+    if bf16:
+        rc = lib.longctx_blocks_dequant_bf16(blocks.data_ptr(), blocks.shape[1], fmt, blocks.shape[0], k, first_row,
+                                             nrows, out.data_ptr(), max(out.stride(0), k), num_threads)
+    else:
+        rc = lib.longctx_blocks_dequant(blocks.data_ptr(), blocks.shape[1], fmt, blocks.shape[0], k,
+                                        None if rows is None else rows.data_ptr(), first_row, nrows,
+                                        out.data_ptr(), max(out.stride(0), k), num_threads)
     if rc == 4:
         raise IndexError(f"a row index is outside the matrix's {blocks.shape[0]} rows")
+    if rc == 5:
+        raise MemoryError("blocks_dequant could not allocate a thread's row buffer")
     if rc != 0:
         raise ValueError(f"blocks_dequant rejected its arguments (code {rc}): blocks {tuple(blocks.shape)} "
                          f"{NAMES[fmt]}, first_row {first_row}, {nrows} rows")
@@ -280,7 +290,9 @@ def dequantize(blocks: torch.Tensor, fmt: int | str, k: int, rows: torch.Tensor 
                first_row: int = 0, num_rows: int | None = None, out: torch.Tensor | None = None,
                num_threads: int | None = None) -> torch.Tensor:
     """float32 [R, K] of ``blocks``' rows: those indexed by ``rows`` (int64), else ``num_rows``
-    (default all) from ``first_row``. ``out``: [R, K] float32 with contiguous rows to fill."""
+    (default all) from ``first_row``. ``out``: [R, K] float32 with contiguous rows to fill, or,
+    for a range of rows, bfloat16 (each value rounded to nearest even, as ``.to(torch.bfloat16)``
+    rounds the float32 result)."""
     code = _format_id(fmt)
     if rows is not None:
         rows = rows.to(torch.int64).contiguous()

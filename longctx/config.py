@@ -106,9 +106,10 @@ class ModelLoadConfig:
         default="auto", metadata={"help": "auto | blocks | float: how a .gguf model's matrices are held on "
                                           "the CPU. blocks: as the file stores them (Q8_0, Q4_0/1, Q5_0/1, "
                                           "Q4_K, Q5_K, Q6_K, F16, BF16), memory-mapped and multiplied by the "
-                                          "block kernel in float32 (dtype float32 only); float: expanded to "
-                                          "dtype at load (cached). auto: blocks where the block kernel runs "
-                                          "and dtype is float32, else float"})
+                                          "block kernel (dtype float32 or bfloat16: bfloat16 also runs prefill "
+                                          "chunks on bfloat16 slices and AMX tiles where the CPU has them); "
+                                          "float: expanded to dtype at load (cached). auto: blocks where the "
+                                          "block kernel runs and dtype is float32, else float"})
     block_numerics: str = field(
         default="exact", metadata={"help": "exact | fast | fast2: with GGUF blocks, exact multiplies float32 "
                                            "activations by the exactly dequantized weights (HF's numbers); "
@@ -119,7 +120,8 @@ class ModelLoadConfig:
                                            "twice the integer work on the same weight bytes)"})
     quantization: str = field(
         default="none", metadata={"help": "none | int8 | int4: quantize an HF folder's matrices at load "
-                                          "into the block kernel's layouts on the CPU (float32 activations): "
+                                          "into the block kernel's layouts on the CPU (float32 activations; "
+                                          "dtype bfloat16 as with gguf_weights blocks): "
                                           "int8 is Q8_0 (a scale per 32 inputs of each row), int4 is Q4_1 "
                                           "(scale and minimum per quantization_group_size inputs); the "
                                           "embedding and LM head take int8 under int4"})
@@ -163,8 +165,9 @@ class ModelLoadConfig:
                f"block_numerics must be one of {', '.join(BLOCK_TERMS)}, got {self.block_numerics!r}")
         _check(self.gguf_weights in GGUF_WEIGHTS,
                f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
-        _check(self.gguf_weights != "blocks" or self.dtype in ("float32", "auto"),
-               f"gguf_weights='blocks' computes in float32, got dtype={self.dtype!r} (use gguf_weights='float')")
+        _check(self.gguf_weights != "blocks" or self.dtype in ("float32", "bfloat16", "auto"),
+               f"gguf_weights='blocks' computes in float32 or bfloat16, got dtype={self.dtype!r} "
+               "(use gguf_weights='float')")
         _check(self.quantization in QUANTIZATIONS,
                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check(self.quantization_group_size in (32, 128),
@@ -175,8 +178,8 @@ class ModelLoadConfig:
         if self.quantization != "none":
             _check(self.device == "cpu", f"quantization={self.quantization!r} is for the CPU's block kernel, "
                                          f"got device={self.device!r}")
-            _check(self.dtype in ("float32", "auto"), f"quantization={self.quantization!r} computes in float32, "
-                                                      f"got dtype={self.dtype!r}")
+            _check(self.dtype in ("float32", "bfloat16", "auto"),
+                   f"quantization={self.quantization!r} computes in float32 or bfloat16, got dtype={self.dtype!r}")
             _check(self.cpu_matmul == "auto", f"quantization={self.quantization!r} multiplies with the block "
                                               f"kernel, got cpu_matmul={self.cpu_matmul!r}")
             _check(self.gguf_weights == "auto", f"quantization={self.quantization!r} is for HF folders, "

@@ -14,6 +14,7 @@ import torch
 
 from longctx import LLM, SamplingParams
 from longctx.config import BLOCK_TERMS, ConfigError
+from longctx.kernels import cpu_amx
 from longctx.model import loader
 from longctx.model.linear import BlockEmbedding, BlockMatrix, Linear, blocks_available
 from tiny_models import make_checkpoint, random_tokens, write_char_tokenizer, write_gguf
@@ -320,14 +321,146 @@ def _integer_numerics_with_the_other_modes(model_file, numerics: str) -> None:
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
 
 
+needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason=f"AMX kernel {cpu_amx.status()}")
+
+
+def _tile_layer(split, k: int, seed: int, tiles: bool = True):
+    """A Linear over int8 and int4 parts (alternating, ``split`` rows each) with a bias, held by
+    BlockWeights with or without the AMX tiles; and its float32 weights (the dequantized parts)."""
+    from longctx.kernels import cpu_blocks
+    from longctx.model.linear import BlockWeights
+    from longctx.model.quantize import quantize_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    n = sum(split)
+    data = quantize_blocks(torch.randn(n, k, generator=g), "int8")
+    four = quantize_blocks(torch.randn(n, k, generator=g), "int4")
+    parts, lo = [], 0
+    for i, rows in enumerate(split):
+        parts.append(((data if i % 2 == 0 else four)[lo:lo + rows].contiguous(), 8 if i % 2 == 0 else 3))
+        lo += rows
+    layer = Linear(k, n, bias=True)
+    layer.weight = BlockMatrix(parts, k)
+    layer.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+    layer.hold(BlockWeights(tiles=tiles))
+    w = torch.cat([cpu_blocks.dequantize(d, f, k) for d, f in parts])
+    return layer, w, g
+
+
+@needs_amx
+@pytest.mark.parametrize("split", [(48, 96, 16), (64, 40)])
+def test_bf16_tiles_match_float64_on_the_rounded_numbers(monkeypatch, split):
+    """A bfloat16 model's long steps over blocks (``BlockWeights.tiles``): slices of each part
+    dequantized to bfloat16 and multiplied on the AMX tiles, across slice and part boundaries,
+    with the bias and residual: within float32 rounding of the float64 product of x and the
+    weights rounded to bfloat16 (the AMX kernel's own bar). A part whose rows are not a multiple
+    of 16 (40) sends the matrix to the float32 slices (exact numerics). Steps of up to 16 rows
+    are the block kernel's, the same bits as without the tiles."""
+    from longctx.model import linear
+
+    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 64)  # slices of 64 rows (the least): 48+16 | 64 | 16 | 16
+    k = 64
+    layer, w, g = _tile_layer(split, k, seed=sum(split))
+    plain, _, _ = _tile_layer(split, k, seed=sum(split), tiles=False)
+    on_tiles = all(r % 16 == 0 for r in split)
+    assert layer.method._on_tiles(layer.weight) == on_tiles
+    for rows in (17, 41, 300):
+        x = torch.randn(rows, k, generator=g)
+        res = torch.randn(rows, sum(split), generator=g)
+        got = layer(x, residual=res)
+        assert got.shape == (rows, sum(split)) and got.dtype == torch.float32
+        if on_tiles:
+            rounded = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
+            want = rounded + layer.bias.double() + res.double()
+            err = float((got.double() - want).abs().max() / rounded.abs().max())
+            assert err < 2e-6, (rows, err)
+            exact = x.double() @ w.double().t() + layer.bias.double() + res.double()
+            assert (got.double() - exact).abs().max() > 1e-4  # x and w rounded: not the float32 numbers
+        else:
+            assert torch.equal(got, plain(x, residual=res))
+    x = torch.randn(16, k, generator=g)
+    assert torch.equal(layer(x), plain(x))
+
+
+@needs_amx
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("split", [(144, 144), (48, 176, 64)])
+def test_gated_mlp_on_tiles_is_the_whole_products_swiglu(monkeypatch, act, split):
+    """gate/up on the tiles, a slice of F at a time, gives the bits of the whole product's
+    activation (each output column's sums do not depend on the slice it is in)."""
+    from longctx.model import linear
+    from longctx.model.llama import RMSNorm
+
+    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 64)  # slices of 64 rows: 64, 64, 16 of F = 144
+    k, f = 64, sum(split) // 2
+    layer, _, g = _tile_layer(split, k, seed=len(split))
+    norm = RMSNorm(k, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    fn = torch.nn.functional
+    for rows in (17, 41, 300):
+        x = torch.randn(rows, k, generator=g)
+        gate, up = layer(x, norm=norm).split(f, dim=-1)
+        want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
+        got = layer.method.gated(layer, x, norm, act)
+        assert got.shape == (rows, f) and torch.equal(got, want), rows
+
+
+@pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)
+                                        for case in CASES], indirect=True)
+def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file, float_reference):
+    """dtype='bfloat16' over the blocks: prefill chunks on the AMX tiles where the CPU has them
+    (elsewhere the float32 slices), bfloat16 KV pages by default; prompt log-probs near float32's
+    (x and the weights rounded to bfloat16 in the long steps, K and V in the pages), and inside
+    the other modes the tokens it gives alone: lookahead, a prefix hit whose 30 new rows are a
+    long step again, two sequence-parallel ranks; int8 pages with lookahead up to a near tie."""
+    from longctx.kernels import cpu_amx
+    from longctx.model.linear import BlockWeights
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    follow = PROMPT[:80] + random_tokens(30, seed=23)
+    with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False) as llm:
+        methods = {m.method for m in llm.engine.model.modules() if isinstance(m, Linear)}
+        assert all(isinstance(m, BlockWeights) and m.tiles == cpu_amx.available() for m in methods)
+        assert llm.engine.kv_format.dtype == torch.bfloat16
+        out = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+        alone = [out.outputs[0].token_ids, llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids]
+    _, expected = float_reference
+    worst = max(abs(out.prompt_logprobs[p][PROMPT[p]] - expected[p][PROMPT[p]]) for p in range(1, len(PROMPT)))
+    print(f"worst prompt log-prob difference against float32's {worst:.2e}")
+    assert worst < 0.05
+    with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=True) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
+        assert llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids == alone[1]
+        assert llm.cache_stats().hit_tokens["device"] >= 80
+    # int8 pages: lookahead's verification reads a page's values before and after its rounding
+    # at other steps than plain decode does (log-probs move by 4e-4 to 3e-3 here, with float32
+    # blocks too): the two runs' log-probs agree within 1e-2 while their tokens do, and part only
+    # at a near tie
+    tied = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    runs = []
+    for la in (False, True):
+        with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", kv_cache_dtype="int8", lookahead=la) as llm:
+            runs.append(llm.generate({"prompt_token_ids": PROMPT}, tied)[0].outputs[0])
+    plain, ahead = runs
+    parted = next((i for i, (a, b) in enumerate(zip(plain.token_ids, ahead.token_ids)) if a != b), NEW_TOKENS)
+    for i in range(parted):
+        tok = plain.token_ids[i]
+        assert abs(plain.logprobs[i][tok] - ahead.logprobs[i][tok]) < 1e-2, i
+    if parted < NEW_TOKENS:
+        top = sorted(plain.logprobs[parted].values())[-2:]
+        assert top[1] - top[0] < 1e-2, (parted, plain.logprobs[parted])
+    with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", sequence_parallel_size=2, lookahead=False) as llm:
+        assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
+
+
 def test_blocks_refused_where_they_cannot_serve(tmp_path):
     hf_folder = tmp_path / "hf"
     make_checkpoint(hf_folder, "llama-default")
     write_char_tokenizer(hf_folder)
     with pytest.raises(ConfigError, match="gguf_weights='blocks' is for .gguf models"):
         LLM(str(hf_folder), gguf_weights="blocks")
-    with pytest.raises(ConfigError, match="computes in float32"):
-        LLM(str(hf_folder), gguf_weights="blocks", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="computes in float32 or bfloat16"):
+        LLM(str(hf_folder), gguf_weights="blocks", dtype="float16")
     with pytest.raises(ConfigError, match="gguf_weights must be one of"):
         LLM(str(hf_folder), gguf_weights="int4")
 

@@ -192,13 +192,39 @@ def test_fast_numerics_run_on_quantized_folders(folder):
     assert diffs and 0 < max(diffs) < 0.1, diffs  # Q4_1 has integer products: moved, a little
 
 
+@needs_blocks
+@pytest.mark.parametrize("scheme, group", [("int8", 32), ("int4", 128)])
+def test_bfloat16_compute_takes_the_tiles_and_stays_near_hf(folder, scheme, group):
+    """dtype='bfloat16' over quantized matrices: prefill chunks on bfloat16 slices and the AMX
+    tiles where the CPU has them (elsewhere the float32 slices), bfloat16 KV pages; prompt
+    log-probs within 0.05 of HF's float32 on the same dequantized weights (x, the weights and
+    K/V rounded to bfloat16), and the same tokens with lookahead and two ranks as alone."""
+    from longctx.kernels import cpu_amx
+
+    path, model = folder
+    ref = _dequantized_hf(model, scheme, group)
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(ref(torch.tensor([PROMPT])).logits[0].double(), -1)
+    with _llm(path, scheme, group, dtype="bfloat16") as llm:
+        assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
+        assert llm.engine.kv_format.dtype == torch.bfloat16
+        out = _generate(llm, prompt_logprobs=1)
+    worst = max(abs(out.prompt_logprobs[p][PROMPT[p]] - float(ref_lp[p - 1, PROMPT[p]])) for p in range(1, len(PROMPT)))
+    print(f"{scheme} g{group} bfloat16: worst prompt log-prob difference against HF float32 {worst:.2e}")
+    assert worst < 0.05
+    with _llm(path, scheme, group, dtype="bfloat16", lookahead=True) as llm:
+        assert _generate(llm).outputs[0].token_ids == out.outputs[0].token_ids
+    with _llm(path, scheme, group, dtype="bfloat16", sequence_parallel_size=2) as llm:
+        assert _generate(llm).outputs[0].token_ids == out.outputs[0].token_ids
+
+
 def test_quantization_refused_where_it_cannot_serve(folder, tmp_path):
     path, model = folder
     cases = [
         (dict(quantization="int2"), "quantization must be one of"),
         (dict(quantization="int4", quantization_group_size=64), "quantization_group_size must be 32 or 128"),
         (dict(quantization="int8", quantization_group_size=128), "quantization_group_size is int4's"),
-        (dict(quantization="int8", dtype="bfloat16"), "computes in float32"),
+        (dict(quantization="int8", dtype="float16"), "computes in float32 or bfloat16"),
         (dict(quantization="int8", device="cuda"), "is for the CPU"),
         (dict(quantization="int8", cpu_matmul="blas"), "multiplies with the block kernel"),
         (dict(quantization="int8", gguf_weights="float"), "is for HF folders"),

@@ -28,7 +28,9 @@
  * the register kernels below; else into a float32 buffer of K floats), so each weight byte is
  * read from memory once per call.
  * longctx_blocks_dequant writes chosen rows (the embedding's lookups) or a range of rows (a
- * prefill step's slice, which then goes to linear_rows.c's panel product) as float32.
+ * prefill step's slice, which then goes to linear_rows.c's panel product) as float32;
+ * longctx_blocks_dequant_bf16 a range of rows rounded to bfloat16 (a bfloat16 model's prefill
+ * slice, for linear_amx.c's tiles).
  *
  * Built at first use by kernels/cpu_blocks.py with the machine's compiler (cpu_build.py picks
  * the instruction set; AVX-512 and AVX2 dot products by intrinsics, plain C otherwise).
@@ -1314,6 +1316,54 @@ int longctx_blocks_dequant(const uint8_t *w, int64_t row_bytes, int fmt, int64_t
         dequant_row(w + r * row_bytes, fmt, k, out + i * ldo);
     }
     return 0;
+}
+
+/* float32 -> bfloat16, round to nearest even (a NaN stays a quiet NaN): torch's conversion, bit for
+ * bit, for the finite values a dequantized weight takes. */
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* As longctx_blocks_dequant over a range of rows, each row rounded to bfloat16 (out [nrows, k]
+ * uint16 bits, row stride ldo): a bfloat16 model's prefill slice for the AMX tiles (cpu_amx),
+ * without a float32 slice in memory between. Each thread dequantizes a row into its own float32
+ * row (in L1/L2) and rounds it from there. Returns as longctx_blocks_dequant does (5: no memory). */
+int longctx_blocks_dequant_bf16(const uint8_t *w, int64_t row_bytes, int fmt, int64_t n, int64_t k,
+                                int64_t first_row, int64_t nrows, uint16_t *out, int64_t ldo, int nthreads) {
+    int64_t expect;
+    if (longctx_blocks_row_bytes(fmt, k, &expect) != 0 || expect != row_bytes)
+        return 1;
+    if (nrows < 0 || ldo < k || nthreads < 1 || first_row < 0 || first_row + nrows > n)
+        return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nrows * k >= 65536)
+    {
+        float *row = aligned_alloc(64, (size_t)((k + 15) / 16 * 16) * sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nrows; i++) {
+            if (!row)
+                continue;
+            dequant_row(w + (first_row + i) * row_bytes, fmt, k, row);
+            uint16_t *dst = out + i * ldo;
+            int64_t c = 0;
+#if defined(__AVX512BF16__)
+            for (; c + 16 <= k; c += 16)
+                _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + c)));
+#endif
+            for (; c < k; c++)
+                dst[c] = f2bf(row[c]);
+        }
+        free(row);
+    }
+    return failed ? 5 : 0;
 }
 
 /* ------------------------------------------------ "fast": int8 activations, integer products

@@ -275,23 +275,30 @@ class BlockWeights(LinearMethod):
     stay exact); 2 (``"fast2"``): x as two int8 terms, x rounded and what that left rounded
     again, both multiplied on the same unpacked weights; longer steps stay exact.
     ``blas_from_rows``: from that many rows (what ``cpu_tune`` measured faster here), the
-    slices' products are torch's BLAS instead of the row kernel's panels."""
+    slices' products are torch's BLAS instead of the row kernel's panels.
+    ``tiles`` (a bfloat16 model's blocks, where the CPU has AMX-BF16: ``use_bf16_tiles``): longer
+    steps dequantize slices rounded to bfloat16 and multiply them on the AMX tiles (``cpu_amx``:
+    x rounded to bfloat16, float32 sums), a matrix whose parts' rows are multiples of 16 and
+    whose width is a multiple of 32 (every model dimension here); the block kernel's short steps
+    are the same as in float32."""
 
     name = "blocks"
 
-    def __init__(self, fast: int = 0, blas_from_rows: int = cpu_linear.UNBOUNDED) -> None:
+    def __init__(self, fast: int = 0, blas_from_rows: int = cpu_linear.UNBOUNDED, tiles: bool = False) -> None:
         self.fast = int(fast)  # steps of up to BLOCK_ROWS rows on x in this many int8 terms
         self.blas_from_rows = int(blas_from_rows)
-        self._local = threading.local()  # the slice buffer: one per thread, never pickled
+        self.tiles = bool(tiles)  # longer steps on bfloat16 slices and the AMX tiles
+        self._local = threading.local()  # the slice buffers: one per thread, never pickled
 
     def __getstate__(self) -> dict:
         # a buffer sent along to a sequence-parallel rank would be moved into shared memory and
         # written by both processes at once
-        return {"fast": self.fast, "blas_from_rows": self.blas_from_rows}
+        return {"fast": self.fast, "blas_from_rows": self.blas_from_rows, "tiles": self.tiles}
 
     def __setstate__(self, state: dict) -> None:
         self.fast = state["fast"]
         self.blas_from_rows = state.get("blas_from_rows", cpu_linear.UNBOUNDED)
+        self.tiles = state.get("tiles", False)
         self._local = threading.local()
 
     def take(self, layer: "Linear") -> None:
@@ -299,11 +306,18 @@ class BlockWeights(LinearMethod):
             raise ValueError("BlockWeights holds a BlockMatrix, set as the layer's weight")
         layer.weight_t = None
 
-    def _buffer(self, numel: int) -> torch.Tensor:
-        scratch = getattr(self._local, "scratch", None)
+    def _buffer(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        name = "scratch" if dtype == torch.float32 else "scratch_bf16"
+        scratch = getattr(self._local, name, None)
         if scratch is None or scratch.numel() < numel:
-            scratch = self._local.scratch = torch.empty(numel, dtype=torch.float32)
+            scratch = torch.empty(numel, dtype=dtype)
+            setattr(self._local, name, scratch)
         return scratch[:numel]
+
+    def _on_tiles(self, blocks: BlockMatrix) -> bool:
+        """Whether a long step over ``blocks`` runs on the AMX tiles."""
+        return (self.tiles and blocks.k % cpu_amx.K_MULTIPLE == 0
+                and all(d.shape[0] % cpu_amx.N_MULTIPLE == 0 for d in blocks.tensors) and cpu_amx.available())
 
     def product(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         blocks: BlockMatrix = layer.weight
@@ -321,6 +335,13 @@ class BlockWeights(LinearMethod):
         x = x.contiguous()
         if m <= BLOCK_ROWS:  # every part in one call (fast: integer products where the format has them)
             return blocks.prepared()(x, out, bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
+        if self._on_tiles(blocks):
+            out = torch.empty(_tile_rows(m), blocks.shape[0], dtype=torch.float32)
+            self._tile_product(blocks, x, 0, blocks.shape[0], out)
+            out = out[:m]
+            if bias is not None:
+                out.add_(bias)
+            return out if residual is None else out.add_(residual)
         lo = 0
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
@@ -376,13 +397,22 @@ class BlockWeights(LinearMethod):
         f = blocks.shape[0] // 2
         out = torch.empty(m, f, dtype=torch.float32)
         step = _slice_rows(k)
-        pair = torch.empty(m, 2 * min(step, f), dtype=torch.float32)
+        tiles = self._on_tiles(blocks) and f % cpu_amx.N_MULTIPLE == 0
+        pair = torch.empty(_tile_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
         half = pair.shape[1] // 2
         for r0 in range(0, f, step):
             w = min(r0 + step, f) - r0
             gate, up = pair[:, :w], pair[:, half:half + w]  # (strided: each row is its own loop)
-            self._slice_product(blocks, layer.bias, x, r0, r0 + w, gate)
-            self._slice_product(blocks, layer.bias, x, f + r0, f + r0 + w, up)
+            if tiles:  # (the tiles write whole 16-row blocks: the pair's rows past m are padding)
+                self._tile_product(blocks, x, r0, r0 + w, gate)
+                self._tile_product(blocks, x, f + r0, f + r0 + w, up)
+                gate, up = gate[:m], up[:m]
+                if layer.bias is not None:
+                    gate.add_(layer.bias[r0:r0 + w])
+                    up.add_(layer.bias[f + r0:f + r0 + w])
+            else:
+                self._slice_product(blocks, layer.bias, x, r0, r0 + w, gate)
+                self._slice_product(blocks, layer.bias, x, f + r0, f + r0 + w, up)
             a = nn.functional.silu(gate) if act == "silu" else nn.functional.gelu(gate, approximate="tanh")
             torch.mul(a, up, out=out[:, r0:r0 + w])
         return out
@@ -403,6 +433,28 @@ class BlockWeights(LinearMethod):
             out.copy_(torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t()))
         else:
             cpu_linear.linear(x, w, b, out=out)
+
+
+    def _tile_product(self, blocks: BlockMatrix, x: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+        """out [rows of x rounded up to 16, hi - lo] (contiguous rows; the rows past x's are
+        padding the tiles write) = x @ rows [lo, hi) of the stacked parts .T, on the AMX tiles:
+        slices of each part dequantized and rounded to bfloat16 (``_slice_rows``' count of rows,
+        half its bytes) and multiplied by ``cpu_amx`` straight into their columns of ``out``."""
+        k, step, threads = blocks.k, _slice_rows(blocks.k), torch.get_num_threads()
+        start = 0
+        for data, fmt in blocks.parts:
+            end = start + data.shape[0]
+            for a in range(max(lo, start), min(hi, end), step):
+                b = min(a + step, hi, end)
+                w = self._buffer((b - a) * k, torch.bfloat16).view(b - a, k)
+                cpu_blocks.dequantize(data, fmt, k, first_row=a - start, num_rows=b - a, out=w, num_threads=threads)
+                cpu_amx.amx_linear(x, w, out[:, a - lo:b - lo], threads)
+            start = end
+
+
+def _tile_rows(m: int) -> int:
+    """Rows of an AMX product's output for ``m`` rows of x: whole 16-row tiles."""
+    return (m + 15) // 16 * 16
 
 
 def _slice_rows(k: int) -> int:
@@ -447,6 +499,23 @@ BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buf
 BLOCK_METHODS = {0: BLOCKS, 1: BlockWeights(fast=1), 2: BlockWeights(fast=2)}
 
 
+def use_bf16_tiles(model: nn.Module) -> int:
+    """A bfloat16 model's GGUF blocks: their long steps on bfloat16 slices and the AMX tiles
+    (``BlockWeights.tiles``) where the CPU has them; elsewhere nothing changes (the float32
+    slices). One method object per kind for all layers, as at load. Returns how many layers
+    took it."""
+    if not cpu_amx.available():
+        return 0
+    made: dict[tuple, LinearMethod] = {}
+    taken = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.method, BlockWeights):
+            m = module.method
+            module.method = made.setdefault((m.fast, m.blas_from_rows), BlockWeights(m.fast, m.blas_from_rows, True))
+            taken += 1
+    return taken
+
+
 def tune_bf16_long_steps(model: nn.Module, amx_from_rows: int) -> int:
     """Steps of ``amx_from_rows`` rows and more through the AMX tiles for ``model``'s bfloat16
     row-kernel matrices (one method object for all of them). Returns how many layers took it."""
@@ -474,7 +543,8 @@ def tune_long_steps(model: nn.Module, blas_from_rows: int) -> int:
         if method.name == ROW_KERNEL.name and module.weight is not None and module.weight.dtype == torch.float32:
             module.method = made.setdefault(("kernel",), RowKernelWeights(blas_from_rows))
         elif isinstance(method, BlockWeights):
-            module.method = made.setdefault(("blocks", method.fast), BlockWeights(method.fast, blas_from_rows))
+            module.method = made.setdefault(("blocks", method.fast, method.tiles),
+                                            BlockWeights(method.fast, blas_from_rows, method.tiles))
         else:
             continue
         taken += 1

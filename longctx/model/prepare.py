@@ -17,7 +17,7 @@ from longctx.kernels import cpu_blocks, cpu_build, cpu_tune
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import blocks_available, tune_bf16_long_steps, tune_long_steps
+from .linear import blocks_available, tune_bf16_long_steps, tune_long_steps, use_bf16_tiles
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -38,11 +38,12 @@ def prepare_model(load: ModelLoadConfig, parallel: ParallelConfig,
     dtype = TORCH_DTYPES[load.dtype]
     if load.quantization != "none":
         _check_quantization(load)
-        return _tuned(load_quantized_model(load.model, load.quantization, load.quantization_group_size,
-                                           rope_scaling=load.rope_scaling, fast=BLOCK_TERMS[load.block_numerics])), "blocks"
+        return _blocks_tuned(load_quantized_model(load.model, load.quantization, load.quantization_group_size,
+                                                  rope_scaling=load.rope_scaling,
+                                                  fast=BLOCK_TERMS[load.block_numerics]), dtype), "blocks"
     if device.type == "cpu" and _keeps_blocks(load, dtype):
-        return _tuned(load_blocks_model(load.model, rope_scaling=load.rope_scaling,
-                                        fast=BLOCK_TERMS[load.block_numerics])), "blocks"
+        return _blocks_tuned(load_blocks_model(load.model, rope_scaling=load.rope_scaling,
+                                               fast=BLOCK_TERMS[load.block_numerics]), dtype), "blocks"
     cpu_matmul = choose_cpu_matmul(load.cpu_matmul, dtype) if device.type == "cpu" else None
     if cpu_matmul == "kernel":  # from the weight cache in the kernel's layout, memory-mapped
         model = load_row_kernel_model(load.model, dtype, rope_scaling=load.rope_scaling,
@@ -79,6 +80,15 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
     return model
 
 
+def _blocks_tuned(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A model of blocks (float32 activations) computing in ``dtype``: bfloat16 sends its prefill
+    chunks to bfloat16 slices on the AMX tiles where the CPU has them (``use_bf16_tiles``); the
+    rest as float32's (``_tuned``)."""
+    if dtype == torch.bfloat16:
+        use_bf16_tiles(model)
+    return _tuned(model)
+
+
 def _check_quantization(load: ModelLoadConfig) -> None:
     """``quantization`` is for an HF folder, on a machine where the block kernel runs."""
     if resolve_model(load.model).is_file():
@@ -98,8 +108,8 @@ def _keeps_blocks(load: ModelLoadConfig, dtype: torch.dtype) -> bool:
     if load.gguf_weights == "blocks":
         if not is_gguf:
             raise ConfigError(f"gguf_weights='blocks' is for .gguf models, {load.model!r} is an HF folder")
-        if dtype != torch.float32:
-            raise ConfigError(f"gguf_weights='blocks' computes in float32, got dtype {dtype}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"gguf_weights='blocks' computes in float32 or bfloat16, got dtype {dtype}")
         if not blocks_available():
             raise ConfigError("gguf_weights='blocks' needs the CPU block and row kernels with their vector "
                               f"paths (block kernel: {cpu_blocks.status()}, instruction set {cpu_build.isa()})")

@@ -70,6 +70,21 @@ def test_dequantize_bit_identical_to_gguf(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK))
+def test_dequantize_to_bfloat16_bit_identical_to_torchs_rounding(fmt):
+    """A range of rows as bfloat16 (a bfloat16 model's prefill slices for the AMX tiles): the
+    float32 dequantization rounded as torch rounds it (to nearest even), bit for bit, at every
+    thread count, over a width with a tail past the 16-value vector steps where the format has one."""
+    widths = (40, 256) if BLOCK[fmt][0] == 1 else (256, 768)
+    for n, k in ((7, widths[0]), (33, widths[1])):
+        raw = torch.from_numpy(random_blocks(fmt, n, k, seed=n + 1))
+        expect = torch.from_numpy(reference_dequant(fmt, raw.numpy(), k)).to(torch.bfloat16)
+        for threads in (1, 3):
+            out = torch.full((n - 3, k), float("nan"), dtype=torch.bfloat16)
+            cpu_blocks.dequantize(raw, fmt, k, first_row=2, num_rows=n - 3, out=out, num_threads=threads)
+            assert torch.equal(out.view(torch.int16), expect[2:n - 1].view(torch.int16)), (fmt, n, k, threads)
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK))
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_linear_matches_float64_reference(fmt, m, n, k):
     raw = random_blocks(fmt, n, k, seed=m * 31 + n)
@@ -132,6 +147,10 @@ def test_bad_arguments_are_refused_by_name():
         cpu_blocks.dequantize(raw, "Q8_0", 64, torch.tensor([4]))
     with pytest.raises(ValueError, match="first_row"):
         cpu_blocks.dequantize(raw, "Q8_0", 64, first_row=3, num_rows=2)
+    with pytest.raises(ValueError, match="or bfloat16, for a range of rows"):  # chosen rows stay float32
+        cpu_blocks.dequantize(raw, "Q8_0", 64, torch.tensor([1]), out=torch.empty(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="first_row"):
+        cpu_blocks.dequantize(raw, "Q8_0", 64, first_row=3, num_rows=2, out=torch.empty(2, 64, dtype=torch.bfloat16))
 
 
 def _lower_vector_levels() -> list[str]:
