@@ -8,8 +8,8 @@
  * the float32 sums differs.
  *
  * Tiles (8 of 16 rows x 64 bytes): 0-3 the float32 sums of a 32 x 32 block of y (C[mi][ni] =
- * tile 2 mi + ni), 4-5 two 16-row blocks of x (A: 16 rows of 32 bfloat16 k, straight from the
- * rounded rows), 6-7 two 16-column blocks of w in pairs along K (B: row r holds
+ * tile 2 mi + ni), 4-5 two 16-row blocks of x (A: 16 rows of 32 bfloat16 k, each tile 1 KB
+ * contiguous in the rounded copy of x: round_rows), 6-7 two 16-column blocks of w in pairs along K (B: row r holds
  * (w[n][k0 + 2r], w[n][k0 + 2r + 1]) for the 16 columns n, one 32-bit word each). Each thread
  * takes a slice of up to 256 columns, packs it for all of K once (at most ~1 MB: in L2) and runs
  * every block of 32 rows of x over each 32 columns of it, so w is read once per call and x once
@@ -31,18 +31,24 @@
 /* 0 when this process may use the AMX tiles, else -1. */
 int longctx_amx_enable(void) { return amx_request_tiles(); }
 
-/* x [M, K] float32 (row stride ldx) -> xb [Mp, K] bfloat16, rows M..Mp-1 zero. */
+/* x [M, K] float32 (row stride ldx) -> xb, bfloat16 in A tiles: xb[Mp / 16][K / 32][16 r][32 k]
+ * (each tile 1 KB, contiguous), rows M..Mp-1 zero. Rows K * 2 bytes apart, as x's own rows
+ * are, put a tile's 16 rows in one L1 set whenever K * 2 is a multiple of 4 KB (K = 2,048,
+ * 8,192: the 1B model's): 16 lines in a 12-way set, missed at every load. */
 static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, uint16_t *xb, int threads) {
+    const int kblocks = K / 32;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int m = 0; m < Mp; m++) {
-        uint16_t *dst = xb + (int64_t)m * K;
+        uint16_t *dst = xb + ((int64_t)(m / 16) * kblocks * 16 + (m % 16)) * 32;  /* row m of its kb = 0 tile */
         if (m >= M) {
-            memset(dst, 0, sizeof(uint16_t) * (size_t)K);
+            for (int kb = 0; kb < kblocks; kb++) memset(dst + (int64_t)kb * 512, 0, 64);
             continue;
         }
         const float *xr = x + (int64_t)m * ldx;
-        for (int k = 0; k < K; k += 16)
-            _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
+        for (int kb = 0; kb < kblocks; kb++) {
+            const __m512 lo = _mm512_loadu_ps(xr + 32 * kb), hi = _mm512_loadu_ps(xr + 32 * kb + 16);
+            _mm512_storeu_si512((__m512i *)(dst + (int64_t)kb * 512), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
     }
 }
 
@@ -66,15 +72,14 @@ static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
 static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t *wp, int nb, float *y,
                        int64_t ldy, int n0) {
     const int kblocks = K / 32;
-    const int64_t xstride = (int64_t)K * 2;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int kb = 0; kb < kblocks; kb++) {
-        const uint16_t *a = xb + (int64_t)m0 * K + 32 * kb;
+        const uint16_t *a = xb + ((int64_t)(m0 / 16) * kblocks + kb) * 512;
         const uint32_t *b = wp + (int64_t)kb * nb * 256;
-        _tile_loadd(4, a, xstride);
+        _tile_loadd(4, a, 64);
         _tile_loadd(6, b, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (nb == 2) {
@@ -82,7 +87,7 @@ static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t
             _tile_dpbf16ps(1, 4, 7);
         }
         if (mb == 2) {
-            _tile_loadd(5, a + 16 * (int64_t)K, xstride);
+            _tile_loadd(5, a + (int64_t)kblocks * 512, 64);
             _tile_dpbf16ps(2, 5, 6);
             if (nb == 2) _tile_dpbf16ps(3, 5, 7);
         }
