@@ -454,12 +454,14 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
             kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
             half = by.get("longctx blocks-bf16kv")  # 2-byte pages, as llama.cpp's f16 KV
             fast2 = by.get("longctx fast2-bf16kv")  # and block_numerics="fast2"
+            bf = by.get("longctx blocks-bf16")  # dtype="bfloat16": bfloat16 pages, prefill on AMX tiles
             rows.append([f"GGUF {label}, {tokens(ctx) if ctx else '?'} prompt: prefill / decode"
                          + (" (8-bit KV)" if all(kv) else ""),
                          f"{sec(lc['prefill_s'])} s / {f(lc['decode_ms'])} ms"
                          + (f" ({f(kv[0]['decode_ms'])} ms, int8 pages)" if all(kv) else "")
                          + (f" ({f(half['decode_ms'])} ms, bfloat16 pages)" if half else "")
-                         + (f" ({f(fast2['decode_ms'])} ms, fast2 and bfloat16 pages)" if fast2 else ""),
+                         + (f" ({f(fast2['decode_ms'])} ms, fast2 and bfloat16 pages)" if fast2 else "")
+                         + (f" ({sec(bf['prefill_s'])} s / {f(bf['decode_ms'])} ms, dtype bfloat16)" if bf else ""),
                          f"llama.cpp {sec(ll['prefill_s'])} s / {f(ll['decode_ms'])} ms"
                          + (f" ({f(kv[1]['decode_ms'])} ms, q8_0)" if all(kv) else "")
                          + f" (longctx/llama.cpp {times(lc['prefill_s'], ll['prefill_s'])} / "
@@ -467,6 +469,8 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
                          + (f"; 8-bit KV {times(kv[0]['decode_ms'], kv[1]['decode_ms'])}" if all(kv) else "")
                          + (f"; bfloat16 pages {times(half['decode_ms'], ll['decode_ms'])}" if half else "")
                          + (f"; fast2 and bfloat16 pages {times(fast2['decode_ms'], ll['decode_ms'])}" if fast2 else "")
+                         + (f"; dtype bfloat16 {times(bf['prefill_s'], ll['prefill_s'])} / "
+                            f"{times(bf['decode_ms'], ll['decode_ms'])}" if bf else "")
                          + ")",
                          doc.run(q)])
 
