@@ -212,7 +212,7 @@ except Exception:
 '''
 
 KV_GB_PER_4K = {"8b": 1.5}  # float32 KV of 4K tokens: 1 GiB for the 8B shape (0.25 for the 1B, ~0.35 the 135M)
-QUANTIZED = ("int8", "int8-fast", "int8-fast-bf16kv", "int4", "int4-g128")  # HF folder engines, quantized at load
+QUANTIZED = ("int8", "int8-fast", "int8-fast-bf16kv", "int8-bf16", "int8-fast-bf16", "int4", "int4-g128")  # HF folder engines, quantized at load
 VLLM_ENGINES = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}
 PEERS = ("llama.cpp", "llama.cpp-q8kv", *VLLM_ENGINES)  # engines that take longctx's prompt ids
 
