@@ -112,7 +112,10 @@ def worker_longctx(args) -> dict:
     t0 = time.perf_counter()
     # plain engine: the 1K..8K prompts are prefixes of one text (the prefix store would serve
     # them from cache) and decode is measured without lookahead (bench_lookahead.py has that)
+    # bf16: the file expanded to bf16 weights (gguf_weights="float"), the same work as vLLM's bf16
+    # on the HF folder and as every earlier record (by default a quantized file keeps its blocks)
     llm = LLM("smollm2-135m", dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+              **({"gguf_weights": "float"} if dtype == "bf16" else {}),
               block_size=args.block_size, max_num_batched_tokens=args.chunk,
               enable_prefix_caching=False, lookahead=False)
     load_s = time.perf_counter() - t0

@@ -130,7 +130,10 @@ def main() -> None:
     if other == "amx" and not cpu_amx.available():
         raise SystemExit(f"the AMX kernel is {cpu_amx.status()}: nothing to compare for bfloat16")
     lengths = [int(n) for n in args.lengths.split(",")]
-    extra = {"gguf_weights": args.gguf_weights} if args.gguf_weights else {}
+    # bfloat16 compares the row kernel's and the AMX kernel's products on bf16 weights: the file
+    # expanded (a quantized file would keep its blocks under bfloat16 otherwise)
+    weights = args.gguf_weights or ("float" if args.dtype == "bfloat16" else None)
+    extra = {"gguf_weights": weights} if weights else {}
     llm = LLM(args.model, enable_prefix_caching=False, lookahead=False, num_threads=args.threads,
               dtype=args.dtype, max_model_len=max(lengths) + args.new_tokens + 64, **extra)
     model = llm.engine.model

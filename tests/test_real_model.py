@@ -153,18 +153,38 @@ def test_greedy_repetition_penalty_matches_hf(llm, document_ids, hf_model, penal
 
 @pytest.mark.slow  # bfloat16 on tiny checkpoints of every family: tests/test_families.py
 def test_bfloat16_on_the_cpu_keeps_float32s_greedy_tokens(document_ids, hf_reference):
-    """dtype='bfloat16' on the CPU (bf16 weights through the row kernel, bf16 KV pages, fp32
+    """dtype='bfloat16' with the file expanded (gguf_weights='float': bf16 weights through the row kernel, bf16 KV pages, fp32
     activations between the products; where the CPU has AVX-512 BF16, prefill chunks' products
     take their rows rounded to bf16 and the flash kernel's scores take q rounded to bf16 away from
     the first and the diagonal key tiles): the same 64 greedy tokens as HF float32 on the
     7,200-token prompt, and last-position logits within 2% of the largest (measured: 0.65% with
     float32 rows, 1.1% at avx512bf16)."""
-    llm = LLM("smollm2-135m", dtype="bfloat16", block_size=64, max_num_batched_tokens=2048)
+    llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="float", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "kernel" and llm.engine.kv_dtype == torch.bfloat16
     tokens, logits = _run_capturing_first_logits(llm, document_ids)
     expected_tokens, expected_logits = hf_reference
     rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
     print(f"bf16 last-position logits: {rel:.2e} relative to float32")
+    assert rel < 2e-2, f"last-position logits differ by {rel:.2e} relative"
+    assert tokens == expected_tokens
+
+
+@pytest.mark.slow
+def test_bfloat16_over_the_blocks_keeps_float32s_greedy_tokens(document_ids, hf_reference):
+    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file): bf16 KV pages, decode on
+    the block kernel's float32 products, prefill chunks on bfloat16 slices and the AMX tiles where
+    the CPU has them (else float32 products): the same 64 greedy tokens as HF float32 on the
+    7,200-token prompt, and last-position logits within 2% of the largest (the dense bf16 bar)."""
+    from longctx.kernels import cpu_amx
+    from longctx.model.linear import Linear
+
+    llm = LLM("smollm2-135m", dtype="bfloat16", block_size=64, max_num_batched_tokens=2048)
+    assert llm.engine.cpu_matmul == "blocks" and llm.engine.kv_dtype == torch.bfloat16
+    assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
+    tokens, logits = _run_capturing_first_logits(llm, document_ids)
+    expected_tokens, expected_logits = hf_reference
+    rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
+    print(f"bf16 over the blocks, last-position logits: {rel:.2e} relative to float32")
     assert rel < 2e-2, f"last-position logits differ by {rel:.2e} relative"
     assert tokens == expected_tokens
 

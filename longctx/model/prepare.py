@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import torch
 
@@ -16,6 +17,7 @@ from longctx.config import BLOCK_TERMS, ConfigError, ModelLoadConfig, ParallelCo
 from longctx.kernels import cpu_blocks, cpu_build, cpu_tune
 
 from .config import ModelConfig
+from .gguf_file import GGUFFile
 from .llama import LlamaForCausalLM, choose_cpu_matmul
 from .linear import blocks_available, tune_bf16_long_steps, tune_long_steps, use_bf16_tiles
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
@@ -114,9 +116,24 @@ def _keeps_blocks(load: ModelLoadConfig, dtype: torch.dtype) -> bool:
             raise ConfigError("gguf_weights='blocks' needs the CPU block and row kernels with their vector "
                               f"paths (block kernel: {cpu_blocks.status()}, instruction set {cpu_build.isa()})")
         return True
-    # auto: a float32 CPU model whose products are left to choose (cpu_matmul 'auto'); a chosen
-    # cpu_matmul is a product over float weights
-    return is_gguf and dtype == torch.float32 and load.cpu_matmul == "auto" and blocks_available()
+    # auto: a CPU model whose products are left to choose (cpu_matmul 'auto'; a chosen cpu_matmul
+    # is a product over float weights), in float32, or in bfloat16 where the file's matrices take
+    # fewer bytes as stored than as bfloat16 (a quantized file: expanded, a Q4_K_M would take
+    # ~3.5x its size); an F32/F16/BF16 file in bfloat16 is expanded to the row kernel's layout
+    if not (is_gguf and load.cpu_matmul == "auto" and blocks_available()):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and narrower_than_bf16(resolve_model(load.model)))
+
+
+def narrower_than_bf16(path: Path) -> bool:
+    """Whether a GGUF file's matrices (its 2-D tensors) take fewer bytes as stored than they
+    would as bfloat16: quantized blocks, not F32/F16/BF16."""
+    stored = wide = 0
+    for t in GGUFFile(path).tensors:
+        if len(t.shape) == 2:
+            stored += t.data.nbytes
+            wide += 2 * int(t.shape[0]) * int(t.shape[1])
+    return 0 < stored < wide
 
 
 def model_window(config: ModelConfig) -> int:
