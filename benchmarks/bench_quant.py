@@ -99,7 +99,7 @@ extra = {"fast": {"gguf_weights": "blocks", "block_numerics": "fast"},
          "blocks-int8kv": {"gguf_weights": "blocks", "kv_cache_dtype": "int8"},
          "blocks-bf16kv": {"gguf_weights": "blocks", "kv_cache_dtype": "bfloat16"},
          "blocks-bf16": {"gguf_weights": "blocks", "dtype": "bfloat16"},
-         "bf16": {"dtype": "bfloat16"},
+         "bf16": {"dtype": "bfloat16", "gguf_weights": "float"},  # the weights expanded to bfloat16
          "int8": {"quantization": "int8"},
          "int8-fast": {"quantization": "int8", "block_numerics": "fast"},
          "int8-fast-bf16kv": {"quantization": "int8", "block_numerics": "fast", "kv_cache_dtype": "bfloat16"},

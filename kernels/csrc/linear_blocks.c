@@ -1319,7 +1319,8 @@ int longctx_blocks_dequant(const uint8_t *w, int64_t row_bytes, int fmt, int64_t
 }
 
 /* float32 -> bfloat16, round to nearest even (a NaN stays a quiet NaN): torch's conversion, bit for
- * bit, for the finite values a dequantized weight takes. */
+ * bit, for normal values (the vector path below flushes subnormal inputs to zero, as the AMX
+ * tiles would read them anyway). */
 static inline uint16_t f2bf(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
