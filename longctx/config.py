@@ -110,7 +110,8 @@ class ModelLoadConfig:
                                           "chunks on bfloat16 slices and AMX tiles where the CPU has them); "
                                           "float: expanded to dtype at load (cached). auto: blocks where the "
                                           "block kernel runs and dtype is float32, or bfloat16 with quantized "
-                                          "matrices (fewer bytes as stored than as bfloat16), else float"})
+                                          "matrices (fewer bytes as stored than as bfloat16) on a CPU with AMX, "
+                                          "else float"})
     block_numerics: str = field(
         default="exact", metadata={"help": "exact | fast | fast2: with GGUF blocks, exact multiplies float32 "
                                            "activations by the exactly dequantized weights (HF's numbers); "

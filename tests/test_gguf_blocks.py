@@ -453,16 +453,19 @@ def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(mo
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
 
 
-def test_bfloat16_keeps_a_quantized_files_blocks_by_default(model_file):
-    """gguf_weights='auto' under dtype='bfloat16': a file whose matrices take fewer bytes as
-    stored than as bfloat16 keeps its blocks; one of F16/BF16 matrices (no smaller) is expanded
-    to bf16 weights on the row kernel."""
+def test_bfloat16_keeps_a_quantized_files_blocks_by_default(model_file, monkeypatch):
+    """gguf_weights='auto' under dtype='bfloat16': where the CPU has AMX, a file whose matrices
+    take fewer bytes as stored than as bfloat16 keeps its blocks; one of F16/BF16 matrices (no
+    smaller) is expanded to bf16 weights on the row kernel, as every file is without AMX."""
     from longctx.model.prepare import narrower_than_bf16
 
     quantized = not model_file.endswith("f16-bf16.gguf")
     assert narrower_than_bf16(model_file) == quantized
     with _llm(model_file, dtype="bfloat16", lookahead=False) as llm:
-        assert llm.engine.cpu_matmul == ("blocks" if quantized else "kernel")
+        assert llm.engine.cpu_matmul == ("blocks" if quantized and cpu_amx.available() else "kernel")
+    monkeypatch.setattr(cpu_amx, "available", lambda: False)  # a CPU without AMX: the expansion
+    with _llm(model_file, dtype="bfloat16", lookahead=False) as llm:
+        assert llm.engine.cpu_matmul == "kernel"
 
 
 def test_blocks_refused_where_they_cannot_serve(tmp_path):

@@ -171,14 +171,14 @@ def test_bfloat16_on_the_cpu_keeps_float32s_greedy_tokens(document_ids, hf_refer
 
 @pytest.mark.slow
 def test_bfloat16_over_the_blocks_keeps_float32s_greedy_tokens(document_ids, hf_reference):
-    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file): bf16 KV pages, decode on
+    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file where the CPU has AMX): bf16 KV pages, decode on
     the block kernel's float32 products, prefill chunks on bfloat16 slices and the AMX tiles where
     the CPU has them (else float32 products): the same 64 greedy tokens as HF float32 on the
     7,200-token prompt, and last-position logits within 2% of the largest (the dense bf16 bar)."""
     from longctx.kernels import cpu_amx
     from longctx.model.linear import Linear
 
-    llm = LLM("smollm2-135m", dtype="bfloat16", block_size=64, max_num_batched_tokens=2048)
+    llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="blocks", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "blocks" and llm.engine.kv_dtype == torch.bfloat16
     assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
     tokens, logits = _run_capturing_first_logits(llm, document_ids)
