@@ -161,10 +161,16 @@ def test_bfloat16_on_the_cpu_keeps_float32s_greedy_tokens(document_ids, hf_refer
     float32 rows, 1.1% at avx512bf16)."""
     llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="float", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "kernel" and llm.engine.kv_dtype == torch.bfloat16
+    _keeps_float32s_tokens(llm, document_ids, hf_reference, "bf16")
+
+
+def _keeps_float32s_tokens(llm: LLM, document_ids, hf_reference, label: str) -> None:
+    """The 7,200-token prompt's 64 greedy tokens equal HF float32's, and the last-position
+    logits are within 2% of the largest."""
     tokens, logits = _run_capturing_first_logits(llm, document_ids)
     expected_tokens, expected_logits = hf_reference
     rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
-    print(f"bf16 last-position logits: {rel:.2e} relative to float32")
+    print(f"{label} last-position logits: {rel:.2e} relative to float32")
     assert rel < 2e-2, f"last-position logits differ by {rel:.2e} relative"
     assert tokens == expected_tokens
 
@@ -181,12 +187,7 @@ def test_bfloat16_over_the_blocks_keeps_float32s_greedy_tokens(document_ids, hf_
     llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="blocks", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "blocks" and llm.engine.kv_dtype == torch.bfloat16
     assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
-    tokens, logits = _run_capturing_first_logits(llm, document_ids)
-    expected_tokens, expected_logits = hf_reference
-    rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
-    print(f"bf16 over the blocks, last-position logits: {rel:.2e} relative to float32")
-    assert rel < 2e-2, f"last-position logits differ by {rel:.2e} relative"
-    assert tokens == expected_tokens
+    _keeps_float32s_tokens(llm, document_ids, hf_reference, "bf16 over the blocks,")
 
 
 # ---------------------------------------------------------------------- fast block numerics
