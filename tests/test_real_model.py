@@ -98,6 +98,7 @@ def test_greedy_tokens_match_hf_chunk2048_block128(document_ids, hf_reference):
     assert tokens == hf_reference[0]
 
 
+@pytest.mark.slow  # batches equal solo runs on the tiny model in the default run: tests/test_engine.py
 def test_batch_of_four_equals_solo_runs(llm, document_ids):
     starts_lengths = [(0, 2500), (1000, 400), (3000, 1500), (5000, 900)]
     prompts = [{"prompt_token_ids": document_ids[s:s + n]} for s, n in starts_lengths]
@@ -134,7 +135,8 @@ def _hf_greedy(hf, prompt: list[int], penalty: float, output_only: bool = False)
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("penalty", [pytest.param(1.3, marks=pytest.mark.slow), 1.1])
+@pytest.mark.slow  # penalties against HF on the tiny model in the default run: tests/test_penalties.py
+@pytest.mark.parametrize("penalty", [1.3, 1.1])
 def test_greedy_repetition_penalty_matches_hf(llm, document_ids, hf_model, penalty):
     prompt = document_ids[:300]  # the GPL: repetitive, so the penalty changes the tokens
     params = SamplingParams(temperature=0.0, max_tokens=PENALTY_NEW, ignore_eos=True,
