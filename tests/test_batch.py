@@ -319,6 +319,7 @@ def test_sequence_parallel_job_equals_one(tiny, uninterrupted, tmp_path):
     assert _by_key(out) == expected
 
 
+@pytest.mark.slow  # torchrun's ranks: tests/parallel/test_sp_torchrun.py; a job on two ranks: test_sequence_parallel_job_equals_one
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
                     reason="torchrun is not installed next to this Python")
 def test_torchrun_two_ranks_equal_one(tiny, uninterrupted, tmp_path):

@@ -266,6 +266,8 @@ def test_two_sequence_parallel_ranks_keep_the_tokens(model_file, float_reference
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == expected_tokens
 
 
+@pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)
+                                        for case in CASES], indirect=True)
 def test_prefill_chunks_on_blas_keep_the_tokens(model_file, float_reference, monkeypatch):
     """LONGCTX_CPU_TUNE as a row count (what kernels/cpu_tune.py may measure on a machine whose
     BLAS is faster at prefill's rows): the 100-token prompt's one chunk multiplies the
@@ -288,6 +290,8 @@ def test_prefill_chunks_on_blas_keep_the_tokens(model_file, float_reference, mon
             assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)
+                                        for case in CASES], indirect=True)
 def test_integer_numerics_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file):
     """fast inside the other modes: lookahead's verification steps (several rows a product), a
     prefix hit, int8 pages and two sequence-parallel ranks give the tokens the same numerics

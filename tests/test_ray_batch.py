@@ -162,6 +162,7 @@ def test_ray_job_equals_local_one_actor_per_document(cluster, tiny, job_input, e
     assert _by_key(out) == expected
 
 
+@pytest.mark.slow  # a killed job resuming: test_batch.py (local workers); ray's job: test_ray_job_equals_local_one_actor_per_document
 @needs_ray
 def test_killed_ray_cli_resumes_without_losses_or_duplicates(cluster, tiny, job_input, expected, tmp_path):
     out = tmp_path / "out.jsonl"

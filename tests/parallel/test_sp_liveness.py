@@ -7,7 +7,7 @@ the rank's own error from its stderr, not when the rendezvous times out ("Wait t
 Serving (``longctx serve --sp 2``, a real server process): ``/health`` stays 200 while the
 ranks idle and while they work through a long request; it turns 503 naming the rank within
 about ``BEAT_STALE_S`` of the worker stopping (SIGSTOP: no heartbeat) and back to 200 when
-it resumes, and at once when the worker is killed."""
+it resumes (both under ``-m slow``), and at once when the worker is killed."""
 
 from __future__ import annotations
 
@@ -152,6 +152,7 @@ def test_idle_and_busy_ranks_stay_healthy(server):
     reader.join(30)
 
 
+@pytest.mark.slow  # waits out a heartbeat (~15 s); a silent rank named and forgiven: test_liveness.py
 def test_stopped_rank_turns_health_503_until_it_resumes(server):
     url = server.url
     worker = _worker(server)

@@ -237,6 +237,7 @@ def test_killed_rank_fails_requests_in_flight_and_health(servers):
     assert _all_gone(everything), [(p.pid, p.cmdline()) for p in everything if p.is_running()]
 
 
+@pytest.mark.slow  # waits out the grace period (~11 s); the drain: test_server.py; ranks reaped at the end: test_sp_engine.py
 def test_sigterm_drains_then_cancels_and_exits_0(servers):
     """As in test_server.py, with two ranks: a short request finishes after SIGTERM, one that
     outlasts the grace period (10 s) gets an error event, the process exits 0, and its rank

@@ -1,7 +1,8 @@
 """Issue 43 item 13: sequence parallelism over two ``torchrun`` launches, as over two machines,
 on one host: each launch is a node (``--nnodes 2 --nproc-per-node 1``) and they meet over a TCP
 rendezvous on 127.0.0.1; the ranks exchange over gloo (the torchrun path has no shared-memory
-board), and the only link between the launches is the network.
+board), and the only link between the launches is the network. Both tests run under ``-m slow``
+(torchrun's ranks on one launch: test_sp_torchrun.py, in the default run).
 
 * ``generate`` with the c10d rendezvous (docs/parallel.md's recipe; either launch may become
   rank 0): the text of one process.
@@ -72,6 +73,7 @@ def _kill(procs: list[psutil.Process]) -> None:
             pass
 
 
+@pytest.mark.slow  # ranks from a rendezvous in the environment: test_sp_torchrun.py (torchrun's variables)
 def test_two_launches_generate_the_one_process_text(tmp_path):
     make_engine_checkpoint(tmp_path)
     command = ["generate", PROMPT, "--model", str(tmp_path), "--block-size", "16", "--max-num-batched-tokens",
