@@ -136,18 +136,21 @@ def test_an_unwritable_cache_keeps_the_kernel(tune_cache, monkeypatch, caplog):
 
 
 @needs_panels
-def test_processes_starting_together_measure_once(tune_cache):
+def test_processes_starting_together_measure_once(tmp_path):
     """Two processes asking at once (torchrun's ranks on one host): one measures, the other
     waits on the lock and reads its result, so both take the same path."""
-    code = ("import sys, time\n"
+    code = ("import os, sys, time\n"
+            "from pathlib import Path\n"
             "from longctx.kernels import cpu_tune\n"
+            "cpu_tune.cache_file = lambda: Path(os.environ['TUNE_FILE'])  # (the kernels: the usual cache)\n"
             "real = cpu_tune.measure\n"
             "def slow(*a, **k):\n"
             "    print('measured', flush=True); time.sleep(1.0); return real(*a, **k)\n"
             "cpu_tune.measure = slow\n"
             "cpu_tune._busy = lambda: (False, 0.0)  # (this suite may run beside other work)\n"
             "print(cpu_tune.blas_from_rows([(64, 128)], threads=1))\n")
-    env = {**os.environ, "LONGCTX_CACHE_DIR": str(tune_cache), "LONGCTX_CPU_TUNE": "auto"}
+    # a fresh tune file, the kernels from this run's cache (built already: no build in the children)
+    env = {**os.environ, "TUNE_FILE": str(tmp_path / "tune.json"), "LONGCTX_CPU_TUNE": "auto"}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=600)[0].split() for p in procs]
