@@ -4,7 +4,9 @@ has AMX-BF16, called through ctypes, registered as the torch operator ``longctx:
 Owns: ``linear(x, weight)`` = ``x @ weight.T`` for float32 ``x`` [M, K] and a bfloat16 ``weight``
 [N, K] (the row kernel's layout: no second copy of the weights), float32 out, with x rounded to
 bfloat16 once and float32 sums: the row kernel's bfloat16 numerics from 17 rows
-(``cpu_linear.rounds_bf16_rows``), on the tile unit, for a bfloat16 model's long steps; and
+(``cpu_linear.rounds_bf16_rows``), on the tile unit, for a bfloat16 model's long steps; the
+same in two halves (``round_x`` once, then ``amx_linear_rounded`` per slice) for a matrix that
+is never whole in bfloat16 (GGUF blocks dequantized a slice at a time); and
 saying whether it runs here (``available``/``status``/``supports``). Never: choosing when it
 is used (``cpu_tune`` measures that, the model's ``Linear`` follows), or failing a run: on a CPU
 without AMX, below the ``avx512bf16`` level (``LONGCTX_CPU_ISA``), where the kernel refuses the
@@ -25,7 +27,7 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "takes_weight", "linear", "unsupported"]
+__all__ = ["available", "status", "supports", "takes_weight", "linear", "round_x", "unsupported"]
 
 SOURCE = cpu_build.CSRC / "linear_amx.c"
 NEEDS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo flags
@@ -51,6 +53,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn = lib.longctx_amx_round
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn = lib.longctx_amx_linear_rounded
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int]
     if lib.longctx_amx_enable() != 0:  # the process may not use the tiles: a fault at the first one
         raise RuntimeError("the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
 
@@ -95,6 +104,56 @@ def _amx_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, thread
 
 amx_linear = cpu_build.define_op("amx_linear(Tensor x, Tensor weight, Tensor(a!) out, int threads) -> ()",
                                  _amx_linear)
+
+
+def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
+    """The operator: x [M, K] float32 rounded into ``xb``, a contiguous bfloat16 [M rounded up
+    to 16, K] in the tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
+    padded = (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
+    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
+            and x.stride(1) == 1 and x.shape[1] % K_MULTIPLE == 0 and _takes_rounded(xb, padded, x.shape[1])
+            and threads >= 1):
+        raise ValueError(f"amx_round needs a float32 x [M, K] (K % {K_MULTIPLE} == 0, contiguous rows) and a "
+                         f"contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
+                         f"xb {tuple(xb.shape)} {xb.dtype}, threads {threads}")
+    if _LIBRARY.load().longctx_amx_round(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xb.data_ptr(),
+                                         threads) != 0:
+        raise RuntimeError(f"amx_round refused x {tuple(x.shape)}")
+
+
+def _takes_rounded(xb: torch.Tensor, padded: int, k: int) -> bool:
+    return (xb.dim() == 2 and xb.dtype == torch.bfloat16 and xb.device.type == "cpu" and xb.is_contiguous()
+            and tuple(xb.shape) == (padded, k))
+
+
+def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    """The operator: ``amx_linear`` on x rounded by ``amx_round`` (``rows`` of it), the same
+    numbers; ``out`` as there."""
+    padded = (rows + 15) // 16 * 16
+    if not (rows > 0 and takes_weight(weight) and _takes_rounded(xb, padded, weight.shape[1])
+            and out.dtype == torch.float32 and out.dim() == 2 and out.stride(1) == 1 and out.shape[0] >= padded
+            and out.shape[1] >= weight.shape[0] and threads >= 1):
+        raise ValueError(f"amx_linear_rounded needs amx_round's xb [{padded}, K] for {rows} rows, a weight "
+                         f"takes_weight takes of width K and a float32 out of at least [{padded}, N] with "
+                         f"contiguous rows, got xb {tuple(xb.shape)} {xb.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, out {tuple(out.shape)} {out.dtype}, threads {threads}")
+    rc = _LIBRARY.load().longctx_amx_linear_rounded(xb.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
+                                                    weight.shape[0], out.data_ptr(), out.stride(0), threads)
+    if rc != 0:
+        raise RuntimeError(f"amx_linear_rounded refused {rows} rows, weight {tuple(weight.shape)}")
+
+
+amx_round = cpu_build.define_op("amx_round(Tensor x, Tensor(a!) xb, int threads) -> ()", _amx_round)
+amx_linear_rounded = cpu_build.define_op(
+    "amx_linear_rounded(Tensor xb, int rows, Tensor weight, Tensor(a!) out, int threads) -> ()", _amx_linear_rounded)
+
+
+def round_x(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 rounded to bfloat16 once, for several ``amx_linear_rounded`` products
+    over it (slices of one matrix): a [M rounded up to 16, K] buffer in the tiles' order."""
+    xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
+    amx_round(x, xb, torch.get_num_threads() if num_threads is None else num_threads)
+    return xb
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:

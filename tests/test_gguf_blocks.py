@@ -457,6 +457,29 @@ def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(mo
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
 
 
+@needs_amx
+@pytest.mark.parametrize("model_file", ["q4_k_m"], indirect=True)
+def test_a_model_whose_blocks_all_take_the_tiles_measures_nothing(model_file, monkeypatch):
+    """bfloat16 over blocks that all take the AMX tiles: no float32 slice is multiplied, so the
+    BLAS tuning (a first load's measurement) is not run; float32 over the same file runs it."""
+    from longctx.kernels import cpu_tune
+    from longctx.model.linear import all_on_tiles
+
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
+    monkeypatch.setattr(cpu_tune, "_MEMO", {})
+    monkeypatch.setattr(cpu_tune, "_read", lambda path: {})  # nothing cached,
+    monkeypatch.setattr(cpu_tune, "_write", lambda path, data: None)  # nothing kept
+    measured = []
+    monkeypatch.setattr(cpu_tune, "measure", lambda shapes, threads, way="blas": measured.append(way) or
+                        {"rows": {}, "blas_from_rows": None})
+    with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False) as llm:
+        assert all_on_tiles(llm.engine.model)
+    assert measured == []
+    with _llm(model_file, gguf_weights="blocks", lookahead=False) as llm:
+        assert not all_on_tiles(llm.engine.model)
+    assert measured == ["blas"]
+
+
 def test_bfloat16_keeps_a_quantized_files_blocks_by_default(model_file, monkeypatch):
     """gguf_weights='auto' under dtype='bfloat16': where the CPU has AMX, a file whose matrices
     take fewer bytes as stored than as bfloat16 keeps its blocks; one of F16/BF16 matrices (no

@@ -102,17 +102,10 @@ static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t
     }
 }
 
-/* y [Mp, N] float32 (row stride ldy, Mp = M rounded up to 16: the caller's buffer holds the
- * padding rows) = x [M, K] float32 (row stride ldx) @ w [N, K] bfloat16 ^T. Returns 0, or -1 for
- * shapes it does not take (K % 32, N % 16) or a failed allocation (nothing written).
- * ``threads`` >= 1. */
-int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t *w, int N, float *y, int64_t ldy,
-                       int threads) {
-    if (M <= 0 || K <= 0 || N <= 0 || threads < 1 || K % 32 || N % 16) return -1;
-    const int Mp = (M + 15) / 16 * 16;
-    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)Mp * (size_t)K);
-    if (!xb) return -1;
-    round_rows(x, ldx, M, Mp, K, xb, threads);
+/* y [Mp, N] float32 (row stride ldy) = xb (x rounded: round_rows, Mp rows) @ w [N, K] bfloat16 ^T.
+ * Returns 0, or -1 for a failed allocation (nothing written). */
+static int tiles_product(const uint16_t *xb, int Mp, int K, const uint16_t *w, int N, float *y, int64_t ldy,
+                         int threads) {
     /* a thread's slice: up to 8 pairs of 16-column blocks, as many as keep the packed slice near
      * 1 MB (in L2 with the 32 rows of x it meets) and give each thread two slices or more */
     int pairs = (int)((1 << 20) / ((int64_t)K * 64));
@@ -122,10 +115,7 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
     const int width = 32 * pairs, slices = (N + width - 1) / width;
     const size_t per_thread = (size_t)width * (size_t)K / 2;  /* the slice's columns x K / 2 pairs */
     uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * per_thread * (size_t)threads);
-    if (!packed) {
-        free(xb);
-        return -1;
-    }
+    if (!packed) return -1;
 #pragma omp parallel num_threads(threads)
     {
         uint32_t *wp = packed + per_thread * (size_t)omp_get_thread_num();
@@ -143,6 +133,38 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
         _tile_release();
     }
     free(packed);
-    free(xb);
     return 0;
+}
+
+/* y [Mp, N] float32 (row stride ldy, Mp = M rounded up to 16: the caller's buffer holds the
+ * padding rows) = x [M, K] float32 (row stride ldx) @ w [N, K] bfloat16 ^T. Returns 0, or -1 for
+ * shapes it does not take (K % 32, N % 16) or a failed allocation (nothing written).
+ * ``threads`` >= 1. */
+int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t *w, int N, float *y, int64_t ldy,
+                       int threads) {
+    if (M <= 0 || K <= 0 || N <= 0 || threads < 1 || K % 32 || N % 16) return -1;
+    const int Mp = (M + 15) / 16 * 16;
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)Mp * (size_t)K);
+    if (!xb) return -1;
+    round_rows(x, ldx, M, Mp, K, xb, threads);
+    const int rc = tiles_product(xb, Mp, K, w, N, y, ldy, threads);
+    free(xb);
+    return rc;
+}
+
+/* The two halves of longctx_amx_linear, for several products over one x (the slices of a
+ * matrix that is never whole in bfloat16: GGUF blocks dequantized a slice at a time): x rounded
+ * once into xb [Mp * K] (the A-tile order, not rows), then each slice's product
+ * from it. The same numbers as longctx_amx_linear's. Both return 0, or -1 for shapes they do not
+ * take (nothing written). */
+int longctx_amx_round(const float *x, int64_t ldx, int M, int K, uint16_t *xb, int threads) {
+    if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
+    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, xb, threads);
+    return 0;
+}
+
+int longctx_amx_linear_rounded(const uint16_t *xb, int M, int K, const uint16_t *w, int N, float *y, int64_t ldy,
+                               int threads) {
+    if (M <= 0 || K <= 0 || N <= 0 || threads < 1 || K % 32 || N % 16) return -1;
+    return tiles_product(xb, (M + 15) / 16 * 16, K, w, N, y, ldy, threads);
 }

@@ -337,7 +337,7 @@ class BlockWeights(LinearMethod):
             return blocks.prepared()(x, out, bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
         if self._on_tiles(blocks):
             out = torch.empty(_tile_rows(m), blocks.shape[0], dtype=torch.float32)
-            self._tile_product(blocks, x, 0, blocks.shape[0], out)
+            self._tile_product(blocks, cpu_amx.round_x(x), m, 0, blocks.shape[0], out)
             out = out[:m]
             if bias is not None:
                 out.add_(bias)
@@ -400,12 +400,13 @@ class BlockWeights(LinearMethod):
         tiles = self._on_tiles(blocks) and f % cpu_amx.N_MULTIPLE == 0
         pair = torch.empty(_tile_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
         half = pair.shape[1] // 2
+        xb = cpu_amx.round_x(x) if tiles else None  # (x rounded once for every slice of gate and up)
         for r0 in range(0, f, step):
             w = min(r0 + step, f) - r0
             gate, up = pair[:, :w], pair[:, half:half + w]  # (strided: each row is its own loop)
             if tiles:  # (the tiles write whole 16-row blocks: the pair's rows past m are padding)
-                self._tile_product(blocks, x, r0, r0 + w, gate)
-                self._tile_product(blocks, x, f + r0, f + r0 + w, up)
+                self._tile_product(blocks, xb, m, r0, r0 + w, gate)
+                self._tile_product(blocks, xb, m, f + r0, f + r0 + w, up)
                 gate, up = gate[:m], up[:m]
                 if layer.bias is not None:
                     gate.add_(layer.bias[r0:r0 + w])
@@ -435,11 +436,13 @@ class BlockWeights(LinearMethod):
             cpu_linear.linear(x, w, b, out=out)
 
 
-    def _tile_product(self, blocks: BlockMatrix, x: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
-        """out [rows of x rounded up to 16, hi - lo] (contiguous rows; the rows past x's are
-        padding the tiles write) = x @ rows [lo, hi) of the stacked parts .T, on the AMX tiles:
-        slices of each part dequantized and rounded to bfloat16 (``_slice_rows``' count of rows,
-        half its bytes) and multiplied by ``cpu_amx`` straight into their columns of ``out``."""
+    def _tile_product(self, blocks: BlockMatrix, xb: torch.Tensor, m: int, lo: int, hi: int,
+                      out: torch.Tensor) -> None:
+        """out [m rounded up to 16, hi - lo] (contiguous rows; the rows past m are padding the
+        tiles write) = x @ rows [lo, hi) of the stacked parts .T, on the AMX tiles, for x's m rows
+        rounded once (``cpu_amx.round_x``: ``xb``): slices of each part dequantized and rounded
+        to bfloat16 (``_slice_rows``' count of rows, half its bytes) and multiplied by ``cpu_amx``
+        straight into their columns of ``out``."""
         k, step, threads = blocks.k, _slice_rows(blocks.k), torch.get_num_threads()
         start = 0
         for data, fmt in blocks.parts:
@@ -448,7 +451,7 @@ class BlockWeights(LinearMethod):
                 b = min(a + step, hi, end)
                 w = self._buffer((b - a) * k, torch.bfloat16).view(b - a, k)
                 cpu_blocks.dequantize(data, fmt, k, first_row=a - start, num_rows=b - a, out=w, num_threads=threads)
-                cpu_amx.amx_linear(x, w, out[:, a - lo:b - lo], threads)
+                cpu_amx.amx_linear_rounded(xb, m, w, out[:, a - lo:b - lo], threads)
             start = end
 
 
@@ -499,21 +502,33 @@ BLOCKS = BlockWeights()  # one for every layer: they share its float32 slice buf
 BLOCK_METHODS = {0: BLOCKS, 1: BlockWeights(fast=1), 2: BlockWeights(fast=2)}
 
 
+def _block_method(made: dict, method: BlockWeights, **change) -> BlockWeights:
+    """``method`` with ``change`` (BlockWeights' arguments), one object per kind for all layers
+    (``made``), as at load: they share its slice buffers."""
+    state = {**method.__getstate__(), **change}
+    return made.setdefault(tuple(sorted(state.items())), BlockWeights(**state))
+
+
 def use_bf16_tiles(model: nn.Module) -> int:
     """A bfloat16 model's GGUF blocks: their long steps on bfloat16 slices and the AMX tiles
     (``BlockWeights.tiles``) where the CPU has them; elsewhere nothing changes (the float32
-    slices). One method object per kind for all layers, as at load. Returns how many layers
-    took it."""
+    slices). Returns how many layers took it."""
     if not cpu_amx.available():
         return 0
     made: dict[tuple, LinearMethod] = {}
     taken = 0
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.method, BlockWeights):
-            m = module.method
-            module.method = made.setdefault((m.fast, m.blas_from_rows), BlockWeights(m.fast, m.blas_from_rows, True))
+            module.method = _block_method(made, module.method, tiles=True)
             taken += 1
     return taken
+
+
+def all_on_tiles(model: nn.Module) -> bool:
+    """Whether every long step of ``model``'s GGUF blocks runs on the AMX tiles (and it has
+    some): then no float32 slice is ever multiplied, and BLAS's row count does not matter."""
+    blocks = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.method, BlockWeights)]
+    return bool(blocks) and all(m.method._on_tiles(m.weight) for m in blocks)
 
 
 def tune_bf16_long_steps(model: nn.Module, amx_from_rows: int) -> int:
@@ -543,8 +558,7 @@ def tune_long_steps(model: nn.Module, blas_from_rows: int) -> int:
         if method.name == ROW_KERNEL.name and module.weight is not None and module.weight.dtype == torch.float32:
             module.method = made.setdefault(("kernel",), RowKernelWeights(blas_from_rows))
         elif isinstance(method, BlockWeights):
-            module.method = made.setdefault(("blocks", method.fast, method.tiles),
-                                            BlockWeights(method.fast, blas_from_rows, method.tiles))
+            module.method = _block_method(made, method, blas_from_rows=blas_from_rows)
         else:
             continue
         taken += 1

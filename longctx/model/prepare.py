@@ -19,7 +19,7 @@ from longctx.kernels import cpu_amx, cpu_blocks, cpu_build, cpu_tune
 from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import blocks_available, tune_bf16_long_steps, tune_long_steps, use_bf16_tiles
+from .linear import all_on_tiles, blocks_available, tune_bf16_long_steps, tune_long_steps, use_bf16_tiles
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -85,9 +85,9 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
 def _blocks_tuned(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
     """A model of blocks (float32 activations) computing in ``dtype``: bfloat16 sends its prefill
     chunks to bfloat16 slices on the AMX tiles where the CPU has them (``use_bf16_tiles``); the
-    rest as float32's (``_tuned``)."""
-    if dtype == torch.bfloat16:
-        use_bf16_tiles(model)
+    rest as float32's (``_tuned``: nothing to measure when every matrix went to the tiles)."""
+    if dtype == torch.bfloat16 and use_bf16_tiles(model) and all_on_tiles(model):
+        return model
     return _tuned(model)
 
 

@@ -118,6 +118,48 @@ def test_the_operator_refuses_an_output_the_tiles_would_overrun():
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 48, 100])
+@pytest.mark.parametrize("k,n,step", [(64, 96, 32), (576, 960, 192), (96, 48, 48)])
+def test_x_rounded_once_gives_each_slices_columns_bit_for_bit(rows, k, n, step):
+    """``round_x`` once, then ``amx_linear_rounded`` on column slices of the weight, each into
+    its columns of one out (strided rows): the same bits as ``amx_linear`` on the whole matrix,
+    and within float32 rounding of the float64 reference; the padding rows are written, the
+    columns past the slices' are not."""
+    gen = torch.Generator().manual_seed(rows * 7 + k + n)
+    x = torch.randn(rows, k + 8, generator=gen)[:, 4:4 + k]
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+    xb = cpu_amx.round_x(x, num_threads=2)
+    padded = (rows + 15) // 16 * 16
+    assert xb.shape == (padded, k) and xb.dtype == torch.bfloat16
+    out = torch.full((padded, n + 16), float("nan"))
+    for a in range(0, n, step):
+        cpu_amx.amx_linear_rounded(xb, rows, w[a:a + step], out[:, a:a + step], 2)
+    whole = torch.empty(padded, n)
+    cpu_amx.amx_linear(x, w, whole, 2)
+    assert torch.equal(out[:, :n], whole)
+    assert out[:, n:].isnan().all()
+    want = _reference(x, w)
+    assert float((out[:rows, :n].double() - want).abs().max() / want.abs().max()) < 2e-6
+
+
+@needs_amx
+def test_the_rounded_operators_refuse_what_does_not_fit():
+    """A buffer of the wrong shape or type for x, an out too short for the padded rows, a weight
+    of another width: refused before the kernel writes a byte."""
+    x, w = torch.randn(20, 64), torch.randn(32, 64).to(torch.bfloat16)
+    for xb in (torch.empty(20, 64, dtype=torch.bfloat16), torch.empty(32, 64), torch.empty(32, 96, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="amx_round needs"):
+            cpu_amx.amx_round(x, xb, 2)
+    with pytest.raises(ValueError, match="amx_round needs"):
+        cpu_amx.amx_round(torch.randn(20, 48), torch.empty(32, 48, dtype=torch.bfloat16), 2)
+    xb = cpu_amx.round_x(x)
+    for rows, weight, out in ((20, w, torch.empty(20, 32)), (20, torch.randn(32, 96).to(torch.bfloat16),
+                                                            torch.empty(32, 32)), (33, w, torch.empty(48, 32))):
+        with pytest.raises(ValueError, match="amx_linear_rounded needs"):
+            cpu_amx.amx_linear_rounded(xb, rows, weight, out, 2)
+
+
+@needs_amx
 @pytest.mark.skipif(not cpu_linear.available() or cpu_linear.max_rows() < cpu_linear.UNBOUNDED,
                     reason="row kernel without its panel path")
 def test_a_real_amx_measurement(tmp_path, monkeypatch):
