@@ -4,8 +4,9 @@ matrices or on the dequantized slices of GGUF blocks) leave the C row kernel's p
 BLAS on the same numbers, and where a bfloat16 model's leave them for the AMX tiles
 (``cpu_amx``: the same numerics, on CPUs that have AMX-BF16).
 
-Owns: ``blas_from_rows(shapes)`` (and ``amx_from_rows``, the same for bfloat16 matrices and
-the AMX kernel, keyed apart): the row count from which BLAS runs a float32 product
+Owns: ``blas_from_rows(shapes)`` (and ``slices_from_rows``, the same for GGUF blocks' bare
+slice products, and ``amx_from_rows``, for bfloat16 matrices and the AMX kernel, each keyed
+apart): the row count from which BLAS runs a float32 product
 (``NEVER``: the kernel takes every step), measured once per CPU model, kernel build, torch
 version, thread count and model shape, and cached in ``<cache_root>/cpu_kernels/tune.json``
 (0600, written whole under a lock so that processes starting together, e.g. torchrun's ranks
@@ -49,7 +50,7 @@ import torch
 
 from . import cpu_amx, cpu_build, cpu_linear
 
-__all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "amx_from_rows", "setting", "measure", "cache_file", "key"]
+__all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "slices_from_rows", "amx_from_rows", "setting", "measure", "cache_file", "key"]
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,10 @@ ENV = "LONGCTX_CPU_TUNE"
 NEVER = cpu_linear.UNBOUNDED  # BLAS from this many rows: never
 ROWS = (128, 512, 2048)  # the row counts measured: a short last chunk, a 1B model's chunk, a 135M's
 MIN_ROWS = 65  # a forced N below this is raised to it: decode and verification steps stay on the kernel
-REPEATS = 3
+REPEATS = 5
 MARGIN = 0.03  # BLAS must be this much faster (a fraction of the kernel's time) to be chosen
 MAX_ELEMENTS = 1 << 21  # each measured matrix at most this many weights (8 MB of float32)
-VERSION = 1  # of the measurement: a change here re-measures
+VERSION = 2  # of the measurement: a change here re-measures (2: five repeats, from three)
 
 
 def setting() -> str | int:
@@ -90,7 +91,9 @@ def _cpu_model() -> str:
     return model.strip() if model is not None else platform.processor() or platform.machine()
 
 
-WAYS = ("blas", "amx")  # float32 matrices: the kernel or BLAS; bfloat16 ones: the kernel or the AMX tiles
+# float32 matrices: the kernel (its fused calls) or BLAS; GGUF blocks' float32 slices: the kernel
+# or BLAS on bare products; bfloat16 matrices: the kernel or the AMX tiles
+WAYS = ("blas", "slices", "amx")
 
 
 def _build_name(lib) -> str:
@@ -104,8 +107,10 @@ def key(shapes: Iterable[tuple[int, int]], threads: int, way: str = "blas") -> s
     parts = [f"v{VERSION}", _cpu_model(), hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12],
              _build_name(cpu_linear._load()), torch.__version__, f"threads={threads}",
              ",".join(f"{k}x{n}" for k, n in shapes), ",".join(map(str, ROWS))]
-    if way != "blas":  # (the float32 keys stay as they were: their cached measurements hold)
+    if way == "amx":  # (the float32 keys stay as they were: their cached measurements hold)
         parts += [way, _build_name(cpu_amx._LIBRARY.load())]
+    elif way != "blas":
+        parts.append(way)
     return "|".join(parts)
 
 
@@ -134,8 +139,11 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int,
     on the AVX2 Zen 3 they did (BLAS 5% ahead at 2,048 rows on the 135M model's shapes) while
     its prefill took 13% longer on BLAS. ``way="amx"``: bfloat16 matrices, the kernel's fused
     calls against the same torch ops around the AMX kernel's products (``cpu_amx``); the
-    result's "blas_ms" and "blas_from_rows" are then the AMX kernel's. Returns ``{"rows": {R:
-    {"kernel_ms", "blas_ms"}}, "blas_from_rows": R or None}``."""
+    result's "blas_ms" and "blas_from_rows" are then the AMX kernel's. ``way="slices"``: the
+    two products bare, as ``BlockWeights`` runs a GGUF matrix's dequantized slices in a long
+    step (its norm and SwiGLU are torch ops whichever multiplies: nothing fused to weigh), the
+    kernel writing into the result against BLAS's product copied there (the residual added by
+    both). Returns ``{"rows": {R: {"kernel_ms", "blas_ms"}}, "blas_from_rows": R or None}``."""
     if way not in WAYS:
         raise ValueError(f"way must be one of {WAYS}, got {way!r}")
     amx = way == "amx"
@@ -165,17 +173,27 @@ def measure(shapes: Iterable[tuple[int, int]], threads: int,
                 cpu_linear.linear(x, w_up, None, norm_weight=norm_w, eps=eps, out=up, num_threads=threads)
                 cpu_linear.linear(up, w_down, None, swiglu=True, residual=x, out=out, num_threads=threads)
 
+            def bare_kernel() -> None:  # (up's first half stands for the SwiGLU product: same shape)
+                cpu_linear.linear(x, w_up, None, out=up, num_threads=threads)
+                cpu_linear.linear(up[:, :inter], w_down, None, residual=x, out=out, num_threads=threads)
+
+            def bare_blas() -> None:
+                up.copy_(torch.mm(x, w_up.t()))
+                out.copy_(torch.mm(up[:, :inter], w_down.t()).add_(x))
+
             def blas() -> None:
                 h = norm_w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
                 g = mm(h, w_up)
                 gate, lin = g.chunk(2, dim=-1)
                 mm(torch.nn.functional.silu(gate) * lin, w_down).add_(x)
 
-            kernel(), blas()  # warm-up: page the matrices in, let BLAS set up its threads
+            ways = {"kernel": bare_kernel, "blas": bare_blas} if way == "slices" else {"kernel": kernel, "blas": blas}
+            for fn in ways.values():  # warm-up: page the matrices in, let BLAS set up its threads
+                fn()
             times: dict[str, list[float]] = {"kernel": [], "blas": []}
             for _ in range(REPEATS):
-                times["kernel"].append(_elapsed_ms(kernel, clock))
-                times["blas"].append(_elapsed_ms(blas, clock))
+                for name, fn in ways.items():
+                    times[name].append(_elapsed_ms(fn, clock))
             rows[r] = {f"{name}_ms": round(statistics.median(v), 3) for name, v in times.items()}
     finally:
         torch.set_num_threads(prev)
@@ -238,6 +256,12 @@ def blas_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None
     return _from_rows(shapes, threads, "blas")
 
 
+def slices_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
+    """As ``blas_from_rows``, for GGUF blocks' long steps: their dequantized float32 slices
+    multiplied bare (``measure``'s ``way="slices"``), measured and cached apart."""
+    return _from_rows(shapes, threads, "slices")
+
+
 def amx_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None) -> int:
     """The row count from which a bfloat16 product of these shapes runs on the AMX tiles
     (``cpu_amx``), ``NEVER`` for the row kernel at every step (always where the CPU has no
@@ -275,7 +299,7 @@ def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str)
                     data = _read(path)
                     data[k] = record
                     _write(path, data)
-                other = "BLAS" if way == "blas" else "the AMX tiles"
+                other = {"blas": "BLAS", "slices": "BLAS (bare slices)", "amx": "the AMX tiles"}[way]
                 log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs %s ms %s; %s",
                          _cpu_model(), threads, shapes,
                          f"{other} from {record['blas_from_rows']} rows" if record["blas_from_rows"]

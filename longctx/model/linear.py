@@ -544,11 +544,13 @@ def tune_bf16_long_steps(model: nn.Module, amx_from_rows: int) -> int:
     return taken
 
 
-def tune_long_steps(model: nn.Module, blas_from_rows: int) -> int:
+def tune_long_steps(model: nn.Module, blas_from_rows: int, slices_from_rows: int | None = None) -> int:
     """Steps of ``blas_from_rows`` rows and more (prefill chunks) through BLAS on the same
-    numbers, for ``model``'s float32 row-kernel matrices and its GGUF blocks (their dequantized
-    slices); bfloat16 matrices keep the kernel (BLAS would need a float32 copy). One method
-    object per kind for all layers, as at load. Returns how many layers took it."""
+    numbers for ``model``'s float32 row-kernel matrices, and of ``slices_from_rows`` (default:
+    the same) for its GGUF blocks (their dequantized slices); bfloat16 matrices keep the kernel
+    (BLAS would need a float32 copy). One method object per kind for all layers, as at load.
+    Returns how many layers took it."""
+    slices_from_rows = blas_from_rows if slices_from_rows is None else slices_from_rows
     made: dict[tuple, LinearMethod] = {}
     taken = 0
     for module in model.modules():
@@ -558,7 +560,7 @@ def tune_long_steps(model: nn.Module, blas_from_rows: int) -> int:
         if method.name == ROW_KERNEL.name and module.weight is not None and module.weight.dtype == torch.float32:
             module.method = made.setdefault(("kernel",), RowKernelWeights(blas_from_rows))
         elif isinstance(method, BlockWeights):
-            module.method = _block_method(made, method, blas_from_rows=blas_from_rows)
+            module.method = _block_method(made, method, blas_from_rows=slices_from_rows)
         else:
             continue
         taken += 1

@@ -19,7 +19,8 @@ from longctx.kernels import cpu_amx, cpu_blocks, cpu_build, cpu_tune
 from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import all_on_tiles, blocks_available, tune_bf16_long_steps, tune_long_steps, use_bf16_tiles
+from .linear import (ROW_KERNEL, Linear, all_on_tiles, blocks_available, tune_bf16_long_steps, tune_long_steps,
+                     use_bf16_tiles)
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -71,14 +72,25 @@ def weight_cache_bytes(load: ModelLoadConfig) -> int:
 
 def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Prefill chunks of a model with float32 activations: the row kernel's panels or, whichever
-    ``cpu_tune`` measured faster on this machine for its MLP shapes, BLAS (float32 matrices, GGUF
-    blocks) or the AMX tiles (bfloat16 matrices, where the CPU has them)."""
+    ``cpu_tune`` measured faster on this machine for its MLP shapes, BLAS (float32 matrices; GGUF
+    blocks' slices, measured bare: nothing is fused there) or the AMX tiles (bfloat16 matrices,
+    where the CPU has them). Only what the model holds is measured."""
     bf16 = dtype == torch.bfloat16
+    shapes = model.mlp_shapes()
+    kinds = {(m.method.name, m.weight.dtype if isinstance(m.weight, torch.Tensor) else None)
+             for m in model.modules() if isinstance(m, Linear)}
     try:
-        rows = (cpu_tune.amx_from_rows if bf16 else cpu_tune.blas_from_rows)(model.mlp_shapes())
+        if bf16:
+            tune_bf16_long_steps(model, cpu_tune.amx_from_rows(shapes))
+            return model
+        kernel = (ROW_KERNEL.name, torch.float32) in kinds
+        blocks = any(name == "blocks" for name, _ in kinds)
+        rows = cpu_tune.blas_from_rows(shapes) if kernel else None
+        slices = cpu_tune.slices_from_rows(shapes) if blocks else None
     except ValueError as err:  # LONGCTX_CPU_TUNE that is not auto, off or a row count
         raise ConfigError(str(err)) from None
-    (tune_bf16_long_steps if bf16 else tune_long_steps)(model, rows)
+    if kernel or blocks:
+        tune_long_steps(model, cpu_tune.NEVER if rows is None else rows, slices)
     return model
 
 

@@ -32,7 +32,7 @@ def tune_cache(tmp_path, monkeypatch):
 
 def _fake_measure(calls, blas_from):
     def measure(shapes, threads, clock=None, way="blas"):
-        calls.append((tuple(shapes), threads))
+        calls.append((tuple(shapes), threads, way))
         return {"rows": {r: {"kernel_ms": 10.0, "blas_ms": 10.0} for r in cpu_tune.ROWS}, "blas_from_rows": blas_from}
     return measure
 
@@ -169,6 +169,27 @@ def test_a_real_measurement(tune_cache):
     assert record["blas_from_rows"] in (None, *cpu_tune.ROWS)
     x, w = torch.randn(130, 48), torch.randn(96, 48)
     torch.testing.assert_close(cpu_linear.linear(x, w, None), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_panels
+def test_slices_are_measured_bare_and_cached_apart(tune_cache, monkeypatch):
+    """GGUF blocks' slices: a measurement of their own ("slices", the products bare), keyed
+    apart from the fused float32 one, each cached once; a real one times both ways at every row
+    count."""
+    record = cpu_tune.measure([(48, 192), (96, 48)], threads=1, way="slices")
+    assert sorted(record["rows"]) == sorted(cpu_tune.ROWS)
+    assert all(t["kernel_ms"] > 0 and t["blas_ms"] > 0 for t in record["rows"].values())
+    with pytest.raises(ValueError, match="way must be one of"):
+        cpu_tune.measure([(48, 192), (96, 48)], threads=1, way="bare")
+    calls = []
+    monkeypatch.setattr(cpu_tune, "measure", _fake_measure(calls, 512))
+    shapes = [(64, 256), (128, 64)]
+    assert cpu_tune.slices_from_rows(shapes, threads=2) == 512
+    assert cpu_tune.blas_from_rows(shapes, threads=2) == 512
+    assert cpu_tune.slices_from_rows(shapes, threads=2) == 512
+    assert [c[-1] for c in calls] == ["slices", "blas"]
+    assert cpu_tune.key(shapes, 2, "slices") != cpu_tune.key(shapes, 2, "blas")
+    assert len(json.loads(cpu_tune.cache_file().read_text())) == 2
 
 
 def test_large_shapes_are_cut_to_the_bound():
