@@ -110,10 +110,10 @@ def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
     """The operator: x [M, K] float32 rounded into ``xb``, a contiguous bfloat16 [M rounded up
     to 16, K] in the tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
     padded = (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
-    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
+    if not (available() and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
             and x.stride(1) == 1 and x.shape[1] % K_MULTIPLE == 0 and _takes_rounded(xb, padded, x.shape[1])
             and threads >= 1):
-        raise ValueError(f"amx_round needs a float32 x [M, K] (K % {K_MULTIPLE} == 0, contiguous rows) and a "
+        raise ValueError(f"amx_round needs the kernel ({status()}), a float32 x [M, K] (K % {K_MULTIPLE} == 0, contiguous rows) and a "
                          f"contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
                          f"xb {tuple(xb.shape)} {xb.dtype}, threads {threads}")
     if _LIBRARY.load().longctx_amx_round(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xb.data_ptr(),
@@ -140,7 +140,8 @@ def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: 
     rc = _LIBRARY.load().longctx_amx_linear_rounded(xb.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
                                                     weight.shape[0], out.data_ptr(), out.stride(0), threads)
     if rc != 0:
-        raise RuntimeError(f"amx_linear_rounded refused {rows} rows, weight {tuple(weight.shape)}")
+        raise RuntimeError(f"amx_linear_rounded refused {rows} rows, weight {tuple(weight.shape)} "
+                           "(K % 32, N % 16, or out of memory)")
 
 
 amx_round = cpu_build.define_op("amx_round(Tensor x, Tensor(a!) xb, int threads) -> ()", _amx_round)
@@ -150,7 +151,12 @@ amx_linear_rounded = cpu_build.define_op(
 
 def round_x(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """x [M, K] float32 rounded to bfloat16 once, for several ``amx_linear_rounded`` products
-    over it (slices of one matrix): a [M rounded up to 16, K] buffer in the tiles' order."""
+    over it (slices of one matrix): a [M rounded up to 16, K] buffer in the tiles' order.
+    RuntimeError where the kernel is not here; ValueError for an x it does not take."""
+    if not available():
+        raise RuntimeError(f"the AMX linear kernel is {status()}")
+    if x.dim() != 2:
+        raise ValueError(f"round_x takes x [M, K], got shape {tuple(x.shape)}")
     xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
     amx_round(x, xb, torch.get_num_threads() if num_threads is None else num_threads)
     return xb

@@ -107,7 +107,7 @@ def key(shapes: Iterable[tuple[int, int]], threads: int, way: str = "blas") -> s
     parts = [f"v{VERSION}", _cpu_model(), hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12],
              _build_name(cpu_linear._load()), torch.__version__, f"threads={threads}",
              ",".join(f"{k}x{n}" for k, n in shapes), ",".join(map(str, ROWS))]
-    if way == "amx":  # (the float32 keys stay as they were: their cached measurements hold)
+    if way == "amx":  # (the fused float32 way's keys carry no suffix)
         parts += [way, _build_name(cpu_amx._LIBRARY.load())]
     elif way != "blas":
         parts.append(way)

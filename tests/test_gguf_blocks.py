@@ -476,6 +476,10 @@ def test_a_model_whose_blocks_all_take_the_tiles_measures_nothing(model_file, mo
     with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False) as llm:
         assert all_on_tiles(llm.engine.model)
     assert measured == []
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "fastest")  # nothing measured, still refused
+    with pytest.raises(ConfigError, match="LONGCTX_CPU_TUNE"):
+        _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False)
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
     with _llm(model_file, gguf_weights="blocks", lookahead=False) as llm:
         assert not all_on_tiles(llm.engine.model)
     assert measured == ["slices"]  # (the blocks model has no float32 row-kernel matrix: nothing else)

@@ -3,7 +3,7 @@
  * (prefill chunks) of a bfloat16 model on CPUs with AMX-BF16 (Intel Sapphire Rapids and later).
  *
  * Numerics: the row kernel's bf16 panel path's (linear_rows.c, from 17 rows): x's rows rounded
- * to bfloat16 once per call (vcvtneps2bf16: round to nearest even, subnormals to zero), pairs of
+ * to bfloat16 once per call (or once by longctx_amx_round for several products over that x) (vcvtneps2bf16: round to nearest even, subnormals to zero), pairs of
  * bfloat16 multiplied exactly and summed in float32 (tdpbf16ps), y float32. Only the order of
  * the float32 sums differs.
  *
@@ -156,7 +156,7 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
  * matrix that is never whole in bfloat16: GGUF blocks dequantized a slice at a time): x rounded
  * once into xb [Mp * K] (the A-tile order, not rows), then each slice's product
  * from it. The same numbers as longctx_amx_linear's. Both return 0, or -1 for shapes they do not
- * take (nothing written). */
+ * take or (the products) a failed allocation: nothing written. */
 int longctx_amx_round(const float *x, int64_t ldx, int M, int K, uint16_t *xb, int threads) {
     if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
     round_rows(x, ldx, M, (M + 15) / 16 * 16, K, xb, threads);

@@ -274,8 +274,9 @@ class BlockWeights(LinearMethod):
     blocks of 32 and multiply in integers, as llama.cpp does (formats without integer products
     stay exact); 2 (``"fast2"``): x as two int8 terms, x rounded and what that left rounded
     again, both multiplied on the same unpacked weights; longer steps stay exact.
-    ``blas_from_rows``: from that many rows (what ``cpu_tune`` measured faster here), the
-    slices' products are torch's BLAS instead of the row kernel's panels.
+    ``blas_from_rows``: from that many rows (what ``cpu_tune.slices_from_rows`` measured faster
+    here, the products bare), the slices' products are torch's BLAS instead of the row kernel's
+    panels.
     ``tiles`` (a bfloat16 model's blocks, where the CPU has AMX-BF16: ``use_bf16_tiles``): longer
     steps dequantize slices rounded to bfloat16 and multiply them on the AMX tiles (``cpu_amx``:
     x rounded to bfloat16, float32 sums), a matrix whose parts' rows are multiples of 16 and
@@ -318,6 +319,16 @@ class BlockWeights(LinearMethod):
         """Whether a long step over ``blocks`` runs on the AMX tiles."""
         return (self.tiles and blocks.k % cpu_amx.K_MULTIPLE == 0
                 and all(d.shape[0] % cpu_amx.N_MULTIPLE == 0 for d in blocks.tensors) and cpu_amx.available())
+
+    def _gated_on_tiles(self, blocks: BlockMatrix) -> bool:
+        """Whether ``gated``'s slices of gate and up over ``blocks`` (half its rows each) run on
+        the AMX tiles."""
+        return self._on_tiles(blocks) and (blocks.shape[0] // 2) % cpu_amx.N_MULTIPLE == 0
+
+    def long_steps_on_tiles(self, blocks: BlockMatrix) -> bool:
+        """Whether every long step over ``blocks`` runs on the AMX tiles, as a product or (an
+        even number of rows) as ``gated``'s halves."""
+        return self._on_tiles(blocks) and (blocks.shape[0] % 2 == 1 or self._gated_on_tiles(blocks))
 
     def product(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         blocks: BlockMatrix = layer.weight
@@ -397,7 +408,7 @@ class BlockWeights(LinearMethod):
         f = blocks.shape[0] // 2
         out = torch.empty(m, f, dtype=torch.float32)
         step = _slice_rows(k)
-        tiles = self._on_tiles(blocks) and f % cpu_amx.N_MULTIPLE == 0
+        tiles = self._gated_on_tiles(blocks)
         pair = torch.empty(_tile_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
         half = pair.shape[1] // 2
         xb = cpu_amx.round_x(x) if tiles else None  # (x rounded once for every slice of gate and up)
@@ -525,10 +536,12 @@ def use_bf16_tiles(model: nn.Module) -> int:
 
 
 def all_on_tiles(model: nn.Module) -> bool:
-    """Whether every long step of ``model``'s GGUF blocks runs on the AMX tiles (and it has
-    some): then no float32 slice is ever multiplied, and BLAS's row count does not matter."""
-    blocks = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.method, BlockWeights)]
-    return bool(blocks) and all(m.method._on_tiles(m.weight) for m in blocks)
+    """Whether every long step of ``model``'s matrices runs on the AMX tiles: all of them GGUF
+    blocks (and some) whose products and gated halves take the tiles. Then no float32 slice or
+    matrix is ever multiplied, and BLAS's row count does not matter."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return bool(linears) and all(isinstance(m.method, BlockWeights) and m.method.long_steps_on_tiles(m.weight)
+                                 for m in linears)
 
 
 def tune_bf16_long_steps(model: nn.Module, amx_from_rows: int) -> int:

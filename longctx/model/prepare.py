@@ -19,8 +19,8 @@ from longctx.kernels import cpu_amx, cpu_blocks, cpu_build, cpu_tune
 from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import (ROW_KERNEL, Linear, all_on_tiles, blocks_available, tune_bf16_long_steps, tune_long_steps,
-                     use_bf16_tiles)
+from .linear import (ROW_KERNEL, BlockWeights, Linear, all_on_tiles, blocks_available, tune_bf16_long_steps,
+                     tune_long_steps, use_bf16_tiles)
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -80,11 +80,12 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
     kinds = {(m.method.name, m.weight.dtype if isinstance(m.weight, torch.Tensor) else None)
              for m in model.modules() if isinstance(m, Linear)}
     try:
+        cpu_tune.setting()  # (a bad LONGCTX_CPU_TUNE is refused even where nothing is measured)
         if bf16:
             tune_bf16_long_steps(model, cpu_tune.amx_from_rows(shapes))
             return model
         kernel = (ROW_KERNEL.name, torch.float32) in kinds
-        blocks = any(name == "blocks" for name, _ in kinds)
+        blocks = any(name == BlockWeights.name for name, _ in kinds)
         rows = cpu_tune.blas_from_rows(shapes) if kernel else None
         slices = cpu_tune.slices_from_rows(shapes) if blocks else None
     except ValueError as err:  # LONGCTX_CPU_TUNE that is not auto, off or a row count
@@ -99,6 +100,10 @@ def _blocks_tuned(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausal
     chunks to bfloat16 slices on the AMX tiles where the CPU has them (``use_bf16_tiles``); the
     rest as float32's (``_tuned``: nothing to measure when every matrix went to the tiles)."""
     if dtype == torch.bfloat16 and use_bf16_tiles(model) and all_on_tiles(model):
+        try:
+            cpu_tune.setting()  # (nothing to measure; a bad LONGCTX_CPU_TUNE is still refused)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         return model
     return _tuned(model)
 

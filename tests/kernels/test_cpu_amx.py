@@ -85,6 +85,15 @@ def test_an_unsupported_library_is_not_built(monkeypatch, tmp_path):
     assert not lib.available() and lib.status() == "unavailable: no tiles here"
 
 
+def test_rounding_without_the_kernel_says_why(monkeypatch):
+    """Where the kernel is not here, ``round_x`` and the operator say so (nothing reaches C)."""
+    monkeypatch.setattr(cpu_amx, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="the AMX linear kernel is"):
+        cpu_amx.round_x(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="amx_round needs the kernel"):
+        cpu_amx.amx_round(torch.randn(16, 64), torch.empty(16, 64, dtype=torch.bfloat16), 2)
+
+
 def test_the_tuner_keeps_the_kernel_where_there_is_no_amx(monkeypatch):
     """No AMX, a hidden size the tiles do not take, or the setting off: the kernel, nothing
     measured (and, off, nothing built); a bad setting is refused on every CPU alike."""
@@ -150,9 +159,17 @@ def test_the_rounded_operators_refuse_what_does_not_fit():
     for xb in (torch.empty(20, 64, dtype=torch.bfloat16), torch.empty(32, 64), torch.empty(32, 96, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="amx_round needs"):
             cpu_amx.amx_round(x, xb, 2)
-    with pytest.raises(ValueError, match="amx_round needs"):
-        cpu_amx.amx_round(torch.randn(20, 48), torch.empty(32, 48, dtype=torch.bfloat16), 2)
+    for bad_x, xb, threads in ((torch.randn(20, 48), torch.empty(32, 48, dtype=torch.bfloat16), 2),  # K % 32
+                               (torch.randn(64, 20).t(), torch.empty(32, 64, dtype=torch.bfloat16), 2),  # strided
+                               (x, torch.empty(64, 32, dtype=torch.bfloat16).t(), 2),  # xb not contiguous
+                               (x, torch.empty(32, 64, dtype=torch.bfloat16), 0)):
+        with pytest.raises(ValueError, match="amx_round needs"):
+            cpu_amx.amx_round(bad_x, xb, threads)
+    with pytest.raises(ValueError, match="round_x takes x"):
+        cpu_amx.round_x(torch.randn(64))
     xb = cpu_amx.round_x(x)
+    with pytest.raises(ValueError, match="amx_linear_rounded needs"):
+        cpu_amx.amx_linear_rounded(xb, 20, w, torch.empty(32, 32), 0)
     for rows, weight, out in ((20, w, torch.empty(20, 32)), (20, torch.randn(32, 96).to(torch.bfloat16),
                                                             torch.empty(32, 32)), (33, w, torch.empty(48, 32))):
         with pytest.raises(ValueError, match="amx_linear_rounded needs"):
