@@ -296,7 +296,8 @@ def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str)
                 record["seconds"] = round(time.perf_counter() - t0, 2)
                 record["load_before"] = busy[1]
                 if not busy[0]:  # a busy machine's timings hold for this process only
-                    data = _read(path)
+                    # (entries of an earlier VERSION are never read again: dropped)
+                    data = {old: v for old, v in _read(path).items() if old.startswith(f"v{VERSION}|")}
                     data[k] = record
                     _write(path, data)
                 other = {"blas": "BLAS", "slices": "BLAS (bare slices)", "amx": "the AMX tiles"}[way]

@@ -192,6 +192,22 @@ def test_slices_are_measured_bare_and_cached_apart(tune_cache, monkeypatch):
     assert len(json.loads(cpu_tune.cache_file().read_text())) == 2
 
 
+@needs_panels
+def test_a_new_measurement_drops_an_earlier_versions_entries(tune_cache, monkeypatch):
+    """Entries of an earlier measurement version are never read again: the next write drops
+    them and keeps the current version's."""
+    path = cpu_tune.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = {"v0|some cpu|threads=2": {"blas_from_rows": 128, "rows": {}}}
+    path.write_text(json.dumps(old))
+    calls = []
+    monkeypatch.setattr(cpu_tune, "measure", _fake_measure(calls, 512))
+    assert cpu_tune.blas_from_rows([(64, 256), (128, 64)], threads=2) == 512
+    assert cpu_tune.slices_from_rows([(64, 256), (128, 64)], threads=2) == 512
+    kept = json.loads(path.read_text())
+    assert len(kept) == 2 and all(k.startswith(f"v{cpu_tune.VERSION}|") for k in kept)
+
+
 def test_large_shapes_are_cut_to_the_bound():
     hidden, inter = cpu_tune._measured_mlp(2048, 8192)  # Llama-3.2-1B's MLP
     assert hidden == 2048 and 2 * inter * hidden <= cpu_tune.MAX_ELEMENTS and inter >= 32
