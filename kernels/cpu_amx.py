@@ -113,8 +113,8 @@ def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
     if not (available() and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
             and x.stride(1) == 1 and x.shape[1] % K_MULTIPLE == 0 and _takes_rounded(xb, padded, x.shape[1])
             and threads >= 1):
-        raise ValueError(f"amx_round needs the kernel ({status()}), a float32 x [M, K] (K % {K_MULTIPLE} == 0, contiguous rows) and a "
-                         f"contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
+        raise ValueError(f"amx_round needs the kernel ({status()}), a float32 x [M, K] (K % {K_MULTIPLE} == 0, "
+                         f"contiguous rows) and a contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
                          f"xb {tuple(xb.shape)} {xb.dtype}, threads {threads}")
     if _LIBRARY.load().longctx_amx_round(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xb.data_ptr(),
                                          threads) != 0:

@@ -50,7 +50,8 @@ import torch
 
 from . import cpu_amx, cpu_build, cpu_linear
 
-__all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "slices_from_rows", "amx_from_rows", "setting", "measure", "cache_file", "key"]
+__all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "slices_from_rows", "amx_from_rows", "setting", "measure",
+           "cache_file", "key"]
 
 log = logging.getLogger(__name__)
 

@@ -74,18 +74,17 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
     """Prefill chunks of a model with float32 activations: the row kernel's panels or, whichever
     ``cpu_tune`` measured faster on this machine for its MLP shapes, BLAS (float32 matrices; GGUF
     blocks' slices, measured bare: nothing is fused there) or the AMX tiles (bfloat16 matrices,
-    where the CPU has them). Only what the model holds is measured."""
-    bf16 = dtype == torch.bfloat16
+    where the CPU has them). Only what the model multiplies in float32 is measured (nothing for
+    blocks that all went to the AMX tiles)."""
     shapes = model.mlp_shapes()
-    kinds = {(m.method.name, m.weight.dtype if isinstance(m.weight, torch.Tensor) else None)
-             for m in model.modules() if isinstance(m, Linear)}
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     try:
         cpu_tune.setting()  # (a bad LONGCTX_CPU_TUNE is refused even where nothing is measured)
-        if bf16:
+        if dtype == torch.bfloat16:
             tune_bf16_long_steps(model, cpu_tune.amx_from_rows(shapes))
             return model
-        kernel = (ROW_KERNEL.name, torch.float32) in kinds
-        blocks = any(name == BlockWeights.name for name, _ in kinds)
+        kernel = any(m.method.name == ROW_KERNEL.name and m.weight.dtype == torch.float32 for m in linears)
+        blocks = any(isinstance(m.method, BlockWeights) for m in linears) and not all_on_tiles(model)
         rows = cpu_tune.blas_from_rows(shapes) if kernel else None
         slices = cpu_tune.slices_from_rows(shapes) if blocks else None
     except ValueError as err:  # LONGCTX_CPU_TUNE that is not auto, off or a row count
@@ -98,13 +97,9 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
 def _blocks_tuned(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
     """A model of blocks (float32 activations) computing in ``dtype``: bfloat16 sends its prefill
     chunks to bfloat16 slices on the AMX tiles where the CPU has them (``use_bf16_tiles``); the
-    rest as float32's (``_tuned``: nothing to measure when every matrix went to the tiles)."""
-    if dtype == torch.bfloat16 and use_bf16_tiles(model) and all_on_tiles(model):
-        try:
-            cpu_tune.setting()  # (nothing to measure; a bad LONGCTX_CPU_TUNE is still refused)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        return model
+    rest as float32's (``_tuned``)."""
+    if dtype == torch.bfloat16:
+        use_bf16_tiles(model)
     return _tuned(model)
 
 
