@@ -209,14 +209,24 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
         }                                                                                             \
     }                                                                                                 \
     INLINE void softmax_##W(float *st, int rbp, int n, int i, float *m, float *l, float *alpha) {     \
-        VT peak = P##_loadu_ps(m + i);                                                                \
-        for (int j = 0; j < n; j++) peak = P##_max_ps(peak, P##_loadu_ps(st + (int64_t)j * rbp + i)); \
+        /* four max chains: one would wait on the max's latency for every key */                   \
+        VT peak = P##_loadu_ps(m + i), pk1 = peak, pk2 = peak, pk3 = peak;                            \
+        int j = 0;                                                                                    \
+        for (; j + 4 <= n; j += 4) {                                                                  \
+            const float *s = st + (int64_t)j * rbp + i;                                               \
+            peak = P##_max_ps(peak, P##_loadu_ps(s));                                                 \
+            pk1 = P##_max_ps(pk1, P##_loadu_ps(s + rbp));                                             \
+            pk2 = P##_max_ps(pk2, P##_loadu_ps(s + 2 * (int64_t)rbp));                                \
+            pk3 = P##_max_ps(pk3, P##_loadu_ps(s + 3 * (int64_t)rbp));                                \
+        }                                                                                             \
+        for (; j < n; j++) peak = P##_max_ps(peak, P##_loadu_ps(st + (int64_t)j * rbp + i));         \
+        peak = P##_max_ps(P##_max_ps(peak, pk1), P##_max_ps(pk2, pk3));                               \
         /* a row that has seen nothing keeps m = -inf; its reference is then -FLT_MAX, which gives   \
            it P = 0 and alpha = 0 */                                                                  \
         const VT ref = P##_max_ps(peak, P##_set1_ps(-FLT_MAX));                                       \
         const VT a = exp2_##W(P##_sub_ps(P##_loadu_ps(m + i), ref));                                  \
         VT sum = P##_setzero_ps();                                                                    \
-        for (int j = 0; j < n; j++) {                                                                 \
+        for (j = 0; j < n; j++) {                                                                     \
             float *s = st + (int64_t)j * rbp + i;                                                     \
             const VT p = exp2_##W(P##_sub_ps(P##_loadu_ps(s), ref));                                  \
             P##_storeu_ps(s, p);                                                                      \
@@ -421,6 +431,58 @@ static void pair_rows_bf16(const float *src, int rbp, int n, uint32_t *dst_rows)
     }
 }
 
+/* tile_softmax for bfloat16 pages, with P written straight as pair_rows_bf16's pairs over S^T
+ * (pair row j / 2 over float row j / 2, read by then): the same sums in the same order and the
+ * same roundings as tile_softmax then pair_rows_bf16, without storing P as float32 and reading it
+ * back. vcvtne2ps2bf16 rounds two keys' P at once (key j in the low 16 halves, j + 1 in the
+ * high ones) and a word permute interleaves them into pairs. The max runs as four chains (one
+ * would wait on vmaxps' latency for every key; the maximum is the same whatever the order). */
+INLINE void softmax_pairs_16(float *st, int stride, int n, int i, float *m, float *l, float *alpha,
+                             __m512i interleave, __mmask16 live) {
+    __m512 peak = _mm512_maskz_loadu_ps(live, m + i), pk1 = peak, pk2 = peak, pk3 = peak;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *s = st + (int64_t)j * stride + i;
+        peak = _mm512_max_ps(peak, _mm512_maskz_loadu_ps(live, s));
+        pk1 = _mm512_max_ps(pk1, _mm512_maskz_loadu_ps(live, s + stride));
+        pk2 = _mm512_max_ps(pk2, _mm512_maskz_loadu_ps(live, s + 2 * (int64_t)stride));
+        pk3 = _mm512_max_ps(pk3, _mm512_maskz_loadu_ps(live, s + 3 * (int64_t)stride));
+    }
+    for (; j < n; j++) peak = _mm512_max_ps(peak, _mm512_maskz_loadu_ps(live, st + (int64_t)j * stride + i));
+    peak = _mm512_max_ps(_mm512_max_ps(peak, pk1), _mm512_max_ps(pk2, pk3));
+    const __m512 ref = _mm512_max_ps(peak, _mm512_set1_ps(-FLT_MAX));
+    const __m512 a = exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, m + i), ref));
+    __m512 sum = _mm512_setzero_ps();
+    uint32_t *pp = (uint32_t *)st + i;
+    for (j = 0; j < n; j += 2, pp += stride) {
+        const __m512 p0 = exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, st + (int64_t)j * stride + i), ref));
+        sum = _mm512_add_ps(sum, p0);
+        __m512 p1 = _mm512_setzero_ps();
+        if (j + 1 < n) {
+            p1 = exp2_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, st + (int64_t)(j + 1) * stride + i), ref));
+            sum = _mm512_add_ps(sum, p1);
+        }
+        _mm512_mask_storeu_epi32(pp, live, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    _mm512_mask_storeu_ps(l + i, live, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, l + i), a, sum));
+    _mm512_mask_storeu_ps(m + i, live, peak);
+    _mm512_mask_storeu_ps(alpha + i, live, a);
+}
+
+/* tile_softmax then pair_rows_bf16 over S^T's n keys and `rows` columns (a multiple of 8), in
+ * one pass (softmax_pairs_16). Returns whether any alpha is not 1. */
+static int tile_softmax_pairs(float *st, int rows, int n, float *m, float *l, float *alpha) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __mmask16 moved = 0;
+    for (int i = 0; i < rows; i += 16) {
+        const __mmask16 live = rows - i >= 16 ? 0xFFFF : 0x00FF;
+        softmax_pairs_16(st, rows, n, i, m, l, alpha, interleave, live);
+        moved |= _mm512_mask_cmpneq_ps_mask(live, _mm512_maskz_loadu_ps(live, alpha + i), _mm512_set1_ps(1.0f));
+    }
+    return moved != 0;
+}
+
 /* V's rows of a tile's n keys (bfloat16 rows vrow[j]) as (n + 1) / 2 rows of pairs. */
 static void pair_v_bf16(const uint16_t *const *vrow, int n, int d, const uint16_t *zero, uint32_t *vp) {
     for (int jp = 0; jp < (n + 1) / 2; jp++) {
@@ -596,8 +658,26 @@ static void amx_tile(const Args *a, int row0, int rows, int base, int meets_wind
                 if (w == 32) qk_16(qt, rbp, kf + k0, d, st, w, r0);
                 else qk_8(qt, rbp, kf + k0, d, st, w, r0);
             }
-        } else
-            for (int g = 0; g < n16; g += 16) {
+        } else {
+            int g = 0;
+            if (ns == 2) /* two key groups against the two strips: four chains of sums in flight */
+                for (; g + 32 <= n16; g += 32) {
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int c = 0; c < d / 32; c++) {
+                        const uint32_t *b = qp + (int64_t)16 * c * rbp + r0;
+                        _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
+                        _tile_loadd(5, kb + (int64_t)(g + 16) * d + 32 * c, d * 2);
+                        _tile_loadd(6, b, rbp * 4);
+                        _tile_loadd(7, b + 16, rbp * 4);
+                        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, sbuf + (int64_t)g * w, w * 4);
+                    _tile_stored(1, sbuf + (int64_t)g * w + 16, w * 4);
+                    _tile_stored(2, sbuf + (int64_t)(g + 16) * w, w * 4);
+                    _tile_stored(3, sbuf + (int64_t)(g + 16) * w + 16, w * 4);
+                }
+            for (; g < n16; g += 16) {
                 AMX_C(TILE_ZERO, 0, 0);
                 for (int c = 0; c < d / 32; c++) {
                     const uint32_t *b = qp + (int64_t)16 * c * rbp + r0;
@@ -606,15 +686,13 @@ static void amx_tile(const Args *a, int row0, int rows, int base, int meets_wind
                 }
                 AMX_C(TILE_STORE, sbuf + (int64_t)g * w, w * 4);
             }
+        }
         if (cap > 0.0f)
             for (int j = 0; j < n; j++)
                 for (int r = 0; r < w; r++) sbuf[(int64_t)j * w + r] = cap * tanhf(sbuf[(int64_t)j * w + r] * inv_cap);
         if (meets_window || meets_mask)
             mask_columns(a, row0, rows, base, n, meets_window, meets_mask, sbuf, w, r0, w);
-        for (int i = 0; i < w; i += 16) softmax_16(sbuf, w, n, i, m + r0, l + r0, alpha + r0);
-        int rescale = 0;
-        for (int r = 0; r < w; r++) rescale |= alpha[r0 + r] != 1.0f;
-        pair_rows_bf16(sbuf, w, n, (uint32_t *)sbuf);
+        const int rescale = tile_softmax_pairs(sbuf, w, n, m + r0, l + r0, alpha + r0);
         for (int jp = (n + 1) / 2; jp < n32 / 2; jp++) memset((uint32_t *)sbuf + (int64_t)jp * w, 0, sizeof(uint32_t) * (size_t)w);
         if (rescale)
             for (int x = 0; x < d; x++)
@@ -623,6 +701,24 @@ static void amx_tile(const Args *a, int row0, int rows, int base, int meets_wind
                     _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(alpha + r0 + i)));
                 }
         const uint32_t *pp = (const uint32_t *)sbuf;
+        if (ns == 2) /* two column groups of O^T (d % 32 == 0) against the two strips */
+            for (int xg = 0; xg < d; xg += 32) {
+                float *c0 = ot + (int64_t)xg * rbp + r0, *c1 = c0 + (int64_t)16 * rbp;
+                _tile_loadd(0, c0, rbp * 4); _tile_loadd(1, c0 + 16, rbp * 4);
+                _tile_loadd(2, c1, rbp * 4); _tile_loadd(3, c1 + 16, rbp * 4);
+                for (int kc = 0; kc < n32 / 32; kc++) {
+                    const uint32_t *b = pp + (int64_t)16 * kc * w;
+                    _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
+                    _tile_loadd(5, vt + (int64_t)(xg + 16) * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
+                    _tile_loadd(6, b, w * 4);
+                    _tile_loadd(7, b + 16, w * 4);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c0, rbp * 4); _tile_stored(1, c0 + 16, rbp * 4);
+                _tile_stored(2, c1, rbp * 4); _tile_stored(3, c1 + 16, rbp * 4);
+            }
+        else
         for (int xg = 0; xg < d; xg += 16) {
             float *c0 = ot + (int64_t)xg * rbp + r0;
             AMX_C(TILE_LOAD, c0, rbp * 4);
@@ -791,22 +887,24 @@ static void mask_columns(const Args *a, int row0, int rows, int base, int n, int
                          float *st, int stride, int c0, int w) {
     const int group = a->num_heads / a->num_kv, first_new = a->ctx_len - a->q_len;
     const int end = c0 + w < rows ? c0 + w : rows;
+    int tok[RB]; /* the rows' tokens, found once (a division each) */
+    for (int r = c0; r < end; r++) tok[r - c0] = (row0 + r) / group;
     if (meets_window)
         for (int r = c0; r < end; r++) {
-            const int low = window_low(a, (row0 + r) / group);
+            const int low = window_low(a, tok[r - c0]);
             for (int j = 0; j < n && base + j < low; j++) st[(int64_t)j * stride + r - c0] = -INFINITY;
         }
     if (meets_mask)
         for (int j = 0; j < n; j++) {
-            const int key = base + j;
-            if (key < first_new) continue;
-            float *col = st + (int64_t)j * stride - c0;
-            for (int r = c0; r < end; r++) {
-                const int t = (row0 + r) / group;
-                const int visible = a->tail_words ? (int)((a->tail_words[t] >> (key - first_new)) & 1u)
-                                                  : key - first_new <= t;
-                if (!visible) col[r] = -INFINITY;
-            }
+            const int key = base + j, rel = key - first_new;
+            if (rel < 0) continue;
+            float *col = st + (int64_t)j * stride;
+            if (a->tail_words) {
+                for (int r = 0; r < end - c0; r++)
+                    if (!((a->tail_words[tok[r]] >> rel) & 1u)) col[r] = -INFINITY;
+            } else
+                for (int r = 0; r < end - c0; r++)
+                    if (rel > tok[r]) col[r] = -INFINITY;
         }
 }
 
@@ -822,13 +920,15 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 #else
     const int pairs = 0;
 #endif
-    for (int x = 0; x < d; x++) {
-        float *dst = s->qt + (int64_t)x * rbp;
-        for (int r = 0; r < rbp; r++) {
+    /* Q^T, row by row: row r0 + r is token (r0 + r) / group's query head kvh * group + (r0 + r) % group */
+    for (int r = 0; r < rbp; r++) {
+        float *dst = s->qt + r;
+        if (r < rows) {
             const int row = r0 + r;
-            dst[r] = r < rows ? a->q[((int64_t)(row / group) * a->num_heads + kvh * group + row % group) * d + x] * qscale
-                              : 0.0f;
-        }
+            const float *src = a->q + ((int64_t)(row / group) * a->num_heads + kvh * group + row % group) * d;
+            for (int x = 0; x < d; x++) dst[(int64_t)x * rbp] = src[x] * qscale;
+        } else
+            for (int x = 0; x < d; x++) dst[(int64_t)x * rbp] = 0.0f;
     }
 #ifdef HAVE_BF16_DOT
     const int qpairs = pairs && d % 2 == 0 && QK_BF16; /* scores by vdpbf16ps: Q^T pairs in qp */
@@ -933,10 +1033,14 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             }
         if (meets_window || meets_mask)
             mask_columns(a, r0, rows, base, n, meets_window, meets_mask, s->st, rbp, 0, rbp);
+#ifdef HAVE_BF16_DOT
+        const int rescale = pairs ? tile_softmax_pairs(s->st, rbp, n, s->m, s->l, s->alpha)
+                                  : tile_softmax(s->st, rbp, n, s->m, s->l, s->alpha);
+#else
         const int rescale = tile_softmax(s->st, rbp, n, s->m, s->l, s->alpha);
+#endif
         if (pairs) {
 #ifdef HAVE_BF16_DOT
-            pair_rows_bf16(s->st, rbp, n, (uint32_t *)s->st);
             for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
             pair_v_bf16(s->vrow16, n, d, (const uint16_t *)s->zero, (uint32_t *)s->vbuf);
             tile_accumulate_bf16((const uint32_t *)s->st, rbp, (const uint32_t *)s->vbuf, n, d, s->ot,
