@@ -318,3 +318,29 @@ def test_a_call_with_its_neighbours_equals_the_model_s_torch_ops(method, rows):
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(2048, 1536), (300, 1000), (7, 37)])
+def test_activation_by_out_forms_keeps_the_functional_forms_bits(shape, threads):
+    """``activation`` (torch's out= forms, as the MLPs call them on a half of a [T, 2F] product)
+    gives F.silu's and F.gelu(tanh)'s bits, into a new tensor and in place; a bad name is refused."""
+    from longctx.model.linear import activation
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m, f = shape
+        pair = torch.randn(m, 2 * f, generator=torch.Generator().manual_seed(m)) * 4
+        gate = pair[:, :f]  # strided, as the products leave it
+        for act, ref in (("silu", torch.nn.functional.silu(gate)),
+                         ("gelu_tanh", torch.nn.functional.gelu(gate, approximate="tanh"))):
+            assert torch.equal(activation(gate, act), ref)
+            scratch = pair.clone()[:, :f]
+            assert activation(scratch, act, out=scratch).data_ptr() == scratch.data_ptr()
+            assert torch.equal(scratch, ref)
+            assert not torch.equal(ref, gate)  # (the activation changed something)
+        with pytest.raises(ValueError, match="act must be"):
+            activation(gate, "relu")
+    finally:
+        torch.set_num_threads(before)

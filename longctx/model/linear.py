@@ -32,6 +32,21 @@ PACK_ROWS_HINT = 16  # oneDNN packs for this many rows: measured as fast as 4, f
 ROW_KERNEL_DTYPES = tuple(cpu_linear.WEIGHT_TYPES)  # the weight dtypes the row kernel reads
 
 
+def activation(gate: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(gate)`` (``"silu"`` or ``"gelu_tanh"``) into ``out`` (a new tensor when None; ``gate``
+    itself: in place), by torch's ``out=`` forms. Why not ``F.silu(gate)``: on a strided half of
+    a [T, 2F] product, the functional form ran ~3.5x slower than the same op given its output
+    (2,048 x 1,536 on the Intel Xeon: 3.8 against 1.1 ms, in place 0.7), with the same bits
+    (tested)."""
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if act == "silu":
+        return torch.ops.aten.silu.out(gate, out=out)
+    if act == "gelu_tanh":
+        return torch.ops.aten.gelu.out(gate, approximate="tanh", out=out)
+    raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
+
+
 def onednn_linear_available() -> bool:
     """Whether this torch build has oneDNN's pre-packed linear ops."""
     return (torch.backends.mkldnn.is_available()
@@ -89,7 +104,7 @@ class LinearMethod:
             x = norm(x)
         if swiglu:
             gate, up = x.split(x.shape[-1] // 2, dim=-1)  # (T, F) each
-            x = nn.functional.silu(gate).mul_(up)  # (one [T, F] temporary, not two at once)
+            x = activation(gate, "silu").mul_(up)  # (one [T, F] temporary, not two at once)
         return x
 
     def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
@@ -425,8 +440,7 @@ class BlockWeights(LinearMethod):
             else:
                 self._slice_product(blocks, layer.bias, x, r0, r0 + w, gate)
                 self._slice_product(blocks, layer.bias, x, f + r0, f + r0 + w, up)
-            a = nn.functional.silu(gate) if act == "silu" else nn.functional.gelu(gate, approximate="tanh")
-            torch.mul(a, up, out=out[:, r0:r0 + w])
+            torch.mul(activation(gate, act, out=gate), up, out=out[:, r0:r0 + w])  # (the pair is scratch)
         return out
 
     def _slice_product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor, lo: int,

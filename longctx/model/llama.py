@@ -38,14 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
-import torch.nn.functional as F
 
 from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
 from .linear import (BLAS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
-                     choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
+                     activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -129,7 +128,7 @@ class MLP(nn.Module):
         if not self.gelu:
             return self.down_proj(gate_up, swiglu=True, residual=residual, product=product)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), residual=residual, product=product)
+        return self.down_proj(activation(gate, "gelu_tanh").mul_(up), residual=residual, product=product)
 
 
 class DecoderLayer(nn.Module):
