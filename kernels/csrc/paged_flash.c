@@ -588,6 +588,21 @@ static void mask_columns(const Args *a, int row0, int rows, int base, int n, int
         if (ns > 2) OP(2, (base) + 32, (stride));                                                 \
         if (ns > 3) OP(3, (base) + 48, (stride));                                                 \
     } while (0)
+/* A 2 x 2 block of C tiles 0-3 += A rows (tiles 4, 5: at a0 and a1, astride bytes between rows)
+ * times B (tiles 6, 7: two 16-row strips at b and b + 16, bstride bytes): four chains of sums
+ * in flight, where one A against up to four strips (AMX_STRIPS) left one or two */
+#define AMX_2X2(a0, a1, astride, b, bstride)                                                      \
+    do {                                                                                          \
+        _tile_loadd(4, a0, astride); _tile_loadd(5, a1, astride);                                  \
+        _tile_loadd(6, b, bstride); _tile_loadd(7, (b) + 16, bstride);                             \
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);                                          \
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);                                          \
+    } while (0)
+/* C tiles 0-3 to or from rows c0 (tiles 0, 1: columns 0 and 16) and c1 (tiles 2, 3) */
+#define AMX_2X2_C(OP, c0, c1, stride)                                                             \
+    do {                                                                                          \
+        OP(0, c0, stride); OP(1, (c0) + 16, stride); OP(2, c1, stride); OP(3, (c1) + 16, stride);  \
+    } while (0)
 #define TILE_LOAD(t, p, stride) _tile_loadd(t, p, stride)
 #define TILE_STORE(t, p, stride) _tile_stored(t, p, stride)
 #define TILE_ZERO(t, p, stride) _tile_zero(t)
@@ -662,20 +677,11 @@ static void amx_tile(const Args *a, int row0, int rows, int base, int meets_wind
             int g = 0;
             if (ns == 2) /* two key groups against the two strips: four chains of sums in flight */
                 for (; g + 32 <= n16; g += 32) {
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int c = 0; c < d / 32; c++) {
-                        const uint32_t *b = qp + (int64_t)16 * c * rbp + r0;
-                        _tile_loadd(4, kb + (int64_t)g * d + 32 * c, d * 2);
-                        _tile_loadd(5, kb + (int64_t)(g + 16) * d + 32 * c, d * 2);
-                        _tile_loadd(6, b, rbp * 4);
-                        _tile_loadd(7, b + 16, rbp * 4);
-                        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-                    }
-                    _tile_stored(0, sbuf + (int64_t)g * w, w * 4);
-                    _tile_stored(1, sbuf + (int64_t)g * w + 16, w * 4);
-                    _tile_stored(2, sbuf + (int64_t)(g + 16) * w, w * 4);
-                    _tile_stored(3, sbuf + (int64_t)(g + 16) * w + 16, w * 4);
+                    AMX_2X2_C(TILE_ZERO, 0, 0, 0);
+                    for (int c = 0; c < d / 32; c++)
+                        AMX_2X2(kb + (int64_t)g * d + 32 * c, kb + (int64_t)(g + 16) * d + 32 * c, d * 2,
+                                qp + (int64_t)16 * c * rbp + r0, rbp * 4);
+                    AMX_2X2_C(TILE_STORE, sbuf + (int64_t)g * w, sbuf + (int64_t)(g + 16) * w, w * 4);
                 }
             for (; g < n16; g += 16) {
                 AMX_C(TILE_ZERO, 0, 0);
@@ -704,19 +710,11 @@ static void amx_tile(const Args *a, int row0, int rows, int base, int meets_wind
         if (ns == 2) /* two column groups of O^T (d % 32 == 0) against the two strips */
             for (int xg = 0; xg < d; xg += 32) {
                 float *c0 = ot + (int64_t)xg * rbp + r0, *c1 = c0 + (int64_t)16 * rbp;
-                _tile_loadd(0, c0, rbp * 4); _tile_loadd(1, c0 + 16, rbp * 4);
-                _tile_loadd(2, c1, rbp * 4); _tile_loadd(3, c1 + 16, rbp * 4);
-                for (int kc = 0; kc < n32 / 32; kc++) {
-                    const uint32_t *b = pp + (int64_t)16 * kc * w;
-                    _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
-                    _tile_loadd(5, vt + (int64_t)(xg + 16) * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
-                    _tile_loadd(6, b, w * 4);
-                    _tile_loadd(7, b + 16, w * 4);
-                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, c0, rbp * 4); _tile_stored(1, c0 + 16, rbp * 4);
-                _tile_stored(2, c1, rbp * 4); _tile_stored(3, c1 + 16, rbp * 4);
+                AMX_2X2_C(TILE_LOAD, c0, c1, rbp * 4);
+                for (int kc = 0; kc < n32 / 32; kc++)
+                    AMX_2X2(vt + (int64_t)xg * VT_STRIDE + 16 * kc, vt + (int64_t)(xg + 16) * VT_STRIDE + 16 * kc,
+                            VT_STRIDE * 4, pp + (int64_t)16 * kc * w, w * 4);
+                AMX_2X2_C(TILE_STORE, c0, c1, rbp * 4);
             }
         else
         for (int xg = 0; xg < d; xg += 16) {
