@@ -412,9 +412,8 @@ INLINE void pv_bf16_columns(const uint32_t *pp, int rbp, const uint32_t *vp, int
 }
 
 /* n rows of float32 (row stride rbp) as (n + 1) / 2 rows of bfloat16 pairs, dst[p][i] =
- * (src[2p][i], src[2p + 1][i]) (0 for a missing last row): Q^T before a work item's scores, and
- * P^T after each softmax, in place (dst == src: pair row p is written over row p, whose own
- * values went into pair row p / 2 before). */
+ * (src[2p][i], src[2p + 1][i]) (0 for a missing last row): Q^T before a work item's scores (P^T's
+ * pairs come out of the softmax itself: tile_softmax_pairs, the same layout). */
 static void pair_rows_bf16(const float *src, int rbp, int n, uint32_t *dst_rows) {
     for (int jp = 0; jp < (n + 1) / 2; jp++) {
         const float *lo = src + (int64_t)(2 * jp) * rbp, *hi = lo + rbp;
@@ -571,7 +570,8 @@ static void mask_columns(const Args *a, int row0, int rows, int base, int n, int
  * products, as in the vector build. Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN). Tiles: C 0-3
  * the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16 rows), A 4 (16
  * keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7 (16 pairs x 16 rows
- * of qp or pp). Tile numbers are immediates, hence the unrolled strips. */
+ * of qp or pp); in the 2 x 2 blocks of two 16-row strips (AMX_2X2), A 4-5 and B 6-7. Tile numbers
+ * are immediates, hence the unrolled strips. */
 /* B operands (16 pairs x 16 rows each, of Q^T's or P^T's pairs at b, rows bstride bytes apart)
  * against A in tile 4, into the C tiles of up to four 16-row strips */
 #define AMX_STRIPS(bstride)                                                                       \
@@ -649,7 +649,8 @@ _Static_assert(EXACT_ROWS % AMX_SW == 0 && AMX_SW % 16 == 0 && AMX_SW <= 64, "st
  * whole-block form 187 / 197 / 219 ms, strip groups 178 / 192 / 208 ms, with RB 192 as well
  * 168 / 178 / 191 ms; against git 45b7b7c's build, 195 vs 222 ms with the same bits out.
  * Groups of 64 rows measured level with 32, of 16 rows 24% slower; RB 144
- * level with 96, 240 within 2% of 192; the exponentials written straight as pairs, level. Not
+ * level with 96, 240 within 2% of 192; the exponentials written straight as pairs, level then (kept
+ * since, with two keys rounded at once: tile_softmax_pairs). Not
  * kept: the edge tiles' scores on the tiles too, as two products (q's bfloat16 rounding and what
  * it left, q to within 2^-16): 220 -> 209 ms, but at bf16's level any change of the numbers
  * moves a bf16 model's tokens where they sit on a tie, and the real model's bf16 test
@@ -717,16 +718,16 @@ static void amx_tile(const Args *a, int row0, int rows, int base, int meets_wind
                 AMX_2X2_C(TILE_STORE, c0, c1, rbp * 4);
             }
         else
-        for (int xg = 0; xg < d; xg += 16) {
-            float *c0 = ot + (int64_t)xg * rbp + r0;
-            AMX_C(TILE_LOAD, c0, rbp * 4);
-            for (int kc = 0; kc < n32 / 32; kc++) {
-                const uint32_t *b = pp + (int64_t)16 * kc * w;
-                _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
-                AMX_STRIPS(w * 4);
+            for (int xg = 0; xg < d; xg += 16) {
+                float *c0 = ot + (int64_t)xg * rbp + r0;
+                AMX_C(TILE_LOAD, c0, rbp * 4);
+                for (int kc = 0; kc < n32 / 32; kc++) {
+                    const uint32_t *b = pp + (int64_t)16 * kc * w;
+                    _tile_loadd(4, vt + (int64_t)xg * VT_STRIDE + 16 * kc, VT_STRIDE * 4);
+                    AMX_STRIPS(w * 4);
+                }
+                AMX_C(TILE_STORE, c0, rbp * 4);
             }
-            AMX_C(TILE_STORE, c0, rbp * 4);
-        }
     }
 }
 #endif

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
 from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
