@@ -56,6 +56,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.longctx_amx_round
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn = lib.longctx_amx_round_scaled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int]
     fn = lib.longctx_amx_linear_rounded
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -106,7 +110,7 @@ amx_linear = cpu_build.define_op("amx_linear(Tensor x, Tensor weight, Tensor(a!)
                                  _amx_linear)
 
 
-def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
+def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int, check_only: bool = False) -> None:
     """The operator: x [M, K] float32 rounded into ``xb``, a contiguous bfloat16 [M rounded up
     to 16, K] in the tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
     padded = (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
@@ -116,9 +120,32 @@ def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
         raise ValueError(f"amx_round needs the kernel ({status()}), a float32 x [M, K] (K % {K_MULTIPLE} == 0, "
                          f"contiguous rows) and a contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
                          f"xb {tuple(xb.shape)} {xb.dtype}, threads {threads}")
+    if check_only:
+        return
     if _LIBRARY.load().longctx_amx_round(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xb.data_ptr(),
                                          threads) != 0:
         raise RuntimeError(f"amx_round refused x {tuple(x.shape)}")
+
+
+def _amx_round_scaled(x: torch.Tensor, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None,
+                      xb: torch.Tensor, threads: int) -> None:
+    """The operator: ``amx_round`` of ``col_scale * (x * row_scale[:, None])`` (float32 [M] and
+    [K], contiguous, either None), each product rounded to float32 as torch's would be."""
+    m, k = (x.shape[0], x.shape[1]) if x.dim() == 2 else (0, 0)
+
+    def vector(t: torch.Tensor | None, n: int) -> bool:
+        return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                             and t.numel() == n)
+
+    if not (vector(row_scale, m) and vector(col_scale, k)):
+        raise ValueError(f"amx_round_scaled needs float32 contiguous scales of {m} rows and {k} columns (or None), "
+                         f"got {None if row_scale is None else (tuple(row_scale.shape), row_scale.dtype)} and "
+                         f"{None if col_scale is None else (tuple(col_scale.shape), col_scale.dtype)}")
+    _amx_round(x, xb, threads, check_only=True)
+    ptr = (lambda t: None if t is None else t.data_ptr())
+    if _LIBRARY.load().longctx_amx_round_scaled(x.data_ptr(), x.stride(0), m, k, ptr(row_scale), ptr(col_scale),
+                                                xb.data_ptr(), threads) != 0:
+        raise RuntimeError(f"amx_round_scaled refused x {tuple(x.shape)}")
 
 
 def _takes_rounded(xb: torch.Tensor, padded: int, k: int) -> bool:
@@ -145,20 +172,30 @@ def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: 
 
 
 amx_round = cpu_build.define_op("amx_round(Tensor x, Tensor(a!) xb, int threads) -> ()", _amx_round)
+amx_round_scaled = cpu_build.define_op(
+    "amx_round_scaled(Tensor x, Tensor? row_scale, Tensor? col_scale, Tensor(a!) xb, int threads) -> ()",
+    _amx_round_scaled)
 amx_linear_rounded = cpu_build.define_op(
     "amx_linear_rounded(Tensor xb, int rows, Tensor weight, Tensor(a!) out, int threads) -> ()", _amx_linear_rounded)
 
 
-def round_x(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+def round_x(x: torch.Tensor, num_threads: int | None = None, row_scale: torch.Tensor | None = None,
+            col_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 rounded to bfloat16 once, for several ``amx_linear_rounded`` products
-    over it (slices of one matrix): a [M rounded up to 16, K] buffer in the tiles' order.
-    RuntimeError where the kernel is not here; ValueError for an x it does not take."""
+    over it (slices of one matrix): a [M rounded up to 16, K] buffer in the tiles' order. With
+    ``row_scale`` [M] and/or ``col_scale`` [K] (float32): ``col_scale * (x * row_scale[:, None])``
+    rounded, each product as torch rounds it (an RMSNorm's ``weight * (x * rsqrt(...))`` in the
+    rounding pass). RuntimeError where the kernel is not here; ValueError for an x it does not take."""
     if not available():
         raise RuntimeError(f"the AMX linear kernel is {status()}")
     if x.dim() != 2:
         raise ValueError(f"round_x takes x [M, K], got shape {tuple(x.shape)}")
     xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
-    amx_round(x, xb, torch.get_num_threads() if num_threads is None else num_threads)
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if row_scale is None and col_scale is None:
+        amx_round(x, xb, threads)
+    else:
+        amx_round_scaled(x, row_scale, col_scale, xb, threads)
     return xb
 
 

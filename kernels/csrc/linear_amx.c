@@ -31,11 +31,13 @@
 /* 0 when this process may use the AMX tiles, else -1. */
 int longctx_amx_enable(void) { return amx_request_tiles(); }
 
-/* x [M, K] float32 (row stride ldx) -> xb, bfloat16 in A tiles: xb[Mp / 16][K / 32][16 r][32 k]
+/* x [M, K] float32 (row stride ldx; times row_scale[m], then col_scale[k] times that, where not
+ * NULL) -> xb, bfloat16 in A tiles: xb[Mp / 16][K / 32][16 r][32 k]
  * (each tile 1 KB, contiguous), rows M..Mp-1 zero. Rows K * 2 bytes apart, as x's own rows
  * are, put a tile's 16 rows in one L1 set whenever K * 2 is a multiple of 4 KB (K = 2,048,
  * 8,192: the 1B model's): 16 lines in a 12-way set, missed at every load. */
-static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, uint16_t *xb, int threads) {
+static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, const float *row_scale,
+                       const float *col_scale, uint16_t *xb, int threads) {
     const int kblocks = K / 32;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int m = 0; m < Mp; m++) {
@@ -45,8 +47,17 @@ static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, uint16
             continue;
         }
         const float *xr = x + (int64_t)m * ldx;
+        const __m512 r = _mm512_set1_ps(row_scale ? row_scale[m] : 1.0f);
         for (int kb = 0; kb < kblocks; kb++) {
-            const __m512 lo = _mm512_loadu_ps(xr + 32 * kb), hi = _mm512_loadu_ps(xr + 32 * kb + 16);
+            __m512 lo = _mm512_loadu_ps(xr + 32 * kb), hi = _mm512_loadu_ps(xr + 32 * kb + 16);
+            if (row_scale) { /* x * r, then w * (x * r): RMSNorm's two products, each rounded as torch rounds it */
+                lo = _mm512_mul_ps(lo, r);
+                hi = _mm512_mul_ps(hi, r);
+            }
+            if (col_scale) {
+                lo = _mm512_mul_ps(_mm512_loadu_ps(col_scale + 32 * kb), lo);
+                hi = _mm512_mul_ps(_mm512_loadu_ps(col_scale + 32 * kb + 16), hi);
+            }
             _mm512_storeu_si512((__m512i *)(dst + (int64_t)kb * 512), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
@@ -146,7 +157,7 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
     const int Mp = (M + 15) / 16 * 16;
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)Mp * (size_t)K);
     if (!xb) return -1;
-    round_rows(x, ldx, M, Mp, K, xb, threads);
+    round_rows(x, ldx, M, Mp, K, NULL, NULL, xb, threads);
     const int rc = tiles_product(xb, Mp, K, w, N, y, ldy, threads);
     free(xb);
     return rc;
@@ -159,7 +170,17 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
  * take or (the products) a failed allocation: nothing written. */
 int longctx_amx_round(const float *x, int64_t ldx, int M, int K, uint16_t *xb, int threads) {
     if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
-    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, xb, threads);
+    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, NULL, NULL, xb, threads);
+    return 0;
+}
+
+/* longctx_amx_round of col_scale[k] * (x[m][k] * row_scale[m]) (either NULL: not applied): an
+ * RMSNorm's two products (torch's x * rsqrt(mean) then weight * that, the same roundings) made
+ * in the pass that rounds them, instead of two passes over [M, K] floats and a third to round. */
+int longctx_amx_round_scaled(const float *x, int64_t ldx, int M, int K, const float *row_scale,
+                             const float *col_scale, uint16_t *xb, int threads) {
+    if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
+    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, row_scale, col_scale, xb, threads);
     return 0;
 }
 

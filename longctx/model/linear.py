@@ -47,6 +47,19 @@ def activation(gate: torch.Tensor, act: str, out: torch.Tensor | None = None) ->
     raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
 
 
+def rounded_norm(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor | None:
+    """``norm(x)`` rounded for the AMX tiles (``cpu_amx.round_x``'s order) in one pass, for a norm
+    whose float32 output is ``weight * (x * norm.row_scale(x))`` (an RMSNorm): the same bits as
+    rounding ``norm(x)``, without writing [T, K] floats twice and reading them back (the two
+    products and the rounding were three passes). None where ``norm`` is not one, or x is not
+    float32."""
+    if (norm is None or not hasattr(norm, "row_scale") or x.dtype != torch.float32 or x.dim() != 2
+            or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"):
+        return None
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return cpu_amx.round_x(x, row_scale=norm.row_scale(x).reshape(-1), col_scale=norm.weight.contiguous())
+
+
 def onednn_linear_available() -> bool:
     """Whether this torch build has oneDNN's pre-packed linear ops."""
     return (torch.backends.mkldnn.is_available()
@@ -143,8 +156,14 @@ class RowKernelWeights(LinearMethod):
 
     def _amx_apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, swiglu: bool,
                    residual: torch.Tensor | None) -> torch.Tensor:
-        x = self.prologue(x, norm, swiglu)  # float32 torch ops, as the BLAS route runs them
-        y = cpu_amx.linear(x if x.stride(-1) == 1 else x.contiguous(), layer.weight)
+        xb = None if swiglu else rounded_norm(x, norm)  # (the norm folded into x's rounding)
+        if xb is not None:
+            y = torch.empty(xb.shape[0], layer.weight.shape[0], dtype=torch.float32)
+            cpu_amx.amx_linear_rounded(xb, x.shape[0], layer.weight, y, torch.get_num_threads())
+            y = y[:x.shape[0]]
+        else:
+            x = self.prologue(x, norm, swiglu)  # float32 torch ops, as the BLAS route runs them
+            y = cpu_amx.linear(x if x.stride(-1) == 1 else x.contiguous(), layer.weight)
         if layer.bias is not None:
             y += layer.bias
         return y if residual is None else y.add_(residual)
@@ -345,15 +364,18 @@ class BlockWeights(LinearMethod):
         even number of rows) as ``gated``'s halves."""
         return self._on_tiles(blocks) and (blocks.shape[0] % 2 == 1 or self._gated_on_tiles(blocks))
 
-    def product(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def product(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor | None = None,
+                rounded: torch.Tensor | None = None) -> torch.Tensor:
+        """``rounded``: x as the tiles take it (``cpu_amx.round_x``), given where the product runs on
+        them (``x`` then only gives the row count)."""
         blocks: BlockMatrix = layer.weight
         if blocks.order is None:
-            return self._product(blocks, layer.bias, x, residual)
+            return self._product(blocks, layer.bias, x, residual, rounded)
         # the stored rows' products, then in order, then the bias and residual
-        return _in_order(self._product(blocks.stored(), None, x, None), blocks.order, layer.bias, residual)
+        return _in_order(self._product(blocks.stored(), None, x, None, rounded), blocks.order, layer.bias, residual)
 
     def _product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor,
-                 residual: torch.Tensor | None) -> torch.Tensor:
+                 residual: torch.Tensor | None, rounded: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape[0], blocks.k
         out = torch.empty(m, blocks.shape[0], dtype=torch.float32)
         if m == 0:
@@ -363,7 +385,7 @@ class BlockWeights(LinearMethod):
             return blocks.prepared()(x, out, bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
         if self._on_tiles(blocks):
             out = torch.empty(_tile_rows(m), blocks.shape[0], dtype=torch.float32)
-            self._tile_product(blocks, cpu_amx.round_x(x), m, 0, blocks.shape[0], out)
+            self._tile_product(blocks, cpu_amx.round_x(x) if rounded is None else rounded, m, 0, blocks.shape[0], out)
             out = out[:m]
             if bias is not None:
                 out.add_(bias)
@@ -400,6 +422,10 @@ class BlockWeights(LinearMethod):
                                     None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
                                     swiglu, torch.get_num_threads(), self.fast)
             return out if order is None else _in_order(out, order, layer.bias, residual)
+        if not swiglu and x.shape[0] > BLOCK_ROWS and self._on_tiles(layer.weight):
+            xb = rounded_norm(x, norm)  # (the norm folded into x's rounding for the tiles)
+            if xb is not None:
+                return self.product(layer, x, residual, rounded=xb)
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
 
     def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str) -> torch.Tensor | None:
@@ -419,14 +445,16 @@ class BlockWeights(LinearMethod):
             return None  # short steps: the block kernel, SwiGLU fused into the down product's call
         if act not in ("silu", "gelu_tanh"):
             raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
-        x = self.prologue(x, norm, False).contiguous()
+        tiles = self._gated_on_tiles(blocks)
+        xb = rounded_norm(x, norm) if tiles else None  # (x rounded once for every slice of gate and up,
+        if xb is None:  # with the norm folded into the rounding where it can be)
+            x = self.prologue(x, norm, False).contiguous()
+            xb = cpu_amx.round_x(x) if tiles else None
         f = blocks.shape[0] // 2
         out = torch.empty(m, f, dtype=torch.float32)
         step = _slice_rows(k)
-        tiles = self._gated_on_tiles(blocks)
         pair = torch.empty(_tile_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
         half = pair.shape[1] // 2
-        xb = cpu_amx.round_x(x) if tiles else None  # (x rounded once for every slice of gate and up)
         for r0 in range(0, f, step):
             w = min(r0 + step, f) - r0
             gate, up = pair[:, :w], pair[:, half:half + w]  # (strided: each row is its own loop)

@@ -53,10 +53,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
+    def row_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """rsqrt(mean(x^2) + eps) [T, 1] of a float32 x: its output is ``weight * (x * row_scale(x))``
+        (the AMX products fold those two products into their rounding: ``linear.rounded_norm``)."""
+        return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in fp32, as HF does
         if x.dtype == torch.float32:  # the same ops without the two no-op conversions
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+            return self.weight * (x * self.row_scale(x))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight.dtype == torch.float32:  # Gemma's norm: the product in fp32 too, then x's dtype

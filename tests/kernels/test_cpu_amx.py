@@ -152,6 +152,36 @@ def test_x_rounded_once_gives_each_slices_columns_bit_for_bit(rows, k, n, step):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows,k", [(1, 32), (17, 64), (100, 576), (33, 2048)])
+def test_an_rmsnorm_folded_into_the_rounding_gives_its_bits(rows, k):
+    """``round_x(x, row_scale=r, col_scale=w)``: the bits of rounding torch's ``w * (x * r)`` (an
+    RMSNorm's two products), and of each product alone; ``linear.rounded_norm`` gives the
+    rounding of the model's RMSNorm output, and declines what it cannot fold. Scales of the
+    wrong size or type are refused."""
+    from longctx.model.linear import rounded_norm
+    from longctx.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k + 8, generator=gen)[:, 4:4 + k] * 3  # strided rows, as a residual view
+    w = torch.randn(k, generator=gen)
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(cpu_amx.round_x(x, row_scale=r.reshape(-1), col_scale=w), cpu_amx.round_x(w * (x * r)))
+    assert torch.equal(cpu_amx.round_x(x, row_scale=r.reshape(-1)), cpu_amx.round_x(x * r))
+    assert torch.equal(cpu_amx.round_x(x, col_scale=w), cpu_amx.round_x(w * x))
+    assert not torch.equal(cpu_amx.round_x(x, col_scale=w), cpu_amx.round_x(x))  # (the scale did something)
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data.copy_(w)
+    assert torch.equal(rounded_norm(x, norm), cpu_amx.round_x(norm(x).contiguous()))
+    assert rounded_norm(x, None) is None and rounded_norm(x.double(), norm) is None
+    norm.weight.data = norm.weight.data.to(torch.bfloat16)
+    assert rounded_norm(x, norm) is None  # (a bf16 weight: torch would promote it; not folded)
+    for row_scale, col_scale in ((torch.ones(rows + 1), None), (None, torch.ones(k, dtype=torch.float64)),
+                                 (None, torch.ones(2 * k)[::2])):
+        with pytest.raises(ValueError, match="amx_round_scaled needs"):
+            cpu_amx.round_x(x, row_scale=row_scale, col_scale=col_scale)
+
+
+@needs_amx
 def test_the_rounded_operators_refuse_what_does_not_fit():
     """A buffer of the wrong shape or type for x, an out too short for the padded rows, a weight
     of another width: refused before the kernel writes a byte."""
