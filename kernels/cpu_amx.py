@@ -27,7 +27,8 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "takes_weight", "linear", "round_x", "unsupported"]
+__all__ = ["available", "status", "supports", "takes_weight", "linear", "linear_rounded", "round_x",
+           "unsupported"]
 
 SOURCE = cpu_build.CSRC / "linear_amx.c"
 NEEDS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo flags
@@ -110,9 +111,9 @@ amx_linear = cpu_build.define_op("amx_linear(Tensor x, Tensor weight, Tensor(a!)
                                  _amx_linear)
 
 
-def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int, check_only: bool = False) -> None:
-    """The operator: x [M, K] float32 rounded into ``xb``, a contiguous bfloat16 [M rounded up
-    to 16, K] in the tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
+def _check_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
+    """What the rounding operators take: the kernel, a float32 x [M, K] (K % 32, contiguous rows)
+    and a contiguous bfloat16 xb [M rounded up to 16, K]; ValueError otherwise."""
     padded = (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
     if not (available() and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
             and x.stride(1) == 1 and x.shape[1] % K_MULTIPLE == 0 and _takes_rounded(xb, padded, x.shape[1])
@@ -120,8 +121,12 @@ def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int, check_only: bool
         raise ValueError(f"amx_round needs the kernel ({status()}), a float32 x [M, K] (K % {K_MULTIPLE} == 0, "
                          f"contiguous rows) and a contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
                          f"xb {tuple(xb.shape)} {xb.dtype}, threads {threads}")
-    if check_only:
-        return
+
+
+def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
+    """The operator: x [M, K] float32 rounded into ``xb``, a contiguous bfloat16 [M rounded up
+    to 16, K] in the tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
+    _check_round(x, xb, threads)
     if _LIBRARY.load().longctx_amx_round(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xb.data_ptr(),
                                          threads) != 0:
         raise RuntimeError(f"amx_round refused x {tuple(x.shape)}")
@@ -141,7 +146,7 @@ def _amx_round_scaled(x: torch.Tensor, row_scale: torch.Tensor | None, col_scale
         raise ValueError(f"amx_round_scaled needs float32 contiguous scales of {m} rows and {k} columns (or None), "
                          f"got {None if row_scale is None else (tuple(row_scale.shape), row_scale.dtype)} and "
                          f"{None if col_scale is None else (tuple(col_scale.shape), col_scale.dtype)}")
-    _amx_round(x, xb, threads, check_only=True)
+    _check_round(x, xb, threads)
     ptr = (lambda t: None if t is None else t.data_ptr())
     if _LIBRARY.load().longctx_amx_round_scaled(x.data_ptr(), x.stride(0), m, k, ptr(row_scale), ptr(col_scale),
                                                 xb.data_ptr(), threads) != 0:
@@ -191,12 +196,15 @@ def round_x(x: torch.Tensor, num_threads: int | None = None, row_scale: torch.Te
     if x.dim() != 2:
         raise ValueError(f"round_x takes x [M, K], got shape {tuple(x.shape)}")
     xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    if row_scale is None and col_scale is None:
-        amx_round(x, xb, threads)
-    else:
-        amx_round_scaled(x, row_scale, col_scale, xb, threads)
+    amx_round_scaled(x, row_scale, col_scale, xb, torch.get_num_threads() if num_threads is None else num_threads)
     return xb
+
+
+def linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """``linear`` on x already rounded by ``round_x`` (``rows`` of it): [rows, N] float32."""
+    out = torch.empty(xb.shape[0], weight.shape[0], dtype=torch.float32)  # (whole 16-row tiles)
+    amx_linear_rounded(xb, rows, weight, out, torch.get_num_threads() if num_threads is None else num_threads)
+    return out[:rows]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:

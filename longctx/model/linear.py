@@ -158,9 +158,7 @@ class RowKernelWeights(LinearMethod):
                    residual: torch.Tensor | None) -> torch.Tensor:
         xb = None if swiglu else rounded_norm(x, norm)  # (the norm folded into x's rounding)
         if xb is not None:
-            y = torch.empty(xb.shape[0], layer.weight.shape[0], dtype=torch.float32)
-            cpu_amx.amx_linear_rounded(xb, x.shape[0], layer.weight, y, torch.get_num_threads())
-            y = y[:x.shape[0]]
+            y = cpu_amx.linear_rounded(xb, x.shape[0], layer.weight)
         else:
             x = self.prologue(x, norm, swiglu)  # float32 torch ops, as the BLAS route runs them
             y = cpu_amx.linear(x if x.stride(-1) == 1 else x.contiguous(), layer.weight)
