@@ -153,43 +153,79 @@ def test_greedy_repetition_penalty_matches_hf(llm, document_ids, hf_model, penal
     assert _hf_greedy(hf_model, prompt, penalty, output_only=True) != expected
 
 
-@pytest.mark.slow  # bfloat16 on tiny checkpoints of every family: tests/test_families.py
-def test_bfloat16_on_the_cpu_keeps_float32s_greedy_tokens(document_ids, hf_reference):
-    """dtype='bfloat16' with the file expanded (gguf_weights='float': bf16 weights through the row kernel, bf16 KV pages, fp32
-    activations between the products; where the CPU has AVX-512 BF16, prefill chunks' products
-    take their rows rounded to bf16 and the flash kernel's scores take q rounded to bf16 away from
-    the first and the diagonal key tiles): the same 64 greedy tokens as HF float32 on the
-    7,200-token prompt, and last-position logits within 2% of the largest (measured: 0.65% with
-    float32 rows, 1.1% at avx512bf16)."""
-    llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="float", block_size=64, max_num_batched_tokens=2048)
-    assert llm.engine.cpu_matmul == "kernel" and llm.engine.kv_dtype == torch.bfloat16
-    _keeps_float32s_tokens(llm, document_ids, hf_reference, "bf16")
+# bfloat16 against float32: HF fp32 scores every greedy token the bf16 engine chose, given the
+# bf16 engine's own prefix (one teacher-forced HF forward over the prompt and the 64 tokens). A
+# bf16 run's tokens part from fp32's wherever fp32's top two sit closer than bf16's rounding
+# moves them: this prompt has 10 steps of 64 with fp32 margins under 0.1 nats, and bf16's
+# error in the log-prob differences among fp32's top five measured up to 0.27 nats (2026-12-06,
+# Intel Xeon, AMX build, lookahead off; the run parted from fp32's tokens at step 3, a
+# 0.047-nat tie, and at step 18, 0.030). Pinning bf16 to fp32's 64 tokens pinned it to which
+# side of those ties each rounding lands (with lookahead on the same build kept all 64).
+BF16_GAP_NATS = 0.5  # each chosen token within this of HF fp32's best log-prob at its step
+BF16_MIN_AGREE = 56  # steps of 64 whose token is HF fp32's own argmax there (measured 62)
+BF16_FIRST_LOGITS = 2e-2  # the prompt's last-position logits, relative to the largest (measured 0.8-1.3%)
 
 
-def _keeps_float32s_tokens(llm: LLM, document_ids, hf_reference, label: str) -> None:
-    """The 7,200-token prompt's 64 greedy tokens equal HF float32's, and the last-position
-    logits are within 2% of the largest."""
+def _hf_logprobs_along(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF fp32 log-probs [len(tokens), V] at each generated token's step, given the prompt and
+    the tokens before it (teacher forcing on ``tokens``)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens[:-1]]), logits_to_keep=len(tokens)).logits[0]
+    return logits.float().log_softmax(-1)
+
+
+def bf16_gaps(reference: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """How far below HF fp32's best log-prob each chosen token sits, step by step (0: its argmax)."""
+    chosen = reference.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    return reference.max(-1).values - chosen
+
+
+def _stays_near_float32(llm: LLM, document_ids, hf_model, hf_reference, label: str) -> None:
+    """The 7,200-token prompt's 64 greedy tokens, each within ``BF16_GAP_NATS`` of HF fp32's best
+    at its step (HF given the same prefix), at least ``BF16_MIN_AGREE`` of them fp32's own argmax,
+    and the last-position logits within ``BF16_FIRST_LOGITS`` of the largest."""
     tokens, logits = _run_capturing_first_logits(llm, document_ids)
     expected_tokens, expected_logits = hf_reference
     rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
-    print(f"{label} last-position logits: {rel:.2e} relative to float32")
-    assert rel < 2e-2, f"last-position logits differ by {rel:.2e} relative"
-    assert tokens == expected_tokens
+    reference = _hf_logprobs_along(hf_model, document_ids, tokens)
+    gaps = bf16_gaps(reference, tokens)
+    agree = int((gaps == 0).sum())
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, expected_tokens)) if a != b), None)
+    print(f"{label} last-position logits {rel:.2e} relative to float32; {agree}/{len(tokens)} steps on fp32's "
+          f"argmax, largest gap {float(gaps.max()):.3f} nats; first step apart from fp32's greedy run: {parted}")
+    assert rel < BF16_FIRST_LOGITS, f"last-position logits differ by {rel:.2e} relative"
+    assert len(tokens) == NUM_NEW
+    assert float(gaps.max()) <= BF16_GAP_NATS, [(i, round(float(g), 3)) for i, g in enumerate(gaps) if g > 0]
+    assert agree >= BF16_MIN_AGREE, agree
+    # the bound tells tokens apart: fp32's second choice would sit past it at most steps
+    second = reference.topk(2, dim=-1).indices[:, 1].tolist()
+    assert int((bf16_gaps(reference, second) > BF16_GAP_NATS).sum()) >= NUM_NEW // 2
+
+
+@pytest.mark.slow  # bfloat16 on tiny checkpoints of every family: tests/test_families.py
+def test_bfloat16_on_the_cpu_stays_near_float32(document_ids, hf_model, hf_reference):
+    """dtype='bfloat16' with the file expanded (gguf_weights='float': bf16 weights through the row
+    kernel, bf16 KV pages, fp32 activations between the products; where the CPU has AVX-512 BF16
+    or AMX, prefill chunks' products take their rows rounded to bf16 and the flash kernel's
+    scores take q rounded to bf16): ``_stays_near_float32``."""
+    llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="float", block_size=64, max_num_batched_tokens=2048)
+    assert llm.engine.cpu_matmul == "kernel" and llm.engine.kv_dtype == torch.bfloat16
+    _stays_near_float32(llm, document_ids, hf_model, hf_reference, "bf16")
 
 
 @pytest.mark.slow
-def test_bfloat16_over_the_blocks_keeps_float32s_greedy_tokens(document_ids, hf_reference):
-    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file where the CPU has AMX): bf16 KV pages, decode on
-    the block kernel's float32 products, prefill chunks on bfloat16 slices and the AMX tiles where
-    the CPU has them (else float32 products): the same 64 greedy tokens as HF float32 on the
-    7,200-token prompt, and last-position logits within 2% of the largest (the dense bf16 bar)."""
+def test_bfloat16_over_the_blocks_stays_near_float32(document_ids, hf_model, hf_reference):
+    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file where the CPU has
+    AMX): bf16 KV pages, decode on the block kernel's float32 products, prefill chunks on
+    bfloat16 slices and the AMX tiles where the CPU has them (else float32 products):
+    ``_stays_near_float32``."""
     from longctx.kernels import cpu_amx
     from longctx.model.linear import Linear
 
     llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="blocks", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "blocks" and llm.engine.kv_dtype == torch.bfloat16
     assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
-    _keeps_float32s_tokens(llm, document_ids, hf_reference, "bf16 over the blocks,")
+    _stays_near_float32(llm, document_ids, hf_model, hf_reference, "bf16 over the blocks,")
 
 
 # ---------------------------------------------------------------------- fast block numerics
