@@ -28,7 +28,7 @@ import torch
 from . import cpu_build
 
 __all__ = ["available", "status", "supports", "takes_weight", "linear", "linear_rounded", "round_x",
-           "unsupported"]
+           "round_gated", "unsupported"]
 
 SOURCE = cpu_build.CSRC / "linear_amx.c"
 NEEDS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo flags
@@ -61,6 +61,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int]
+    fn = lib.longctx_amx_round_gated
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     fn = lib.longctx_amx_linear_rounded
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -153,6 +157,32 @@ def _amx_round_scaled(x: torch.Tensor, row_scale: torch.Tensor | None, col_scale
         raise RuntimeError(f"amx_round_scaled refused x {tuple(x.shape)}")
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # round_gated's act, as the C code numbers them
+
+
+def _amx_round_gated(gate: torch.Tensor, up: torch.Tensor, act: int, col0: int, xb: torch.Tensor,
+                     threads: int) -> None:
+    """The operator: columns [col0, col0 + w) of ``xb`` (``amx_round``'s [M rounded up to 16, K]) <-
+    act(gate) * up rounded, for float32 gate and up [M, w] with contiguous rows and one row
+    stride (two halves of one [M, 2F] product, or two slices of a pair buffer); act 0: SiLU,
+    1: GELU's tanh form. w and col0 multiples of 32."""
+    m, w = (gate.shape[0], gate.shape[1]) if gate.dim() == 2 else (0, 0)
+    padded, k = (m + 15) // 16 * 16, xb.shape[1] if xb.dim() == 2 else 0
+    if not (available() and m > 0 and gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu"
+            and up.device.type == "cpu" and up.shape == gate.shape and gate.stride(1) == up.stride(1) == 1
+            and gate.stride(0) == up.stride(0) and w % K_MULTIPLE == 0 and col0 % K_MULTIPLE == 0 and col0 >= 0
+            and k % K_MULTIPLE == 0 and col0 + w <= k and _takes_rounded(xb, padded, k) and act in (0, 1)
+            and threads >= 1):
+        raise ValueError(f"amx_round_gated needs the kernel ({status()}), float32 gate and up of one shape [M, w] "
+                         f"with contiguous rows and one row stride, w and col0 multiples of {K_MULTIPLE}, a "
+                         f"contiguous bfloat16 xb [{padded}, K] with col0 + w <= K, act 0 or 1, got gate "
+                         f"{tuple(gate.shape)} {gate.dtype} {gate.stride()}, up {tuple(up.shape)} {up.dtype} "
+                         f"{up.stride()}, col0 {col0}, xb {tuple(xb.shape)} {xb.dtype}, act {act}")
+    if _LIBRARY.load().longctx_amx_round_gated(gate.data_ptr(), up.data_ptr(), gate.stride(0), m, k, col0, w, act,
+                                               xb.data_ptr(), threads) != 0:
+        raise RuntimeError(f"amx_round_gated refused gate {tuple(gate.shape)}")
+
+
 def _takes_rounded(xb: torch.Tensor, padded: int, k: int) -> bool:
     return (xb.dim() == 2 and xb.dtype == torch.bfloat16 and xb.device.type == "cpu" and xb.is_contiguous()
             and tuple(xb.shape) == (padded, k))
@@ -180,6 +210,8 @@ amx_round = cpu_build.define_op("amx_round(Tensor x, Tensor(a!) xb, int threads)
 amx_round_scaled = cpu_build.define_op(
     "amx_round_scaled(Tensor x, Tensor? row_scale, Tensor? col_scale, Tensor(a!) xb, int threads) -> ()",
     _amx_round_scaled)
+amx_round_gated = cpu_build.define_op(
+    "amx_round_gated(Tensor gate, Tensor up, int act, int col0, Tensor(a!) xb, int threads) -> ()", _amx_round_gated)
 amx_linear_rounded = cpu_build.define_op(
     "amx_linear_rounded(Tensor xb, int rows, Tensor weight, Tensor(a!) out, int threads) -> ()", _amx_linear_rounded)
 
@@ -197,6 +229,25 @@ def round_x(x: torch.Tensor, num_threads: int | None = None, row_scale: torch.Te
         raise ValueError(f"round_x takes x [M, K], got shape {tuple(x.shape)}")
     xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
     amx_round_scaled(x, row_scale, col_scale, xb, torch.get_num_threads() if num_threads is None else num_threads)
+    return xb
+
+
+def round_gated(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", xb: torch.Tensor | None = None,
+                col0: int = 0, num_threads: int | None = None) -> torch.Tensor:
+    """``act(gate) * up`` rounded as ``round_x`` rounds x, for float32 gate and up [M, w] (with
+    one row stride: the halves of a gate/up product), into columns [col0, col0 + w) of ``xb``
+    (a new [M rounded up to 16, w] when None); ``act``: "silu" or "gelu_tanh". The activation is
+    the kernel's own (``exp_vec16``, within a few ulp of torch's), so a bfloat16 element may
+    land one step from where rounding torch's float32 product puts it."""
+    if not available():
+        raise RuntimeError(f"the AMX linear kernel is {status()}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    if xb is None:
+        if gate.dim() != 2:
+            raise ValueError(f"round_gated takes gate [M, w], got shape {tuple(gate.shape)}")
+        xb = torch.empty((gate.shape[0] + 15) // 16 * 16, gate.shape[1], dtype=torch.bfloat16)
+    amx_round_gated(gate, up, ACTIVATIONS[act], col0, xb, torch.get_num_threads() if num_threads is None else num_threads)
     return xb
 
 

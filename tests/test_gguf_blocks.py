@@ -388,10 +388,14 @@ def test_bf16_tiles_match_float64_on_the_rounded_numbers(monkeypatch, split):
 
 @needs_amx
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("split", [(144, 144), (48, 176, 64)])
+@pytest.mark.parametrize("split", [(144, 144), (48, 176, 64), (64, 128, 64)])
 def test_gated_mlp_on_tiles_is_the_whole_products_swiglu(monkeypatch, act, split):
     """gate/up on the tiles, a slice of F at a time, gives the bits of the whole product's
-    activation (each output column's sums do not depend on the slice it is in)."""
+    activation (each output column's sums do not depend on the slice it is in). For a down
+    projection on the tiles (``rounded=True``, F a multiple of 32) it hands over the rounded
+    rows instead: ``cpu_amx.round_gated`` of the whole product's halves, bit for bit, which the
+    down projection takes as it takes x rounded (F = 144: the float32 rows as before)."""
+    from longctx.kernels import cpu_amx
     from longctx.model import linear
     from longctx.model.llama import RMSNorm
 
@@ -407,6 +411,20 @@ def test_gated_mlp_on_tiles_is_the_whole_products_swiglu(monkeypatch, act, split
         want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
         got = layer.method.gated(layer, x, norm, act)
         assert got.shape == (rows, f) and torch.equal(got, want), rows
+        handed = layer.method.gated(layer, x, norm, act, rounded=True)
+        if f % 32:
+            assert torch.equal(handed, want)
+            continue
+        assert isinstance(handed, linear.RoundedRows) and handed.rows == rows
+        assert torch.equal(handed.xb, cpu_amx.round_gated(gate, up, act))
+        down, _, _ = _tile_layer((32, 32), f, seed=rows)
+        assert down.method.takes_rounded(down)
+        mp = handed.xb.shape[0]  # the rounded rows back in row order, as float32 (bfloat16 values: rounding keeps them)
+        as_rows = handed.xb.view(mp // 16, f // 32, 16, 32).permute(0, 2, 1, 3).reshape(mp, f)[:rows].float()
+        res = torch.randn(rows, 64, generator=g)
+        assert torch.equal(down(handed, residual=res), down(as_rows, residual=res))
+        with pytest.raises(ValueError, match="rounded rows are for a long step"):
+            down(handed, swiglu=True)
 
 
 @pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)

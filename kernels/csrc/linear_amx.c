@@ -28,6 +28,8 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#define HAVE_AVX2 1
+#include "prologue.h"
 
 /* 0 when this process may use the AMX tiles, else -1. */
 int longctx_amx_enable(void) { return amx_request_tiles(); }
@@ -59,6 +61,30 @@ static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, const 
                 lo = _mm512_mul_ps(_mm512_loadu_ps(col_scale + 32 * kb), lo);
                 hi = _mm512_mul_ps(_mm512_loadu_ps(col_scale + 32 * kb + 16), hi);
             }
+            _mm512_storeu_si512((__m512i *)(dst + (int64_t)kb * 512), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+/* xb's columns [c0, c0 + w) (xb as round_rows writes it, [Mp, K]; c0 and w multiples of 32) <-
+ * act(gate) * up (gated_vec16) for x's M rows, gate and up [M, w] float32 with row stride ld;
+ * rows M..Mp-1 zero there. The MLP's SwiGLU (or GELU) product made in the pass that rounds it
+ * for the down projection's tiles: gate and up are read once, and no [M, w] float32 result is
+ * written and read back. */
+static void round_gated_rows(const float *gate, const float *up, int64_t ld, int M, int Mp, int K, int c0, int w,
+                             int act, uint16_t *xb, int threads) {
+    const int kblocks = K / 32, kb0 = c0 / 32, kb1 = (c0 + w) / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int m = 0; m < Mp; m++) {
+        uint16_t *dst = xb + ((int64_t)(m / 16) * kblocks * 16 + (m % 16)) * 32;
+        if (m >= M) {
+            for (int kb = kb0; kb < kb1; kb++) memset(dst + (int64_t)kb * 512, 0, 64);
+            continue;
+        }
+        const float *g = gate + (int64_t)m * ld - c0, *u = up + (int64_t)m * ld - c0;  /* indexed by column */
+        for (int kb = kb0; kb < kb1; kb++) {
+            const __m512 lo = gated_vec16(_mm512_loadu_ps(g + 32 * kb), _mm512_loadu_ps(u + 32 * kb), act);
+            const __m512 hi = gated_vec16(_mm512_loadu_ps(g + 32 * kb + 16), _mm512_loadu_ps(u + 32 * kb + 16), act);
             _mm512_storeu_si512((__m512i *)(dst + (int64_t)kb * 512), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
@@ -182,6 +208,18 @@ int longctx_amx_round_scaled(const float *x, int64_t ldx, int M, int K, const fl
                              const float *col_scale, uint16_t *xb, int threads) {
     if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
     round_rows(x, ldx, M, (M + 15) / 16 * 16, K, row_scale, col_scale, xb, threads);
+    return 0;
+}
+
+/* round_gated_rows: act (0 silu, 1 GELU tanh) of gate times up, [M, w] each (row stride ld), into
+ * columns [c0, c0 + w) of xb [Mp, K] (K, c0, w multiples of 32, c0 + w <= K). Returns 0, or -1
+ * for shapes it does not take (nothing written). */
+int longctx_amx_round_gated(const float *gate, const float *up, int64_t ld, int M, int K, int c0, int w, int act,
+                            uint16_t *xb, int threads) {
+    if (M <= 0 || K <= 0 || w <= 0 || c0 < 0 || threads < 1 || K % 32 || c0 % 32 || w % 32 || c0 + w > K
+        || (act != 0 && act != 1))
+        return -1;
+    round_gated_rows(gate, up, ld, M, (M + 15) / 16 * 16, K, c0, w, act, xb, threads);
     return 0;
 }
 

@@ -20,7 +20,7 @@ method can without the whole [T, 2F] gate/up product (GGUF blocks on prefill chu
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -58,6 +58,26 @@ def rounded_norm(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor | None
         return None
     x = x if x.stride(-1) == 1 else x.contiguous()
     return cpu_amx.round_x(x, row_scale=norm.row_scale(x).reshape(-1), col_scale=norm.weight.contiguous())
+
+
+def rounded_swiglu(x: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU's ``silu(gate) * up`` of a [T, 2F] gate/up product, rounded for the AMX tiles in the
+    pass that computes it (``cpu_amx.round_gated``), instead of torch's activation and product
+    over [T, F] floats and a third pass to round them. The kernel's exponential, not Sleef's: an
+    element may round one bfloat16 step from torch's (1 in ~3 million measured). None where x is
+    not a float32 [T, 2F] with contiguous rows and F a multiple of 32."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % (2 * cpu_amx.K_MULTIPLE):
+        return None
+    f = x.shape[1] // 2
+    return cpu_amx.round_gated(x[:, :f], x[:, f:], "silu")
+
+
+class RoundedRows(NamedTuple):
+    """A product's input already rounded for the AMX tiles (``cpu_amx.round_x``'s order): what
+    ``gated`` hands the down projection where that one takes it (``takes_rounded``)."""
+
+    xb: torch.Tensor  # [rows rounded up to 16, K] bfloat16
+    rows: int
 
 
 def onednn_linear_available() -> bool:
@@ -125,11 +145,17 @@ class LinearMethod:
         y = self.product(layer, self.prologue(x, norm, swiglu))
         return y if residual is None else residual + y
 
-    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str) -> torch.Tensor | None:
+    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str,
+              rounded: bool = False) -> torch.Tensor | RoundedRows | None:
         """``act(gate) * up`` [T, F] for a gate/up matrix [2F, K] (gate's rows first) without its
         [T, 2F] product, where this method can (else None: the caller takes the product and the
-        prologue). ``act``: ``"silu"`` or ``"gelu_tanh"``."""
+        prologue). ``act``: ``"silu"`` or ``"gelu_tanh"``. ``rounded``: the next product takes
+        ``RoundedRows`` (its ``takes_rounded``), which this method may return instead."""
         return None
+
+    def takes_rounded(self, layer: "Linear") -> bool:
+        """Whether ``apply`` takes a ``RoundedRows`` x for ``layer`` (a long step on the tiles)."""
+        return False
 
 
 class RowKernelWeights(LinearMethod):
@@ -156,7 +182,8 @@ class RowKernelWeights(LinearMethod):
 
     def _amx_apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, swiglu: bool,
                    residual: torch.Tensor | None) -> torch.Tensor:
-        xb = None if swiglu else rounded_norm(x, norm)  # (the norm folded into x's rounding)
+        # the norm folded into x's rounding, or SwiGLU made in it
+        xb = (rounded_swiglu(x) if norm is None else None) if swiglu else rounded_norm(x, norm)
         if xb is not None:
             y = cpu_amx.linear_rounded(xb, x.shape[0], layer.weight)
         else:
@@ -408,8 +435,16 @@ class BlockWeights(LinearMethod):
             lo = hi
         return out
 
-    def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
-              residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+    def takes_rounded(self, layer: "Linear") -> bool:
+        return self._on_tiles(layer.weight)
+
+    def apply(self, layer: "Linear", x: torch.Tensor | RoundedRows, norm: nn.Module | None = None,
+              swiglu: bool = False, residual: torch.Tensor | None = None,
+              product: Callable | None = None) -> torch.Tensor:
+        if isinstance(x, RoundedRows):  # (gated's SwiGLU, rounded for these tiles: x gives only the rows)
+            if norm is not None or swiglu or x.rows <= BLOCK_ROWS or not self.takes_rounded(layer):
+                raise ValueError("rounded rows are for a long step on the tiles, without a prologue")
+            return self.product(layer, x.xb[:x.rows], residual, rounded=x.xb)
         if 0 < x.shape[0] <= BLOCK_ROWS and x.dtype == torch.float32 and (
                 norm is None or norm.weight.dtype == torch.float32):  # the prologue inside the one call
             blocks: BlockMatrix = layer.weight
@@ -426,7 +461,8 @@ class BlockWeights(LinearMethod):
                 return self.product(layer, x, residual, rounded=xb)
         return self.product(layer, self.prologue(x, norm, swiglu), residual)
 
-    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str) -> torch.Tensor | None:
+    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str,
+              rounded: bool = False) -> torch.Tensor | RoundedRows | None:
         """A long step's gate/up product, a slice of F at a time: each slice's gate and up rows
         are dequantized and multiplied as ``_product`` does (the same row kernel or BLAS calls on
         the same rows, so the same numbers) into a pair buffer [T, 2 * step], and ``act(gate) * up``
@@ -449,7 +485,11 @@ class BlockWeights(LinearMethod):
             x = self.prologue(x, norm, False).contiguous()
             xb = cpu_amx.round_x(x) if tiles else None
         f = blocks.shape[0] // 2
-        out = torch.empty(m, f, dtype=torch.float32)
+        # on the tiles, for a down projection on them: act(gate) * up straight into its rounded
+        # input (cpu_amx.round_gated: the kernel's exponential, not torch's), no [T, F] floats
+        to_tiles = rounded and tiles and f % cpu_amx.K_MULTIPLE == 0
+        out = (torch.empty(_tile_rows(m), f, dtype=torch.bfloat16) if to_tiles
+               else torch.empty(m, f, dtype=torch.float32))
         step = _slice_rows(k)
         pair = torch.empty(_tile_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
         half = pair.shape[1] // 2
@@ -466,8 +506,11 @@ class BlockWeights(LinearMethod):
             else:
                 self._slice_product(blocks, layer.bias, x, r0, r0 + w, gate)
                 self._slice_product(blocks, layer.bias, x, f + r0, f + r0 + w, up)
-            torch.mul(activation(gate, act, out=gate), up, out=out[:, r0:r0 + w])  # (the pair is scratch)
-        return out
+            if to_tiles:
+                cpu_amx.round_gated(gate, up, act, xb=out, col0=r0)
+            else:
+                torch.mul(activation(gate, act, out=gate), up, out=out[:, r0:r0 + w])  # (the pair is scratch)
+        return RoundedRows(out, m) if to_tiles else out
 
     def _slice_product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor, lo: int,
                        hi: int, out: torch.Tensor) -> None:

@@ -125,7 +125,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, product: Any) -> torch.Tensor:
         """down(act(gate(norm(x))) * up(norm(x))) (+ residual). A method that can make act(gate) * up
         without the whole [T, 2F] product (``gated``: GGUF blocks on prefill chunks) does."""
-        h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu")
+        down = self.down_proj
+        h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu",
+                                           rounded=product is None and down.method.takes_rounded(down))
         if h is not None:
             return self.down_proj(h, residual=residual, product=product)
         gate_up = self.gate_up_proj(x, norm=norm, product=product)  # (T, 2F)

@@ -181,6 +181,52 @@ def test_an_rmsnorm_folded_into_the_rounding_gives_its_bits(rows, k):
             cpu_amx.round_x(x, row_scale=row_scale, col_scale=col_scale)
 
 
+def _tile_rows(xb: torch.Tensor, rows: int) -> torch.Tensor:
+    """``round_x``'s A-tile order [Mp / 16][K / 32][16][32] back to rows [rows, K]."""
+    mp, k = xb.shape
+    return xb.view(mp // 16, k // 32, 16, 32).permute(0, 2, 1, 3).reshape(mp, k)[:rows]
+
+
+@needs_amx
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,f", [(1, 32), (17, 64), (100, 576), (33, 1536)])
+def test_the_gated_product_rounded_for_the_tiles(act, rows, f):
+    """``round_gated(gate, up, act)``: act(gate) * up rounded to bfloat16 in ``round_x``'s order,
+    within bfloat16's rounding (2^-8 relative, with the kernel's exponential's few ulp) of a
+    float64 reference made in a form without cancellation (g / (1 + e^-2z) for GELU's tanh
+    form, which torch's 0.5 g (1 + tanh z) loses for negative g); for SiLU it lands on rounding
+    torch's own float32 product nearly everywhere. Into columns of a wider buffer it writes only
+    those, and its padding rows are zero. ``linear.rounded_swiglu`` takes the halves of a
+    [T, 2F] product and declines what it cannot."""
+    from longctx.model.linear import activation, rounded_swiglu
+
+    gen = torch.Generator().manual_seed(rows + f)
+    gu = torch.randn(rows, 2 * f, generator=gen) * 3
+    gate, up = gu[:, :f], gu[:, f:]  # (one row stride: the halves of the product)
+    g64, u64 = gate.double(), up.double()
+    z = g64 if act == "silu" else (2 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64 ** 3) * 2
+    want = g64 / (1 + torch.exp(-z)) * u64
+    xb = cpu_amx.round_gated(gate, up, act)
+    got = _tile_rows(xb, rows).double()
+    assert torch.all((got - want).abs() <= 2 ** -8 * want.abs() + 1e-30)
+    assert torch.all(_tile_rows(xb, xb.shape[0])[rows:] == 0)  # (the padding rows)
+    if act == "silu":
+        torch_rounded = _tile_rows(cpu_amx.round_x(activation(gate.contiguous(), act).mul_(up)), rows).double()
+        assert float((got == torch_rounded).double().mean()) > 0.999
+        assert torch.equal(rounded_swiglu(gu), xb)
+    wide = torch.full(((rows + 15) // 16 * 16, f + 64), 7.0, dtype=torch.bfloat16)
+    cpu_amx.round_gated(gate, up, act, xb=wide, col0=32)
+    assert torch.equal(_tile_rows(wide, rows)[:, 32:32 + f], got.to(torch.bfloat16))
+    assert torch.all(_tile_rows(wide, rows)[:, :32] == 7) and torch.all(_tile_rows(wide, rows)[:, 32 + f:] == 7)
+    assert rounded_swiglu(gu.double()) is None and rounded_swiglu(torch.randn(rows, 2 * f + 32)) is None
+    with pytest.raises(ValueError, match="amx_round_gated needs"):
+        cpu_amx.round_gated(gate, up[:, :16], act)  # (another shape)
+    with pytest.raises(ValueError, match="amx_round_gated needs"):
+        cpu_amx.round_gated(gate, up, act, xb=wide, col0=64 + 32)  # past the buffer's columns
+    with pytest.raises(ValueError, match="act must be"):
+        cpu_amx.round_gated(gate, up, "relu")
+
+
 @needs_amx
 def test_the_rounded_operators_refuse_what_does_not_fit():
     """A buffer of the wrong shape or type for x, an out too short for the padded rows, a weight
