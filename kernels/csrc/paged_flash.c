@@ -79,13 +79,14 @@
 #define MAX_D 256
 #define KT32 ((KT + 31) / 32 * 32)
 #define VT_STRIDE (KT32 / 2) /* words in a row of V^T's pairs (the AMX build's operand A) */
-/* bfloat16 pages at avx512bf16: scores by vdpbf16ps (QK_BF16), the sink and diagonal tiles
- * with float32 q (QK_EXACT_EDGES); build-time switches for A/B runs (see HAVE_BF16_DOT). */
+/* bfloat16 pages at avx512bf16: scores by vdpbf16ps (QK_BF16); with QK_EXACT_EDGES the sink and
+ * diagonal tiles keep float32 q (off since 2026-12-06: see the note above dot_bf16); build-time
+ * switches for A/B runs (see HAVE_BF16_DOT). */
 #ifndef QK_BF16
 #define QK_BF16 1
 #endif
 #ifndef QK_EXACT_EDGES
-#define QK_EXACT_EDGES 1
+#define QK_EXACT_EDGES 0
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -350,15 +351,13 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
  * per tile, vp[j/2][x] = (V[j][x], V[j+1][x]) (exact: V is bfloat16).
  * Scores too, by pairs along the head dim: Q^T as qp[x/2][row] = (q[x], q[x+1]) rounded to
  * bfloat16 once per work item, K's pair read from the page as one 32-bit word (d even) -- in
- * the tiles between the sequence's first tile and the tiles the rows' causal edge crosses. The
- * first tile (the attention sink: few keys with much of the weight) and the diagonal tiles (the
- * recent keys) keep float32 q (QK_EXACT_EDGES): rounding q in every tile (flash 1.7x faster
- * instead of 1.3x) parted the real model's bfloat16 greedy tokens from float32's
- * (tests/test_real_model.py: token 58 of 64 with float32 weight products, token 3 with bf16
- * ones, a three-way tie within 0.06 nats), and with the edges exact they stay equal at the
- * same speed. That equality sits on the tie: widening the fp32 tiles to the 64 keys before each
- * row block (so that a row's recent keys keep fp32 q whatever the tiling) parted them again at
- * token 3, and which keys are exact follows the tiling (KV splits, so the thread count).
+ * every key tile. QK_EXACT_EDGES (a build-time switch, off) keeps float32 q in the first tile
+ * (the attention sink) and the tiles the rows' causal edge crosses: it was on while the real
+ * model's bf16 test asked for float32's 64 greedy tokens, which rounding q everywhere parted at
+ * token 3, a three-way tie within 0.06 nats. That equality sat on the tie (with lookahead off
+ * the same build parted there too), and the test now scores each bf16 token by HF float32's
+ * log-probs on bf16's own prefix (tests/test_real_model.py). Off, the engine's bf16 prefill
+ * measured 0.74 -> 0.71 s at 2K and 5.43 -> 5.27 s at 8K (Intel Xeon, AMX build).
  * Rows run in 32-row strips (two registers) and a last strip of 16 or 8 rows (masked). */
 INLINE __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);

@@ -8,6 +8,7 @@ log-sum-exp. Then how torch_paged routes to it, and the fallback when it cannot 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -316,25 +317,27 @@ def _sink_and_recent_case(d: int = 64, ctx: int = 700, q_len: int = 24, seed: in
 
 @needs_kernel
 @pytest.mark.parametrize("splits", [1, 3])
-def test_bfloat16_pages_score_the_first_and_the_diagonal_keys_with_float32_q(splits):
-    """Where the scores over bf16 pages run by vdpbf16ps (avx512bf16: q rounded to bf16 in the
-    key tiles between the sequence's first tile and the tiles its new tokens' causal edge
-    crosses), the first tile (the attention sink) and the diagonal tiles keep float32 q: with
-    the attention on those keys only, the log-sum-exp equals float32 q's to float32 error,
-    where rounding q there moves it by more than 1e-4 (checked against a reference fed the
-    rounded q). (The output is also checked, to the bound of P.V's rounding of p.)"""
+def test_bfloat16_pages_round_q_on_the_first_and_the_diagonal_keys_too(splits):
+    """Where the scores over bf16 pages run by vdpbf16ps (avx512bf16) q is rounded to bf16 in
+    every key tile, the first (the attention sink) and the diagonal ones (the recent keys)
+    included (``QK_EXACT_EDGES`` off): with the attention on those keys only, the log-sum-exp
+    equals a reference fed the rounded q to float32 error, where float32 q's differs by more
+    than 1e-4. Elsewhere the scores keep float32 q. (The output is also checked, to the bound
+    of P.V's rounding of p.)"""
     q, k_cache, v_cache, blocks = _sink_and_recent_case()
     ctx, scale = 700, 0.125
     out, lse = cpu_flash.attend(q, k_cache, v_cache, blocks, ctx, scale, splits=splits)
     table = torch.tensor([blocks], dtype=torch.int32)
     args = (k_cache.float(), v_cache.float(), table, torch.tensor([ctx], dtype=torch.int32),
             torch.tensor([0, q.shape[0]], dtype=torch.int32))
-    ref_out, ref_lse = reference.paged_attention(q, *args, scale=scale)
-    _, rounded_lse = reference.paged_attention(q.bfloat16().float(), *args, scale=scale)
-    assert (rounded_lse - ref_lse).abs().max() > 1e-4  # q's rounding shows on these keys
+    rounds = cpu_build.isa() == "avx512bf16"  # q in the scores and p in P.V rounded to bf16 at that level
+    exact_out, exact_lse = reference.paged_attention(q, *args, scale=scale)
+    c = scale * math.log2(math.e)  # (the kernel scores in log2 units: it rounds q * scale * log2 e)
+    rounded_out, rounded_lse = reference.paged_attention((q * c).bfloat16().float() / c, *args, scale=scale)
+    assert (rounded_lse - exact_lse).abs().max() > 1e-4  # q's rounding shows on these keys
+    ref_out, ref_lse = (rounded_out, rounded_lse) if rounds else (exact_out, exact_lse)
     v_max = float(v_cache.float().abs().max())
-    rounds_p = cpu_build.isa() == "avx512bf16"  # P.V rounds the weights to bf16 at that level
-    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 + (2 ** -9 * v_max if rounds_p else 0.0))
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4 + (2 ** -9 * v_max if rounds else 0.0))
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
@@ -350,7 +353,7 @@ MIXED_CASES = {  # long enough that tiles between the first and the diagonal one
 @pytest.mark.parametrize("splits", [None, 4])
 def test_float32_q_over_bfloat16_pages_within_the_rounding_bound(name, splits):
     """float32 q over bf16 pages (what a bf16 model runs), against the reference on the same
-    pages widened. At avx512bf16 the middle key tiles score with q rounded to bf16: each score
+    pages widened. At avx512bf16 every key tile scores with q rounded to bf16: each score
     then moves by at most scale * 2^-9 * sum_x |q_x k_x|, which moves an output by at most twice
     that times max|V| (first order), plus 2^-9 max|V| for P.V's rounding of p. Elsewhere the
     bound is float32 error. Head dims 80 and 72, a tree mask, a block size of 5, KV splits."""

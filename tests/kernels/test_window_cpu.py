@@ -86,18 +86,18 @@ def test_window_and_cap_over_bf16_and_int8_pages(name, dtype):
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 300])
 def test_cap_over_bf16_pages_between_the_first_tile_and_the_edge(window):
-    """A 70-token chunk after 430 keys over bfloat16 pages: the key tiles between the first and
-    the causal edge, whose scores take bfloat16 q at avx512bf16 (the AMX build's tiles, a strip
-    group of rows at a time), capped; with a window, the tiles it skips and masks as well."""
+    """A 70-token chunk after 430 keys over bfloat16 pages: the first key tile, the ones between
+    it and the causal edge and the edge's, whose scores take bfloat16 q at avx512bf16 (the AMX
+    build's tiles, a strip group of rows at a time), capped; with a window, the tiles it skips
+    and masks as well."""
     batch = make_batch(Case((70,), (500,), num_kv_heads=2, group=3, seed=47))
-    _check_bf16_pages(dataclasses.replace(batch, q=batch.q * 4), window, 5.0, q_rounded=True)
+    _check_bf16_pages(dataclasses.replace(batch, q=batch.q * 4), window, 5.0)
 
 
-def _check_bf16_pages(batch, window, softcap, q_rounded=False):
-    """``q_rounded``: at avx512bf16 the tiles between the first and the causal edge score with q
-    rounded to bf16 (within 2^-8 of each |q_x|), which moves a score by at most 2^-8 * scale * sum_x
-    |q_x k_x| (the cap's slope is at most 1), the lse by as much and a weight by that
-    share of itself."""
+def _check_bf16_pages(batch, window, softcap):
+    """At avx512bf16 every key tile scores with q rounded to bf16 (within 2^-8 of each |q_x|),
+    which moves a score by at most 2^-8 * scale * sum_x |q_x k_x| (the cap's slope is at most 1),
+    the lse by as much and a weight by that share of itself."""
     batch = dataclasses.replace(batch, k_cache=batch.k_cache.bfloat16(), v_cache=batch.v_cache.bfloat16())
     out, lse, _, _ = _run(batch, window, softcap)
     ref_out, ref_lse = reference.paged_attention(batch.q, batch.k_cache.float(), batch.v_cache.float(),
@@ -109,7 +109,7 @@ def _check_bf16_pages(batch, window, softcap, q_rounded=False):
     bf16 = cpu_build.isa() == "avx512bf16"
     atol = 1e-4 + (2 ** -9 * float(v.abs().max()) if bf16 else 0.0)
     lse_atol = 1e-4
-    if q_rounded and bf16:
+    if bf16:
         ctx = int(batch.context_lens[0])
         k = torch_paged.sequence_kv(batch.k_cache, batch.block_table[0].tolist(), ctx).float()  # [ctx, Hkv, D]
         k = k.repeat_interleave(batch.q.shape[1] // k.shape[1], dim=1)
