@@ -26,6 +26,10 @@ engine timestamp - first token's) / decode_tokens on the decode_ctx prompt (pref
 greedy, ignore_eos; the wall-time form (t(decode_tokens + 1) - t(1)) / decode_tokens is kept as
 decode_ms_wall). Each longctx engine is compared with the vLLM engine of its dtype (time ratios
 longctx/vLLM, so < 1 means longctx is faster; peak RSS ratio; greedy tokens equal or not).
+``--rounds R`` runs the engines R times in turn (each run a fresh process), for a machine whose
+speed drifts between one engine's process and the next: an engine's prefill and decode figures
+are then the medians over every round's repeats, its batch rate the median of its rounds, its
+peak RSS the largest, and ``rounds`` keeps each round's own figures.
 """
 
 from __future__ import annotations
@@ -421,6 +425,30 @@ def vs_vllm(r: dict, v: dict, peer: str) -> dict:
             "identical_leading_tokens": leading_equal(a, b)}
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Each engine's results over rounds of the same run (one dict of engine -> result per
+    round) as one result: prefill and decode samples pooled (their medians are taken later),
+    the batch rate the median of the rounds', peak RSS the largest; the first round's other
+    fields, each round's own figures under ``rounds``, and whether every round gave the same
+    greedy tokens. One round: its results as they are."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        m = dict(runs[0])
+        m["prefill_s"] = {n: [t for r in runs for t in r["prefill_s"][n]] for n in runs[0]["prefill_s"]}
+        m["decode_ms"] = [t for r in runs for t in r["decode_ms"]]
+        m["batch"] = dict(runs[0]["batch"], output_tok_s=statistics.median(r["batch"]["output_tok_s"] for r in runs))
+        m["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
+        m["decode_tokens_same_in_every_round"] = all(r["decode_tokens"] == runs[0]["decode_tokens"] for r in runs)
+        m["rounds"] = [{"prefill_s": r["prefill_s"], "decode_ms": r["decode_ms"],
+                        "batch_output_tok_s": r["batch"]["output_tok_s"], "peak_rss_gib": r["peak_rss_gib"]}
+                       for r in runs]
+        merged[name] = m
+    return merged
+
+
 def summarize(results: dict, ceil: dict, lengths: list[int], decode_ctx: int) -> list[str]:
     med = statistics.median
     hf = results.get("hf-fp32")
@@ -469,6 +497,8 @@ def main() -> None:
                    help="HF folder of the model for vLLM (default: written by benchmarks/hf_folder.py)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engines this many times in turn (fresh processes): medians over all rounds")
     p.add_argument("--lengths", default="1024,2048,4096,8000")
     p.add_argument("--decode-ctx", type=int, default=8000)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -504,7 +534,7 @@ def main() -> None:
             from hf_folder import write_hf_folder
             args.hf_folder = str(write_hf_folder())
     ceil = ceilings(args.threads, bf16="bf16" in args.engines)
-    results = {e: run_worker(e, args) for e in engines}
+    results = merge_rounds([{e: run_worker(e, args) for e in engines} for _ in range(args.rounds)])
     info = machine_info()
     report = {"machine": info, "ceilings": ceil, "args": {k: v for k, v in vars(args).items() if k != "out"},
               "results": results, "derived": derived(results, ceil, args)}

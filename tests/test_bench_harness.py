@@ -266,3 +266,31 @@ def test_the_record_tells_cpus_of_one_name_apart(harness):
     assert ("avx2" in info["isa"]) == ("avx2" in flags)
     if "vendor_id" in text:
         assert info["vendor"] and info["family"] and info["model"]
+
+
+def test_e2e_rounds_pool_each_engines_samples():
+    """bench_e2e's ``--rounds``: an engine's prefill and decode samples pooled over the rounds (the
+    medians are taken over all of them), its batch rate the rounds' median, its peak RSS the
+    largest, each round kept, and whether every round gave the same tokens; one round passes
+    through unchanged."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_e2e
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def result(prefill, decode, rate, rss, tokens):
+        return {"prefill_s": {"2048": prefill}, "decode_ms": decode, "batch": {"output_tok_s": rate, "n": 8},
+                "peak_rss_gib": rss, "decode_tokens": tokens, "load_s": 1.0}
+
+    one = {"longctx-bf16": result([1.0, 1.2], [30.0], 100.0, 1.5, [1, 2])}
+    assert bench_e2e.merge_rounds([one]) is one
+    rounds = [one, {"longctx-bf16": result([0.8, 0.9], [28.0, 29.0], 120.0, 1.4, [1, 2])},
+              {"longctx-bf16": result([1.1, 1.0], [31.0], 90.0, 1.6, [1, 3])}]
+    m = bench_e2e.merge_rounds(rounds)["longctx-bf16"]
+    assert m["prefill_s"] == {"2048": [1.0, 1.2, 0.8, 0.9, 1.1, 1.0]}
+    assert m["decode_ms"] == [30.0, 28.0, 29.0, 31.0]
+    assert m["batch"] == {"output_tok_s": 100.0, "n": 8} and m["peak_rss_gib"] == 1.6
+    assert m["decode_tokens"] == [1, 2] and m["decode_tokens_same_in_every_round"] is False
+    assert [r["batch_output_tok_s"] for r in m["rounds"]] == [100.0, 120.0, 90.0]
+    assert one["longctx-bf16"]["prefill_s"] == {"2048": [1.0, 1.2]}  # (the rounds' own results untouched)
