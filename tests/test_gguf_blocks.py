@@ -449,7 +449,10 @@ def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(mo
     _, expected = float_reference
     worst = max(abs(out.prompt_logprobs[p][PROMPT[p]] - expected[p][PROMPT[p]]) for p in range(1, len(PROMPT)))
     print(f"worst prompt log-prob difference against float32's {worst:.2e}")
-    assert worst < 0.05
+    # measured 0.003-0.006 on four of the files; on q4_k_m's, 0.034 while the flash kernel kept
+    # float32 q in its first and diagonal key tiles (every tile of this short prompt) and 0.106
+    # with q rounded to bfloat16 in every tile, as bf16 engines score (2026-12-06, Intel Xeon)
+    assert worst < 0.15
     with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=True) as llm:
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
         assert llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids == alone[1]
