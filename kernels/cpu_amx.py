@@ -61,6 +61,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int]
+    fn = lib.longctx_amx_round_rms
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int]
     fn = lib.longctx_amx_round_gated
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -157,6 +161,23 @@ def _amx_round_scaled(x: torch.Tensor, row_scale: torch.Tensor | None, col_scale
         raise RuntimeError(f"amx_round_scaled refused x {tuple(x.shape)}")
 
 
+def _amx_round_rms(x: torch.Tensor, eps: float, col_scale: torch.Tensor | None, xb: torch.Tensor,
+                   threads: int) -> None:
+    """The operator: ``amx_round_scaled`` with the row scale an RMSNorm's 1 / sqrt(mean(x^2) + eps),
+    made in the same pass (eps >= 0)."""
+    k = x.shape[1] if x.dim() == 2 else 0
+    if not (eps >= 0 and (col_scale is None or (col_scale.dtype == torch.float32 and col_scale.device.type == "cpu"
+                                                 and col_scale.is_contiguous() and col_scale.numel() == k))):
+        raise ValueError(f"amx_round_rms needs eps >= 0 and a float32 contiguous col_scale of {k} (or None), got "
+                         f"eps {eps}, col_scale "
+                         f"{None if col_scale is None else (tuple(col_scale.shape), col_scale.dtype)}")
+    _check_round(x, xb, threads)
+    if _LIBRARY.load().longctx_amx_round_rms(x.data_ptr(), x.stride(0), x.shape[0], k, eps,
+                                             None if col_scale is None else col_scale.data_ptr(), xb.data_ptr(),
+                                             threads) != 0:
+        raise RuntimeError(f"amx_round_rms refused x {tuple(x.shape)}")
+
+
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # round_gated's act, as the C code numbers them
 
 
@@ -210,6 +231,8 @@ amx_round = cpu_build.define_op("amx_round(Tensor x, Tensor(a!) xb, int threads)
 amx_round_scaled = cpu_build.define_op(
     "amx_round_scaled(Tensor x, Tensor? row_scale, Tensor? col_scale, Tensor(a!) xb, int threads) -> ()",
     _amx_round_scaled)
+amx_round_rms = cpu_build.define_op(
+    "amx_round_rms(Tensor x, float eps, Tensor? col_scale, Tensor(a!) xb, int threads) -> ()", _amx_round_rms)
 amx_round_gated = cpu_build.define_op(
     "amx_round_gated(Tensor gate, Tensor up, int act, int col0, Tensor(a!) xb, int threads) -> ()", _amx_round_gated)
 amx_linear_rounded = cpu_build.define_op(
@@ -217,18 +240,27 @@ amx_linear_rounded = cpu_build.define_op(
 
 
 def round_x(x: torch.Tensor, num_threads: int | None = None, row_scale: torch.Tensor | None = None,
-            col_scale: torch.Tensor | None = None) -> torch.Tensor:
+            col_scale: torch.Tensor | None = None, rms_eps: float | None = None) -> torch.Tensor:
     """x [M, K] float32 rounded to bfloat16 once, for several ``amx_linear_rounded`` products
     over it (slices of one matrix): a [M rounded up to 16, K] buffer in the tiles' order. With
     ``row_scale`` [M] and/or ``col_scale`` [K] (float32): ``col_scale * (x * row_scale[:, None])``
     rounded, each product as torch rounds it (an RMSNorm's ``weight * (x * rsqrt(...))`` in the
-    rounding pass). RuntimeError where the kernel is not here; ValueError for an x it does not take."""
+    rounding pass). ``rms_eps`` (instead of ``row_scale``): the row scale is the RMSNorm's
+    1 / sqrt(mean(x^2) + eps), its statistics made in the same pass (float32, in the kernel's
+    order of sums: the scale may differ from torch's in its last bit). RuntimeError where the
+    kernel is not here; ValueError for an x it does not take."""
     if not available():
         raise RuntimeError(f"the AMX linear kernel is {status()}")
     if x.dim() != 2:
         raise ValueError(f"round_x takes x [M, K], got shape {tuple(x.shape)}")
     xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
-    amx_round_scaled(x, row_scale, col_scale, xb, torch.get_num_threads() if num_threads is None else num_threads)
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if rms_eps is None:
+        amx_round_scaled(x, row_scale, col_scale, xb, threads)
+    elif row_scale is not None:
+        raise ValueError("round_x takes row_scale or rms_eps, not both")
+    else:
+        amx_round_rms(x, float(rms_eps), col_scale, xb, threads)
     return xb
 
 

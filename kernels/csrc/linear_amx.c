@@ -22,6 +22,7 @@
  * (amx_tiles.h). */
 
 #define _GNU_SOURCE
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,7 +41,7 @@ int longctx_amx_enable(void) { return amx_request_tiles(); }
  * are, put a tile's 16 rows in one L1 set whenever K * 2 is a multiple of 4 KB (K = 2,048,
  * 8,192: the 1B model's): 16 lines in a 12-way set, missed at every load. */
 static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, const float *row_scale,
-                       const float *col_scale, uint16_t *xb, int threads) {
+                       const float *col_scale, float rms_eps, uint16_t *xb, int threads) {
     const int kblocks = K / 32;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int m = 0; m < Mp; m++) {
@@ -50,10 +51,21 @@ static void round_rows(const float *x, int64_t ldx, int M, int Mp, int K, const 
             continue;
         }
         const float *xr = x + (int64_t)m * ldx;
-        const __m512 r = _mm512_set1_ps(row_scale ? row_scale[m] : 1.0f);
+        float scale = row_scale ? row_scale[m] : 1.0f;
+        if (rms_eps >= 0.0f) { /* RMSNorm's 1 / sqrt(mean(x^2) + eps), the row read twice (from L1) */
+            __m512 ss0 = _mm512_setzero_ps(), ss1 = _mm512_setzero_ps();
+            for (int kb = 0; kb < kblocks; kb++) {
+                const __m512 a = _mm512_loadu_ps(xr + 32 * kb), b = _mm512_loadu_ps(xr + 32 * kb + 16);
+                ss0 = _mm512_fmadd_ps(a, a, ss0);
+                ss1 = _mm512_fmadd_ps(b, b, ss1);
+            }
+            scale = 1.0f / sqrtf(_mm512_reduce_add_ps(_mm512_add_ps(ss0, ss1)) / (float)K + rms_eps);
+        }
+        const int scaled = row_scale != NULL || rms_eps >= 0.0f;
+        const __m512 r = _mm512_set1_ps(scale);
         for (int kb = 0; kb < kblocks; kb++) {
             __m512 lo = _mm512_loadu_ps(xr + 32 * kb), hi = _mm512_loadu_ps(xr + 32 * kb + 16);
-            if (row_scale) { /* x * r, then w * (x * r): RMSNorm's two products, each rounded as torch rounds it */
+            if (scaled) { /* x * r, then w * (x * r): RMSNorm's two products, each rounded as torch rounds it */
                 lo = _mm512_mul_ps(lo, r);
                 hi = _mm512_mul_ps(hi, r);
             }
@@ -184,7 +196,7 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
     const int Mp = (M + 15) / 16 * 16;
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)Mp * (size_t)K);
     if (!xb) return -1;
-    round_rows(x, ldx, M, Mp, K, NULL, NULL, xb, threads);
+    round_rows(x, ldx, M, Mp, K, NULL, NULL, -1.0f, xb, threads);
     const int rc = tiles_product(xb, Mp, K, w, N, y, ldy, threads);
     free(xb);
     return rc;
@@ -197,7 +209,7 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
  * take or (the products) a failed allocation: nothing written. */
 int longctx_amx_round(const float *x, int64_t ldx, int M, int K, uint16_t *xb, int threads) {
     if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
-    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, NULL, NULL, xb, threads);
+    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, NULL, NULL, -1.0f, xb, threads);
     return 0;
 }
 
@@ -207,7 +219,7 @@ int longctx_amx_round(const float *x, int64_t ldx, int M, int K, uint16_t *xb, i
 int longctx_amx_round_scaled(const float *x, int64_t ldx, int M, int K, const float *row_scale,
                              const float *col_scale, uint16_t *xb, int threads) {
     if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
-    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, row_scale, col_scale, xb, threads);
+    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, row_scale, col_scale, -1.0f, xb, threads);
     return 0;
 }
 
@@ -220,6 +232,17 @@ int longctx_amx_round_gated(const float *gate, const float *up, int64_t ld, int 
         || (act != 0 && act != 1))
         return -1;
     round_gated_rows(gate, up, ld, M, (M + 15) / 16 * 16, K, c0, w, act, xb, threads);
+    return 0;
+}
+
+/* longctx_amx_round_scaled with row_scale[m] = 1 / sqrt(mean_k(x[m][k]^2) + eps) made in the same
+ * pass (an RMSNorm whole: its statistics in float32, 32 running sums a row, then its two
+ * products), for eps >= 0. The sums' order is not torch's: the scale may differ from torch's
+ * rsqrt(x.pow(2).mean() + eps) in its last bit. */
+int longctx_amx_round_rms(const float *x, int64_t ldx, int M, int K, float eps, const float *col_scale,
+                          uint16_t *xb, int threads) {
+    if (M <= 0 || K <= 0 || threads < 1 || K % 32 || !(eps >= 0.0f)) return -1;
+    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, NULL, col_scale, eps, xb, threads);
     return 0;
 }
 

@@ -49,15 +49,16 @@ def activation(gate: torch.Tensor, act: str, out: torch.Tensor | None = None) ->
 
 def rounded_norm(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor | None:
     """``norm(x)`` rounded for the AMX tiles (``cpu_amx.round_x``'s order) in one pass, for a norm
-    whose float32 output is ``weight * (x * norm.row_scale(x))`` (an RMSNorm): the same bits as
-    rounding ``norm(x)``, without writing [T, K] floats twice and reading them back (the two
-    products and the rounding were three passes). None where ``norm`` is not one, or x is not
-    float32."""
+    whose float32 output is ``weight * (x * norm.row_scale(x))`` (an RMSNorm): its statistics,
+    its two products and the rounding in the kernel's pass over x (``rms_eps``), where torch's
+    ops wrote and read [T, K] floats three times more. The row scale's sums run in the kernel's
+    order, so an element may land one bfloat16 step from rounding torch's ``norm(x)``. None
+    where ``norm`` is not one, or x is not float32."""
     if (norm is None or not hasattr(norm, "row_scale") or x.dtype != torch.float32 or x.dim() != 2
             or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"):
         return None
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return cpu_amx.round_x(x, row_scale=norm.row_scale(x).reshape(-1), col_scale=norm.weight.contiguous())
+    return cpu_amx.round_x(x, col_scale=norm.weight.contiguous(), rms_eps=norm.eps)
 
 
 def rounded_swiglu(x: torch.Tensor) -> torch.Tensor | None:

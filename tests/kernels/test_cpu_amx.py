@@ -155,9 +155,10 @@ def test_x_rounded_once_gives_each_slices_columns_bit_for_bit(rows, k, n, step):
 @pytest.mark.parametrize("rows,k", [(1, 32), (17, 64), (100, 576), (33, 2048)])
 def test_an_rmsnorm_folded_into_the_rounding_gives_its_bits(rows, k):
     """``round_x(x, row_scale=r, col_scale=w)``: the bits of rounding torch's ``w * (x * r)`` (an
-    RMSNorm's two products), and of each product alone; ``linear.rounded_norm`` gives the
-    rounding of the model's RMSNorm output, and declines what it cannot fold. Scales of the
-    wrong size or type are refused."""
+    RMSNorm's two products), and of each product alone. ``rms_eps``: r made in the same pass,
+    the rounding of the model's RMSNorm output to within one bfloat16 step where r's last bit
+    moved; ``linear.rounded_norm`` takes that form, and declines what it cannot fold. Scales
+    of the wrong size or type are refused."""
     from longctx.model.linear import rounded_norm
     from longctx.model.llama import RMSNorm
 
@@ -169,9 +170,21 @@ def test_an_rmsnorm_folded_into_the_rounding_gives_its_bits(rows, k):
     assert torch.equal(cpu_amx.round_x(x, row_scale=r.reshape(-1)), cpu_amx.round_x(x * r))
     assert torch.equal(cpu_amx.round_x(x, col_scale=w), cpu_amx.round_x(w * x))
     assert not torch.equal(cpu_amx.round_x(x, col_scale=w), cpu_amx.round_x(x))  # (the scale did something)
+    # the RMSNorm whole (rms_eps: its statistics in the same pass, the kernel's order of sums):
+    # the scale may move in its last bit, so an element may land one bfloat16 step from torch's
     norm = RMSNorm(k, 1e-5)
     norm.weight.data.copy_(w)
-    assert torch.equal(rounded_norm(x, norm), cpu_amx.round_x(norm(x).contiguous()))
+    whole = cpu_amx.round_x(x, col_scale=w, rms_eps=1e-5).float()
+    torch_rounded = cpu_amx.round_x(norm(x).contiguous()).float()
+    assert float((whole == torch_rounded).double().mean()) > 0.99
+    assert torch.all((whole - torch_rounded).abs() <= 2 ** -7 * torch_rounded.abs())
+    assert torch.equal(rounded_norm(x, norm), cpu_amx.round_x(x, col_scale=w, rms_eps=1e-5))
+    scaled_up = cpu_amx.round_x(x * 8, col_scale=w, rms_eps=0.0).float()  # (the scale cancels x's size)
+    assert torch.equal(scaled_up, cpu_amx.round_x(x, col_scale=w, rms_eps=0.0).float())
+    with pytest.raises(ValueError, match="row_scale or rms_eps"):
+        cpu_amx.round_x(x, row_scale=r.reshape(-1), rms_eps=1e-5)
+    with pytest.raises(ValueError, match="amx_round_rms needs"):
+        cpu_amx.round_x(x, rms_eps=-1.0)
     assert rounded_norm(x, None) is None and rounded_norm(x.double(), norm) is None
     norm.weight.data = norm.weight.data.to(torch.bfloat16)
     assert rounded_norm(x, norm) is None  # (a bf16 weight: torch would promote it; not folded)
