@@ -425,22 +425,36 @@ def vs_vllm(r: dict, v: dict, peer: str) -> dict:
             "identical_leading_tokens": leading_equal(a, b)}
 
 
+POOLED_LISTS = ("decode_ms", "decode_ms_wall", "decode_ms_engine")  # merge_rounds' treatment of a result's fields
+POOLED_DICTS = ("prefill_s", "prefill_engine_s")
+MAXED = ("peak_rss_gib", "peak_rss_sum_gib", "peak_rss_self_gib", "peak_rss_children_gib")
+
+
 def merge_rounds(rounds: list[dict]) -> dict:
     """Each engine's results over rounds of the same run (one dict of engine -> result per
-    round) as one result: prefill and decode samples pooled (their medians are taken later),
-    the batch rate the median of the rounds', peak RSS the largest; the first round's other
-    fields, each round's own figures under ``rounds``, and whether every round gave the same
-    greedy tokens. One round: its results as they are."""
+    round) as one result: the prefill and decode samples pooled (their medians are taken
+    later), the batch of the round with the median rate, the peak RSS figures the largest (and
+    the process tree of the round with the largest); the first round's other fields, each
+    round's own figures under ``rounds``, and whether every round gave the same greedy tokens.
+    One round: its results as they are."""
     if len(rounds) == 1:
         return rounds[0]
     merged = {}
     for name in rounds[0]:
         runs = [r[name] for r in rounds]
         m = dict(runs[0])
-        m["prefill_s"] = {n: [t for r in runs for t in r["prefill_s"][n]] for n in runs[0]["prefill_s"]}
-        m["decode_ms"] = [t for r in runs for t in r["decode_ms"]]
-        m["batch"] = dict(runs[0]["batch"], output_tok_s=statistics.median(r["batch"]["output_tok_s"] for r in runs))
-        m["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
+        for key in POOLED_LISTS:
+            if key in m:
+                m[key] = [t for r in runs for t in r[key]]
+        for key in POOLED_DICTS:
+            if key in m:
+                m[key] = {n: [t for r in runs for t in r[key][n]] for n in m[key]}
+        m["batch"] = sorted((r["batch"] for r in runs), key=lambda b: b["output_tok_s"])[len(runs) // 2]
+        for key in MAXED:
+            if key in m:
+                m[key] = max(r[key] for r in runs)
+        if "processes" in m:
+            m["processes"] = max(runs, key=lambda r: r["peak_rss_gib"])["processes"]
         m["decode_tokens_same_in_every_round"] = all(r["decode_tokens"] == runs[0]["decode_tokens"] for r in runs)
         m["rounds"] = [{"prefill_s": r["prefill_s"], "decode_ms": r["decode_ms"],
                         "batch_output_tok_s": r["batch"]["output_tok_s"], "peak_rss_gib": r["peak_rss_gib"]}
@@ -511,6 +525,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     args.lengths = [int(x) for x in str(args.lengths).split(",")]
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.lengths, args.decode_ctx, args.decode_tokens = [256, 512], 512, 8
         args.batch, args.batch_ctx, args.batch_tokens, args.repeats = 2, 256, 4, 1
@@ -562,6 +578,9 @@ def main() -> None:
                   f"{r['multiprocessing']}, decode ms/token from engine timestamps "
                   f"{[round(x, 2) for x in r['decode_ms_engine'] if x is not None]}, peak RSS GiB per "
                   f"process: {procs} (sum {r['peak_rss_sum_gib']:.2f}; RUSAGE_CHILDREN {r['peak_rss_children_gib']:.2f})")
+    for name, r in results.items():
+        if "decode_tokens_same_in_every_round" in r:
+            print(f"{name}: greedy tokens the same in every round: {r['decode_tokens_same_in_every_round']}")
     for key in ("bf16_vs_fp32_identical_leading_tokens", "longctx_fp32_decode_tokens_equal_hf",
                 "document_ids_identical"):
         if key in report:

@@ -287,6 +287,13 @@ def test_e2e_rounds_pool_each_engines_samples():
     assert bench_e2e.merge_rounds([one]) is one
     rounds = [one, {"longctx-bf16": result([0.8, 0.9], [28.0, 29.0], 120.0, 1.4, [1, 2])},
               {"longctx-bf16": result([1.1, 1.0], [31.0], 90.0, 1.6, [1, 3])}]
+    for i, r in enumerate(rounds):  # a vLLM worker's extra fields
+        r["vllm-bf16"] = dict(result([0.5], [20.0 + i], 50.0 + i, 2.0 - i / 10, [1, 2]), decode_ms_engine=[20.0 + i],
+                              prefill_engine_s={"2048": [0.5 + i]}, peak_rss_sum_gib=3.0 + i, processes={"round": i})
+    v = bench_e2e.merge_rounds(rounds)["vllm-bf16"]
+    assert v["decode_ms_engine"] == [20.0, 21.0, 22.0] and v["prefill_engine_s"] == {"2048": [0.5, 1.5, 2.5]}
+    assert v["peak_rss_sum_gib"] == 5.0 and v["peak_rss_gib"] == 2.0 and v["processes"] == {"round": 0}
+    assert v["batch"]["output_tok_s"] == 51.0
     m = bench_e2e.merge_rounds(rounds)["longctx-bf16"]
     assert m["prefill_s"] == {"2048": [1.0, 1.2, 0.8, 0.9, 1.1, 1.0]}
     assert m["decode_ms"] == [30.0, 28.0, 29.0, 31.0]

@@ -8,6 +8,8 @@ The real model's blocks against HF transformers are in test_real_model.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -452,7 +454,7 @@ def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(mo
     # measured 0.003-0.006 on four of the files; on q4_k_m's, 0.034 while the flash kernel kept
     # float32 q in its first and diagonal key tiles (every tile of this short prompt) and 0.106
     # with q rounded to bfloat16 in every tile, as bf16 engines score (2026-12-06, Intel Xeon)
-    assert worst < 0.15
+    assert worst < (0.15 if Path(model_file).stem == "q4_k_m" else 0.05)
     with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=True) as llm:
         assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids == alone[0]
         assert llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids == alone[1]

@@ -185,6 +185,7 @@ def _stays_near_float32(llm: LLM, document_ids, hf_model, hf_reference, label: s
     at its step (HF given the same prefix), at least ``BF16_MIN_AGREE`` of them fp32's own argmax,
     and the last-position logits within ``BF16_FIRST_LOGITS`` of the largest."""
     tokens, logits = _run_capturing_first_logits(llm, document_ids)
+    assert len(tokens) == NUM_NEW
     expected_tokens, expected_logits = hf_reference
     rel = float((logits - expected_logits).abs().max() / expected_logits.abs().max())
     reference = _hf_logprobs_along(hf_model, document_ids, tokens)
@@ -194,7 +195,6 @@ def _stays_near_float32(llm: LLM, document_ids, hf_model, hf_reference, label: s
     print(f"{label} last-position logits {rel:.2e} relative to float32; {agree}/{len(tokens)} steps on fp32's "
           f"argmax, largest gap {float(gaps.max()):.3f} nats; first step apart from fp32's greedy run: {parted}")
     assert rel < BF16_FIRST_LOGITS, f"last-position logits differ by {rel:.2e} relative"
-    assert len(tokens) == NUM_NEW
     assert float(gaps.max()) <= BF16_GAP_NATS, [(i, round(float(g), 3)) for i, g in enumerate(gaps) if g > 0]
     assert agree >= BF16_MIN_AGREE, agree
     # the bound tells tokens apart: fp32's second choice would sit past it at most steps

@@ -6,7 +6,9 @@
  * to bfloat16 once per call, or once for several products over that x (longctx_amx_round, with
  * an RMSNorm's two products folded in by longctx_amx_round_scaled) (vcvtneps2bf16: round to
  * nearest even, subnormals to zero), pairs of bfloat16 multiplied exactly and summed in float32
- * (tdpbf16ps), y float32. Only the order of the float32 sums differs.
+ * (tdpbf16ps), y float32. Only the order of the float32 sums differs. Two prologues are made in
+ * the rounding pass with the kernel's own arithmetic (not torch's bits): an RMSNorm's statistics
+ * (longctx_amx_round_rms) and SwiGLU / GELU's gated product (longctx_amx_round_gated).
  *
  * Tiles (8 of 16 rows x 64 bytes): 0-3 the float32 sums of a 32 x 32 block of y (C[mi][ni] =
  * tile 2 mi + ni), 4-5 two 16-row blocks of x (A: 16 rows of 32 bfloat16 k, each tile 1 KB

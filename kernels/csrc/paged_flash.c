@@ -70,8 +70,8 @@
 #ifndef KT
 #define KT 96 /* keys per tile (a multiple of 6) */
 #endif
-/* Rows whose first token decides which key tiles are a block's edge (scored with exact q, see
- * QK_EXACT_EDGES): the vector build's RB. The AMX build (RB 192) decides per EXACT_ROWS of its
+/* With QK_EXACT_EDGES (off by default): rows whose first token decides which key tiles are a
+ * block's edge (scored with exact q): the vector build's RB. The AMX build (RB 192) decides per EXACT_ROWS of its
  * blocks, so both builds round q on the same keys: deciding per 192 rows parted the default
  * model's bf16 greedy tokens from float32's on bench_e2e's 8K prompt (token 3, a 0.15-nat margin
  * turned by 0.17) and moved the real-model test's logits from 0.9% to 1.4% off float32's. */
@@ -565,8 +565,8 @@ static void mask_columns(const Args *a, int row0, int rows, int base, int n, int
  * where the CPU has AMX-BF16, kernels/cpu_flash.py): the two products of the vdpbf16ps forms
  * above with the same operands -- Q^T pairs (qp) against K's bfloat16 rows, P rounded to
  * bfloat16 (pp) against V's -- as 16 x 16 x 32 tile products, so only the order of the float32
- * sums differs; the first tile's and the diagonal tiles' scores keep float32 q and the vector
- * products, as in the vector build. Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN). Tiles: C 0-3
+ * sums differs (with QK_EXACT_EDGES, off by default, the first tile's and the diagonal tiles'
+ * scores keep float32 q and the vector products, as in the vector build). Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN). Tiles: C 0-3
  * the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16 rows), A 4 (16
  * keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7 (16 pairs x 16 rows
  * of qp or pp); in the 2 x 2 blocks of two 16-row strips (AMX_2X2), A 4-5 and B 6-7. Tile numbers
@@ -652,9 +652,9 @@ _Static_assert(EXACT_ROWS % AMX_SW == 0 && AMX_SW % 16 == 0 && AMX_SW <= 64, "st
  * since, with two keys rounded at once: tile_softmax_pairs). Not
  * kept: the edge tiles' scores on the tiles too, as two products (q's bfloat16 rounding and what
  * it left, q to within 2^-16): 220 -> 209 ms, but at bf16's level any change of the numbers
- * moves a bf16 model's tokens where they sit on a tie, and the real model's bf16 test
- * (tests/test_real_model.py) parted from float32's at token 3 (its three-way tie, noted above);
- * these groups' float32 scores keep the kernel's numbers bit for bit. */
+ * moved a bf16 model's tokens where they sat on a tie, and the real model's bf16 test, which
+ * then asked for float32's tokens, parted from them at token 3 (its three-way tie, noted
+ * above). Since QK_EXACT_EDGES went off (2026-12-06) every tile rounds q. */
 static void amx_tile(const Args *a, int row0, int rows, int base, int meets_window, int meets_mask,
                      const uint32_t *qp, const float *qt, const float *const *kf, int exact_bits, int rbp,
                      const uint16_t *kb, int n, int n16,
@@ -986,7 +986,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         const int meets_mask = tile_meets_mask(a, base, n, t_first, low_max);
         int64_t at[KT]; /* bf16 pages: the tile's row offsets, for its K and V rows alike */
         if (pairs) tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, at);
-        /* fp32 q: the first tile, and the tiles with keys the block's rows may not all see */
+        /* QK_EXACT_EDGES only: fp32 q in the first tile and the tiles with keys the block's rows may not all see */
         const int exact_edge = QK_EXACT_EDGES && (base < KT || meets_mask);
 #ifdef HAVE_AMX
         if (amx) { /* the whole tile, a strip group at a time */

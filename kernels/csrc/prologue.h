@@ -33,7 +33,7 @@ static inline __m256 exp_vec(__m256 x) {
 }
 #endif
 
-#if defined(__AVX512F__)
+#if HAVE_AVX2 && defined(__AVX512F__)
 /* exp_vec for 16 floats: the same reduction, polynomial and clamps (the same results). */
 static inline __m512 exp_vec16(__m512 x) {
     const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72284f), _CMP_GT_OQ);
@@ -55,7 +55,8 @@ static inline __m512 exp_vec16(__m512 x) {
 
 /* act(g) * u for 16 floats, act 0: silu, g / (1 + e^-g); 1: GELU's tanh form,
  * 0.5 g (1 + tanh(z)) with z = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^(-2 z))
- * (the same function). Within a few ulp of torch's silu / gelu(approximate="tanh") times u. */
+ * (the same function). Within a few ulp of the exact function times u: of torch's silu too; torch's
+ * 0.5 g (1 + tanh z) loses bits to cancellation for negative g, this form does not. */
 static inline __m512 gated_vec16(__m512 g, __m512 u, int act) {
     __m512 z = g;
     if (act) {

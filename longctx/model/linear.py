@@ -164,7 +164,8 @@ class RowKernelWeights(LinearMethod):
     (with the norm, SwiGLU and residual inside it), BLAS on the same matrix above that, and
     from ``blas_from_rows`` rows on (what ``cpu_tune`` measured faster on this machine for a
     float32 model's prefill chunks; by default never). A bfloat16 matrix goes to the AMX tiles
-    (``cpu_amx``, the same numerics: x rounded to bfloat16, float32 sums) from
+    (``cpu_amx``: x rounded to bfloat16, float32 sums; an RMSNorm or SwiGLU before the product
+    made in the rounding pass by the kernel's own arithmetic) from
     ``amx_from_rows`` rows on, where ``cpu_tune`` measured them faster (by default never)."""
 
     name = "kernel"
@@ -473,7 +474,11 @@ class BlockWeights(LinearMethod):
         multiples of 64: torch's vector and scalar code take the same elements as on the whole
         [T, F] gate (the two differ in the last bit), so the result is the same bit for bit (with
         BLAS's products, where gate and up are parts of their own: BLAS's sums may depend on a
-        slice's width, and a fused gate/up part, Phi-3's, is cut elsewhere by ``_product``)."""
+        slice's width, and a fused gate/up part, Phi-3's, is cut elsewhere by ``_product``).
+        With ``rounded`` (a down projection on the tiles next), on the tiles and F a multiple of
+        32: ``act(gate) * up`` goes straight into that projection's rounded input instead
+        (``cpu_amx.round_gated``, the kernel's exponential: not torch's bits), returned as
+        ``RoundedRows``."""
         blocks: BlockMatrix = layer.weight
         m, k = x.shape[0], blocks.k
         if m <= BLOCK_ROWS or blocks.order is not None or blocks.shape[0] % 2:

@@ -42,7 +42,7 @@ from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
-from .linear import (BLAS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
+from .linear import (BLAS, BLOCK_ROWS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
                      activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -55,7 +55,8 @@ class RMSNorm(nn.Module):
 
     def row_scale(self, x: torch.Tensor) -> torch.Tensor:
         """rsqrt(mean(x^2) + eps) [T, 1] of a float32 x: its output is ``weight * (x * row_scale(x))``
-        (the AMX products fold those two products into their rounding: ``linear.rounded_norm``)."""
+        (``linear.rounded_norm`` makes the whole norm, this scale included, in the AMX products'
+        rounding pass, for a module that has this method)."""
         return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,8 @@ class MLP(nn.Module):
         without the whole [T, 2F] product (``gated``: GGUF blocks on prefill chunks) does."""
         down = self.down_proj
         h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu",
-                                           rounded=product is None and down.method.takes_rounded(down))
+                                           rounded=(product is None and x.shape[0] > BLOCK_ROWS  # (not on decode steps)
+                                                    and down.method.takes_rounded(down)))
         if h is not None:
             return self.down_proj(h, residual=residual, product=product)
         gate_up = self.gate_up_proj(x, norm=norm, product=product)  # (T, 2F)

@@ -153,7 +153,7 @@ def test_x_rounded_once_gives_each_slices_columns_bit_for_bit(rows, k, n, step):
 
 @needs_amx
 @pytest.mark.parametrize("rows,k", [(1, 32), (17, 64), (100, 576), (33, 2048)])
-def test_an_rmsnorm_folded_into_the_rounding_gives_its_bits(rows, k):
+def test_an_rmsnorm_folded_into_the_rounding(rows, k):
     """``round_x(x, row_scale=r, col_scale=w)``: the bits of rounding torch's ``w * (x * r)`` (an
     RMSNorm's two products), and of each product alone. ``rms_eps``: r made in the same pass,
     the rounding of the model's RMSNorm output to within one bfloat16 step where r's last bit

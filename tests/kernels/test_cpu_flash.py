@@ -58,8 +58,8 @@ CASES = {
     "head-dim-8": Case((11,), (40,), num_kv_heads=2, group=4, head_dim=8, seed=11),
     "only-new-tokens": Case((200,), (200,), num_kv_heads=1, group=3, block_size=64, seed=12),
     "one-token": Case((1, 1), (1, 95), num_kv_heads=3, group=3, seed=13),
-    # keys between the first tile and the causal edge: the tiles whose scores take bfloat16 q
-    # (vdpbf16ps, or the AMX build's tiles), 4 x 20 = 80 rows (a 16-row strip past 64) and 15 x 4
+    # keys between the first tile and the causal edge as well as on them (the tiles that took
+    # bfloat16 q alone while the edges kept float32 q), 4 x 20 = 80 rows (a 16-row strip past 64) and 15 x 4
     "long-context-gqa4": Case((20, 15), (400, 333), num_kv_heads=2, group=4, seed=24),
     # 70 x 3 = 210 rows after 430 keys: the AMX build's 192-row block (six 32-row strip groups)
     # and an 18-row one (a group of 32, padded), each over interior tiles
@@ -87,10 +87,9 @@ def test_matches_reference(name, splits, dtype):
 def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, name, splits):
     """bfloat16 pages go to the AMX build where it loads: the same roundings (q, P to bfloat16)
     and float32 sums in another order, so it agrees with the vdpbf16ps build to float32 rounding,
-    up to a weight whose bfloat16 rounding the order flips (2^-8 of it). The first and the
-    diagonal key tiles keep float32 q in both. The AMX build's work items take 192 rows, and it
-    picks those tiles per 96 rows as the vector build's blocks do (two 192-row blocks here, where
-    deciding per 192 rows fails this test). Head dims 64, 128 and 32,
+    up to a weight whose bfloat16 rounding the order flips (2^-8 of it). Both round q in every
+    key tile (with QK_EXACT_EDGES, a build-time switch, both keep float32 q in the first and the
+    diagonal tiles, picked per 96 rows in both). Two 192-row blocks here. Head dims 64, 128 and 32,
     causal and tree masks, odd block sizes, KV splits; test_matches_reference checks both
     builds against the reference."""
     batch = make_batch(dataclasses.replace(CASES[name], dtype=torch.bfloat16))
@@ -322,7 +321,7 @@ def test_bfloat16_pages_round_q_on_the_first_and_the_diagonal_keys_too(splits):
     every key tile, the first (the attention sink) and the diagonal ones (the recent keys)
     included (``QK_EXACT_EDGES`` off): with the attention on those keys only, the log-sum-exp
     equals a reference fed the rounded q to float32 error, where float32 q's differs by more
-    than 1e-4. Elsewhere the scores keep float32 q. (The output is also checked, to the bound
+    than 1e-4. Below that level the scores keep float32 q. (The output is also checked, to the bound
     of P.V's rounding of p.)"""
     q, k_cache, v_cache, blocks = _sink_and_recent_case()
     ctx, scale = 700, 0.125
@@ -341,7 +340,7 @@ def test_bfloat16_pages_round_q_on_the_first_and_the_diagonal_keys_too(splits):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-MIXED_CASES = {  # long enough that tiles between the first and the diagonal ones exist
+MIXED_CASES = {  # long enough that tiles between the first and the diagonal ones exist (with QK_EXACT_EDGES: the ones that round q)
     "d80-gqa3": Case((5,), (700,), num_kv_heads=2, group=3, head_dim=80, seed=21),
     "d72-tree": Case((7,), (500,), num_kv_heads=1, group=3, head_dim=72, trees=(TWO_BRANCH_TREE,), seed=22),
     "d64-block5-two-seqs": Case((40, 3), (600, 300), num_kv_heads=3, group=3, block_size=5, seed=23),

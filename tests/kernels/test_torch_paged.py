@@ -87,7 +87,7 @@ def test_float32_queries_over_bfloat16_pages(monkeypatch, name, kernels, max_run
     reference on the pages widened to fp32. The flash kernel at the avx512bf16 level rounds each
     softmax weight to bf16 for its vdpbf16ps P.V (relative error <= 2^-9 per weight), so there
     its output may move by up to 2^-9 of the largest |V|; and it scores with q rounded to bf16,
-    which moves a score by at most 2^-9 * scale * sum_x |q_x k_x|, the lse by as much and an
+    which moves a score by at most 2^-8 * scale * sum_x |q_x k_x|, the lse by as much and an
     output by twice that times the largest |V|."""
     monkeypatch.setattr(torch_paged, "USE_CPU_KERNEL", kernels)
     monkeypatch.setattr(torch_paged, "MAX_RUNS", max_runs)
@@ -105,7 +105,7 @@ def test_float32_queries_over_bfloat16_pages(monkeypatch, name, kernels, max_run
     lse_atol = 1e-4
     if rounds_p:
         k = widened.k_cache[widened.k_cache.isfinite().all(-1)]  # [N, D] rows that hold keys
-        score_move = 2 ** -9 * batch.q.shape[-1] ** -0.5 * float((batch.q.abs().flatten(0, 1) @ k.abs().T).max())
+        score_move = 2 ** -8 * batch.q.shape[-1] ** -0.5 * float((batch.q.abs().flatten(0, 1) @ k.abs().T).max())
         lse_atol += score_move
         atol += 2 * score_move * float(v.abs().max())
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=atol)
