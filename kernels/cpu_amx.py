@@ -54,9 +54,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn = lib.longctx_amx_round
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     fn = lib.longctx_amx_round_scaled
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -131,26 +128,20 @@ def _check_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
                          f"xb {tuple(xb.shape)} {xb.dtype}, threads {threads}")
 
 
-def _amx_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
-    """The operator: x [M, K] float32 rounded into ``xb``, a contiguous bfloat16 [M rounded up
-    to 16, K] in the tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
-    _check_round(x, xb, threads)
-    if _LIBRARY.load().longctx_amx_round(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], xb.data_ptr(),
-                                         threads) != 0:
-        raise RuntimeError(f"amx_round refused x {tuple(x.shape)}")
+def _scale_ok(t: torch.Tensor | None, n: int) -> bool:
+    """A rounding operator's row or column scale: None, or float32 [n] contiguous on the CPU."""
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                         and t.numel() == n)
 
 
 def _amx_round_scaled(x: torch.Tensor, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None,
                       xb: torch.Tensor, threads: int) -> None:
-    """The operator: ``amx_round`` of ``col_scale * (x * row_scale[:, None])`` (float32 [M] and
-    [K], contiguous, either None), each product rounded to float32 as torch's would be."""
+    """The operator: x [M, K] float32, times ``row_scale[:, None]`` and then ``col_scale`` (float32
+    [M] and [K], contiguous, either None; both None: x as it is), each product rounded to float32
+    as torch's would be, rounded into ``xb``: a contiguous bfloat16 [M rounded up to 16, K] in the
+    tiles' order (not rows: only ``amx_linear_rounded`` reads it)."""
     m, k = (x.shape[0], x.shape[1]) if x.dim() == 2 else (0, 0)
-
-    def vector(t: torch.Tensor | None, n: int) -> bool:
-        return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                             and t.numel() == n)
-
-    if not (vector(row_scale, m) and vector(col_scale, k)):
+    if not (_scale_ok(row_scale, m) and _scale_ok(col_scale, k)):
         raise ValueError(f"amx_round_scaled needs float32 contiguous scales of {m} rows and {k} columns (or None), "
                          f"got {None if row_scale is None else (tuple(row_scale.shape), row_scale.dtype)} and "
                          f"{None if col_scale is None else (tuple(col_scale.shape), col_scale.dtype)}")
@@ -166,8 +157,7 @@ def _amx_round_rms(x: torch.Tensor, eps: float, col_scale: torch.Tensor | None, 
     """The operator: ``amx_round_scaled`` with the row scale an RMSNorm's 1 / sqrt(mean(x^2) + eps),
     made in the same pass (eps >= 0)."""
     k = x.shape[1] if x.dim() == 2 else 0
-    if not (eps >= 0 and (col_scale is None or (col_scale.dtype == torch.float32 and col_scale.device.type == "cpu"
-                                                 and col_scale.is_contiguous() and col_scale.numel() == k))):
+    if not (eps >= 0 and _scale_ok(col_scale, k)):
         raise ValueError(f"amx_round_rms needs eps >= 0 and a float32 contiguous col_scale of {k} (or None), got "
                          f"eps {eps}, col_scale "
                          f"{None if col_scale is None else (tuple(col_scale.shape), col_scale.dtype)}")
@@ -183,7 +173,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # round_gated's act, as the C code nu
 
 def _amx_round_gated(gate: torch.Tensor, up: torch.Tensor, act: int, col0: int, xb: torch.Tensor,
                      threads: int) -> None:
-    """The operator: columns [col0, col0 + w) of ``xb`` (``amx_round``'s [M rounded up to 16, K]) <-
+    """The operator: columns [col0, col0 + w) of ``xb`` (``amx_round_scaled``'s [M rounded up to 16, K]) <-
     act(gate) * up rounded, for float32 gate and up [M, w] with contiguous rows and one row
     stride (two halves of one [M, 2F] product, or two slices of a pair buffer); act 0: SiLU,
     1: GELU's tanh form. w and col0 multiples of 32."""
@@ -210,7 +200,7 @@ def _takes_rounded(xb: torch.Tensor, padded: int, k: int) -> bool:
 
 
 def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
-    """The operator: ``amx_linear`` on x rounded by ``amx_round`` (``rows`` of it), the same
+    """The operator: ``amx_linear`` on x rounded by ``amx_round_scaled`` (``rows`` of it), the same
     numbers; ``out`` as there."""
     padded = (rows + 15) // 16 * 16
     if not (rows > 0 and takes_weight(weight) and _takes_rounded(xb, padded, weight.shape[1])
@@ -227,7 +217,6 @@ def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: 
                            "(K % 32, N % 16, or out of memory)")
 
 
-amx_round = cpu_build.define_op("amx_round(Tensor x, Tensor(a!) xb, int threads) -> ()", _amx_round)
 amx_round_scaled = cpu_build.define_op(
     "amx_round_scaled(Tensor x, Tensor? row_scale, Tensor? col_scale, Tensor(a!) xb, int threads) -> ()",
     _amx_round_scaled)

@@ -3,8 +3,8 @@
  * (prefill chunks) of a bfloat16 model on CPUs with AMX-BF16 (Intel Sapphire Rapids and later).
  *
  * Numerics: the row kernel's bf16 panel path's (linear_rows.c, from 17 rows): x's rows rounded
- * to bfloat16 once per call, or once for several products over that x (longctx_amx_round, with
- * an RMSNorm's two products folded in by longctx_amx_round_scaled) (vcvtneps2bf16: round to
+ * to bfloat16 once per call, or once for several products over that x (longctx_amx_round_scaled, with
+ * an RMSNorm's two products folded in) (vcvtneps2bf16: round to
  * nearest even, subnormals to zero), pairs of bfloat16 multiplied exactly and summed in float32
  * (tdpbf16ps), y float32. Only the order of the float32 sums differs. Two prologues are made in
  * the rounding pass with the kernel's own arithmetic (not torch's bits): an RMSNorm's statistics
@@ -206,18 +206,15 @@ int longctx_amx_linear(const float *x, int64_t ldx, int M, int K, const uint16_t
 
 /* The two halves of longctx_amx_linear, for several products over one x (the slices of a
  * matrix that is never whole in bfloat16: GGUF blocks dequantized a slice at a time): x rounded
- * once into xb [Mp * K] (the A-tile order, not rows), then each slice's product
- * from it. The same numbers as longctx_amx_linear's. Both return 0, or -1 for shapes they do not
- * take or (the products) a failed allocation: nothing written. */
-int longctx_amx_round(const float *x, int64_t ldx, int M, int K, uint16_t *xb, int threads) {
-    if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;
-    round_rows(x, ldx, M, (M + 15) / 16 * 16, K, NULL, NULL, -1.0f, xb, threads);
-    return 0;
-}
-
-/* longctx_amx_round of col_scale[k] * (x[m][k] * row_scale[m]) (either NULL: not applied): an
- * RMSNorm's two products (torch's x * rsqrt(mean) then weight * that, the same roundings) made
- * in the pass that rounds them, instead of two passes over [M, K] floats and a third to round. */
+ * once into xb [Mp * K] (the A-tile order, not rows; the rounding functions below), then each
+ * slice's product from it (longctx_amx_linear_rounded). The same numbers as
+ * longctx_amx_linear's. They return 0, or -1 for shapes they do not take or (the products) a
+ * failed allocation: nothing written.
+ *
+ * x rounded, times row_scale[m] and then col_scale[k] (either NULL: not applied; both NULL: the
+ * plain rounding): an RMSNorm's two products (torch's x * rsqrt(mean) then weight * that, the
+ * same roundings) made in the pass that rounds them, instead of two passes over [M, K] floats
+ * and a third to round. */
 int longctx_amx_round_scaled(const float *x, int64_t ldx, int M, int K, const float *row_scale,
                              const float *col_scale, uint16_t *xb, int threads) {
     if (M <= 0 || K <= 0 || threads < 1 || K % 32) return -1;

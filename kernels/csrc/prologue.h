@@ -9,23 +9,37 @@
 /* silu(g) * u, with silu(g) = g / (1 + exp(-g)) as torch computes it. */
 static inline float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+/* exp_vec's and exp_vec16's constants: clamps, ln 2 in two parts, the polynomial's coefficients
+ * (highest first; the last two are 1). */
+#define EXP_OVERFLOW 88.72284f
+#define EXP_HI 88.3f
+#define EXP_LO (-87.3f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693115234375f
+#define EXP_LN2_LO 3.1946183e-05f
+#define EXP_C6 1.3836948e-3f
+#define EXP_C5 8.3748084e-3f
+#define EXP_C4 4.1668221e-2f
+#define EXP_C3 1.6666420e-1f
+#define EXP_C2 4.9999991e-1f
+
 #if HAVE_AVX2
 /* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact),
  * e^r by a degree-6 polynomial fitted for relative error on that range (8.2e-8 evaluated in
  * float32, under one ulp), 2^n in the exponent bits. x is clamped to [-87.3, 88.3] for that
  * (NaN passes through); past 88.72, where float e^x overflows, the result is +inf. */
 static inline __m256 exp_vec(__m256 x) {
-    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72284f), _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_OVERFLOW), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(EXP_HI), _mm256_max_ps(_mm256_set1_ps(EXP_LO), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693115234375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(3.1946183e-05f), r);
-    __m256 p = _mm256_set1_ps(1.3836948e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3748084e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1668221e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666420e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_C6);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -36,17 +50,17 @@ static inline __m256 exp_vec(__m256 x) {
 #if HAVE_AVX2 && defined(__AVX512F__)
 /* exp_vec for 16 floats: the same reduction, polynomial and clamps (the same results). */
 static inline __m512 exp_vec16(__m512 x) {
-    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72284f), _CMP_GT_OQ);
-    x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_OVERFLOW), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_set1_ps(EXP_HI), _mm512_max_ps(_mm512_set1_ps(EXP_LO), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693115234375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(3.1946183e-05f), r);
-    __m512 p = _mm512_set1_ps(1.3836948e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3748084e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1668221e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666420e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.9999991e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);

@@ -91,7 +91,7 @@ def test_rounding_without_the_kernel_says_why(monkeypatch):
     with pytest.raises(RuntimeError, match="the AMX linear kernel is"):
         cpu_amx.round_x(torch.randn(16, 64))
     with pytest.raises(ValueError, match="amx_round needs the kernel"):
-        cpu_amx.amx_round(torch.randn(16, 64), torch.empty(16, 64, dtype=torch.bfloat16), 2)
+        cpu_amx.amx_round_scaled(torch.randn(16, 64), None, None, torch.empty(16, 64, dtype=torch.bfloat16), 2)
 
 
 def test_the_tuner_keeps_the_kernel_where_there_is_no_amx(monkeypatch):
@@ -247,13 +247,13 @@ def test_the_rounded_operators_refuse_what_does_not_fit():
     x, w = torch.randn(20, 64), torch.randn(32, 64).to(torch.bfloat16)
     for xb in (torch.empty(20, 64, dtype=torch.bfloat16), torch.empty(32, 64), torch.empty(32, 96, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="amx_round needs"):
-            cpu_amx.amx_round(x, xb, 2)
+            cpu_amx.amx_round_scaled(x, None, None, xb, 2)
     for bad_x, xb, threads in ((torch.randn(20, 48), torch.empty(32, 48, dtype=torch.bfloat16), 2),  # K % 32
                                (torch.randn(64, 20).t(), torch.empty(32, 64, dtype=torch.bfloat16), 2),  # strided
                                (x, torch.empty(64, 32, dtype=torch.bfloat16).t(), 2),  # xb not contiguous
                                (x, torch.empty(32, 64, dtype=torch.bfloat16), 0)):
         with pytest.raises(ValueError, match="amx_round needs"):
-            cpu_amx.amx_round(bad_x, xb, threads)
+            cpu_amx.amx_round_scaled(bad_x, None, None, xb, threads)
     with pytest.raises(ValueError, match="round_x takes x"):
         cpu_amx.round_x(torch.randn(64))
     xb = cpu_amx.round_x(x)
