@@ -429,9 +429,11 @@ class BlockWeights(LinearMethod):
                 cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
                 b = None if part_bias is None else part_bias[r0:r1]
                 r = None if res is None else res[:, r0:r1]
-                if m >= self.blas_from_rows:  # BLAS, measured faster here at these rows
-                    part = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
-                    out[:, lo + r0:lo + r1] = part if r is None else part.add_(r)
+                if m >= self.blas_from_rows:  # BLAS, measured faster here at these rows, straight into
+                    cols = out[:, lo + r0:lo + r1]  # out's columns (BLAS takes the row stride: no copy)
+                    torch.mm(x, w.t(), out=cols) if b is None else torch.addmm(b, x, w.t(), out=cols)
+                    if r is not None:
+                        cols.add_(r)
                 else:
                     cpu_linear.linear(x, w, b, residual=r, out=out[:, lo + r0:lo + r1])
             lo = hi
@@ -530,8 +532,8 @@ class BlockWeights(LinearMethod):
                 cpu_blocks.dequantize(data, fmt, blocks.k, first_row=a - start, num_rows=b - a, out=w[a - lo:b - lo])
             start = end
         b = None if bias is None else bias[lo:hi]
-        if x.shape[0] >= self.blas_from_rows:
-            out.copy_(torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t()))
+        if x.shape[0] >= self.blas_from_rows:  # (straight into out's strided columns)
+            torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
         else:
             cpu_linear.linear(x, w, b, out=out)
 
