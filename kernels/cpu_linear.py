@@ -50,7 +50,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     rope = lib.longctx_rope_inplace
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_void_p, ctypes.c_void_p]
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.longctx_linear_has_panels.restype = ctypes.c_int
     lib.longctx_linear_has_panels.argtypes = []
     lib.longctx_linear_bf16_panels.restype = ctypes.c_int
@@ -219,7 +219,7 @@ def small_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     return out
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> None:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the CPU linear kernel is {status()}")
@@ -228,6 +228,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     rows, heads, d = x.shape
     if x.stride(2) != 1 or x.stride(1) != d or (rows > 1 and x.stride(0) < heads * d):
         raise ValueError(f"x needs contiguous heads within each row, got strides {x.stride()}")
+    if pairs and d > 2 * ROPE_PAIRS_MAX_HALF:
+        raise ValueError(f"rope over pairs takes heads of up to {2 * ROPE_PAIRS_MAX_HALF} dims, got {d}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32 or tuple(t.shape) != (rows, d // 2) or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 [{rows}, {d // 2}], got {t.dtype} "
@@ -235,20 +237,23 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if rows == 0:
         return
     rc = lib.longctx_rope_inplace(x.data_ptr(), rows, max(x.stride(0), heads * d), heads, d,
-                                  cos.data_ptr(), sin.data_ptr())
+                                  cos.data_ptr(), sin.data_ptr(), int(pairs), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"rope rejected its arguments (code {rc}): x {tuple(x.shape)}")
 
 
-rope_op = cpu_build.define_op("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", _rope)
+ROPE_PAIRS_MAX_HALF = 256  # the C kernel's bound on a head's half with pairs (head dims up to 512)
+rope_op = cpu_build.define_op("rope_(Tensor(a!) x, Tensor cos, Tensor sin, bool pairs=False) -> ()", _rope)
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """Rotate-half RoPE in place: x [T, heads, D] float32 (heads and D contiguous, rows may be
     strided, e.g. the q and k heads of a fused qkv row), cos/sin [T, D/2] float32. The same
-    arithmetic as ``longctx.model.rope.apply_rotary``, bit for bit. Returns x. Runs the operator
-    ``torch.ops.longctx.rope_``."""
+    arithmetic as ``longctx.model.rope.apply_rotary``, bit for bit. ``pairs``: each head's
+    elements come as llama.cpp stores a Llama's q/k rows, (x1[i], x2[i]) at 2i and 2i + 1; they
+    are rotated and written back as the halves (rotate-half's order), the same numbers as
+    reordering them first. Returns x. Runs the operator ``torch.ops.longctx.rope_``."""
     if not available():
         raise RuntimeError(f"the CPU linear kernel is {status()}")
-    rope_op(x, cos, sin)
+    rope_op(x, cos, sin, pairs)
     return x

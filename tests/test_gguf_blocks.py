@@ -17,7 +17,7 @@ import torch
 from longctx import LLM, SamplingParams
 from longctx.config import BLOCK_TERMS, ConfigError
 from longctx.kernels import cpu_amx
-from longctx.model import loader
+from longctx.model import loader, rope
 from longctx.model.linear import BlockEmbedding, BlockMatrix, Linear, blocks_available
 from tiny_models import make_checkpoint, random_tokens, write_char_tokenizer, write_gguf
 
@@ -130,8 +130,8 @@ def test_matrices_are_views_of_the_file(model_file):
     assert inside == 7 * layers + (0 if model.config.tie_word_embeddings else 1)  # q, k, v, o, gate, up, down (+ head)
     qkv = model.layers[0].self_attn.qkv_proj.weight
     heads, kv_heads, d = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
-    q_order = loader._unpermute_rope_rows(torch.arange(heads * d), heads)
-    k_order = heads * d + loader._unpermute_rope_rows(torch.arange(kv_heads * d), kv_heads)
+    q_order = rope.unpermute_rope_rows(torch.arange(heads * d), heads)
+    k_order = heads * d + rope.unpermute_rope_rows(torch.arange(kv_heads * d), kv_heads)
     v_order = torch.arange((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)
     assert torch.equal(qkv.order, torch.cat([q_order, k_order, v_order]))
     assert model.layers[0].mlp.gate_up_proj.weight.order is None
@@ -579,7 +579,11 @@ def test_blocks_rotate_q_and_k_in_place(model_file):
     cos, sin = model.rotary_for(torch.device("cpu")).cos_sin(positions)
     qkv = attn.qkv_proj(x)
     h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    want = apply_rotary(qkv[:, :(h + hkv) * d].reshape(3, h + hkv, d).clone(), cos, sin)
+    # a Llama file: q and k come as llama.cpp stores them, RoPE reads the pairs and puts them in order
+    assert attn.rope_pairs and attn.qkv_proj.rows_as_stored
+    in_order = qkv.index_select(1, attn.qkv_proj.weight.order)
+    assert torch.equal(in_order, Linear.forward(_unordered(attn.qkv_proj), x)[:, attn.qkv_proj.weight.order])
+    want = apply_rotary(in_order[:, :(h + hkv) * d].reshape(3, h + hkv, d).clone(), cos, sin)
     seen = {}
 
     class Capture:
@@ -592,3 +596,4 @@ def test_blocks_rotate_q_and_k_in_place(model_file):
     assert q.data_ptr() == qkv.data_ptr() and k.data_ptr() == q.data_ptr() + 4 * h * d
     assert v.data_ptr() == k.data_ptr() + 4 * hkv * d
     assert torch.equal(torch.cat([q, k], 1), want)
+    assert torch.equal(v.reshape(3, hkv * d), in_order[:, (h + hkv) * d:])

@@ -640,15 +640,36 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
 /* Rotate-half RoPE in place on the first `heads` heads of each of T rows (q and k of a fused
  * qkv row): for each head, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin [T, D/2]
  * contiguous. The same products and sums as the torch form (no contraction into FMAs: the
- * library is built as ISO C, where GCC does not contract), so the results are bit-identical. */
+ * library is built as ISO C, where GCC does not contract), so the results are bit-identical.
+ * With `pairs`, each head's x1[i], x2[i] are read from its elements 2i and 2i + 1 (llama.cpp's
+ * order of a Llama's q/k rows in a GGUF file) and written back as halves: the outputs put in
+ * order and rotated in one pass, the same numbers as reordering first. Rows split over
+ * `threads` (each element is its own: any split gives the same bits). */
+#define ROPE_PAIRS_MAX_HALF 256
 int longctx_rope_inplace(float *x, int T, int64_t ldx, int heads, int d, const float *cos_t,
-                         const float *sin_t) {
-    if (T < 1 || heads < 1 || d < 2 || d % 2 != 0 || ldx < (int64_t)heads * d) return -1;
+                         const float *sin_t, int pairs, int threads) {
+    if (T < 1 || heads < 1 || d < 2 || d % 2 != 0 || ldx < (int64_t)heads * d || threads < 1
+        || (pairs && d / 2 > ROPE_PAIRS_MAX_HALF))
+        return -1;
     const int half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= 64)
     for (int t = 0; t < T; t++) {
         const float *c = cos_t + (int64_t)t * half, *s = sin_t + (int64_t)t * half;
         for (int h = 0; h < heads; h++) {
             float *x1 = x + t * ldx + (int64_t)h * d, *x2 = x1 + half;
+            if (pairs) {
+                float a[ROPE_PAIRS_MAX_HALF], b[ROPE_PAIRS_MAX_HALF];
+                for (int i = 0; i < half; i++) {
+                    a[i] = x1[2 * i];
+                    b[i] = x1[2 * i + 1];
+                }
+#pragma omp simd
+                for (int i = 0; i < half; i++) {
+                    x1[i] = a[i] * c[i] - b[i] * s[i];
+                    x2[i] = b[i] * c[i] + a[i] * s[i];
+                }
+                continue;
+            }
 #pragma omp simd
             for (int i = 0; i < half; i++) {
                 const float a = x1[i], b = x2[i];

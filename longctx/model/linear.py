@@ -396,8 +396,8 @@ class BlockWeights(LinearMethod):
         """``rounded``: x as the tiles take it (``cpu_amx.round_x``), given where the product runs on
         them (``x`` then only gives the row count)."""
         blocks: BlockMatrix = layer.weight
-        if blocks.order is None:
-            return self._product(blocks, layer.bias, x, residual, rounded)
+        if blocks.order is None or layer.rows_as_stored:
+            return self._product(blocks.stored(), layer.bias, x, residual, rounded)
         # the stored rows' products, then in order, then the bias and residual
         return _in_order(self._product(blocks.stored(), None, x, None, rounded), blocks.order, layer.bias, residual)
 
@@ -452,7 +452,7 @@ class BlockWeights(LinearMethod):
         if 0 < x.shape[0] <= BLOCK_ROWS and x.dtype == torch.float32 and (
                 norm is None or norm.weight.dtype == torch.float32):  # the prologue inside the one call
             blocks: BlockMatrix = layer.weight
-            order = blocks.order
+            order = None if layer.rows_as_stored else blocks.order
             out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
             out = blocks.prepared()(x.contiguous(), out, layer.bias if order is None else None,
                                     residual if order is None else None,
@@ -683,6 +683,9 @@ class Linear(nn.Module):
         self.weight: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.method: LinearMethod = BLAS
+        # a BlockMatrix's outputs left in its stored rows' order (its ``order`` not applied):
+        # set by the one caller that puts them in order itself (``Attention.rotate_stored_pairs``)
+        self.rows_as_stored = False
 
     def hold(self, method: LinearMethod) -> None:
         method.take(self)

@@ -42,9 +42,9 @@ from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
-from .linear import (BLAS, BLOCK_ROWS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, Linear, OneDNNWeights,  # noqa: F401
-                     activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
-from .rope import RotaryEmbedding, apply_rotary
+from .linear import (BLAS, BLOCK_ROWS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, BlockMatrix, Linear,  # noqa: F401
+                     OneDNNWeights, activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
+from .rope import RotaryEmbedding, apply_rotary, unpermute_rope_rows
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +90,27 @@ class Attention(nn.Module):
                                    config.attn_logit_softcapping)
         self.options = self.spec.options
         self.rotary_dim = config.rotary_dim  # partial rotary (Phi-4-mini): the first dims only; None: all
+        self.rope_pairs = False  # q and k come as llama.cpp's pairs: rotate_stored_pairs
+
+    def rotate_stored_pairs(self) -> bool:
+        """Where ``qkv_proj`` holds a Llama GGUF's blocks as stored (q and k rows in llama.cpp's
+        interleaved pairs, put in order after each product) and nothing comes between the product
+        and RoPE: take its outputs as stored and let the C RoPE read the pairs, putting them in
+        order in the pass that rotates them (``cpu_linear.rope_(pairs=True)``: the same numbers,
+        without the reorder's pass over [T, (H + 2 Hkv) D]). Returns whether it does."""
+        weight, d = self.qkv_proj.weight, self.head_dim
+        if (not isinstance(weight, BlockMatrix) or weight.order is None or self.qkv_proj.bias is not None
+                or self.q_norm is not None or (self.rotary_dim is not None and self.rotary_dim < d)
+                or d > 2 * cpu_linear.ROPE_PAIRS_MAX_HALF or not cpu_linear.available()):
+            return False
+        q, kv = self.q_size, self.kv_size
+        pairs = torch.cat([unpermute_rope_rows(torch.arange(q), self.num_heads),
+                           q + unpermute_rope_rows(torch.arange(kv), self.num_kv_heads),
+                           torch.arange(q + kv, q + 2 * kv)])
+        if not torch.equal(weight.order, pairs):
+            return False
+        self.qkv_proj.rows_as_stored = self.rope_pairs = True
+        return True
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
                plan: Any) -> torch.Tensor:
@@ -102,7 +123,9 @@ class Attention(nn.Module):
                                                       self.head_dim)
         if self.q_norm is not None:  # a fresh contiguous tensor: still rotated in place below
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        if self.rotary_dim is not None and self.rotary_dim < self.head_dim:  # partial: the rest pass through
+        if self.rope_pairs:  # llama.cpp's pairs, as stored: put in order as they are rotated (in place)
+            qk = cpu_linear.rope_(qk, cos, sin, pairs=True)
+        elif self.rotary_dim is not None and self.rotary_dim < self.head_dim:  # partial: the rest pass through
             qk = torch.cat([apply_rotary(qk[..., :self.rotary_dim], cos, sin), qk[..., self.rotary_dim:]], dim=-1)
         elif self.qkv_proj.method.name in (ROW_KERNEL.name, BLOCKS.name):  # its fresh fp32 output: rotated in
             qk = cpu_linear.rope_(qk, cos, sin)  # place (int8 pages' rotation then takes q, k, v in one product)

@@ -44,6 +44,7 @@ from . import safetensors_file
 from .config import GEMMA_TYPES, ModelConfig, RopeScaling, UnsupportedModelError
 from .linear import BLOCK_METHODS, BlockEmbedding, BlockMatrix
 from .llama import LlamaForCausalLM
+from .rope import unpermute_rope_rows
 from .quantize import quantize_blocks, scheme_format
 
 log = logging.getLogger(__name__)
@@ -269,14 +270,6 @@ def _gguf_rope(reader: Any, config: ModelConfig, meta: dict) -> ModelConfig:
         attention_factor=float(attn) if attn is not None else None))
 
 
-def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
-    return w.transpose(1, 2).reshape(weight.shape)
-
-
 def _gguf_blocks(t: Any) -> BlockMatrix | None:
     """A GGUF matrix as stored (a view of the file's memory map, no copy), or None for a
     tensor that is not a matrix or whose format the block kernel does not read."""
@@ -340,9 +333,9 @@ def read_gguf(path: Path, keep_blocks: bool = False
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                     if isinstance(weight, BlockMatrix):  # the rows stay as stored; their outputs are put in order
                         rows = weight.shape[0]
-                        weight = BlockMatrix(weight.parts, weight.k, _unpermute_rope_rows(torch.arange(rows), heads))
+                        weight = BlockMatrix(weight.parts, weight.k, unpermute_rope_rows(torch.arange(rows), heads))
                     else:
-                        weight = _unpermute_rope_rows(weight, heads)
+                        weight = unpermute_rope_rows(weight, heads)
                 if gemma and kind.endswith("norm"):  # llama.cpp stores Gemma's 1 + w; HF's w is what packing takes
                     weight = weight - 1.0
                 yield f"model.layers.{layer}.{names_here[kind]}.{suffix}", weight
@@ -718,5 +711,7 @@ def _blocks_model(config: ModelConfig, state: dict, rope_scaling: dict | None, f
         for pname, p in module.named_parameters(recurse=False):
             if p.is_meta:
                 raise ValueError(f"{source} load left {pname} of {type(module).__name__} unset")
+    for decoder in model.layers:  # a Llama's q/k pairs put in order by RoPE, not after each product
+        decoder.self_attn.rotate_stored_pairs()
     model.act_dtype = torch.float32
     return model.eval()

@@ -26,6 +26,15 @@ import torch
 from .config import ModelConfig, RopeScaling
 
 
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves): a Llama
+    GGUF's q or k matrix [heads * D, ...] (or its row indices) in HF's order."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 

@@ -167,24 +167,48 @@ def test_prologues_and_residual_match_the_model_modules(rows, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (5, 3, 40), (70, 7, 2)])
-def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d):
-    from longctx.model.rope import apply_rotary
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (5, 3, 40), (70, 7, 2), (131, 2, 6)])
+def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d, threads, pairs):
+    """Rows split over threads from 64 rows on. ``pairs``: each head's halves stored as
+    llama.cpp's interleaved pairs (x1[i] at 2i, x2[i] at 2i + 1) come out rotated and in
+    rotate-half's order, as reordering them first and rotating gives, bit for bit."""
+    from longctx.model.rope import apply_rotary, unpermute_rope_rows
 
     gen = torch.Generator().manual_seed(rows)
     qkv = torch.randn(rows, (heads + 2) * d, generator=gen) * 5
     angles = torch.rand(rows, d // 2, generator=gen) * 100
     cos, sin = angles.cos(), angles.sin()
     x = qkv[:, :heads * d].view(rows, heads, d)  # rows strided by the fused row width
-    expected = apply_rotary(x.clone(), cos, sin)
+    in_order = x.reshape(rows, heads * d)
+    if pairs:  # in_order[:, j] = x's stored element order[j]
+        order = unpermute_rope_rows(torch.arange(heads * d), heads)
+        in_order = in_order[:, order]
+        assert torch.equal(order, torch.arange(heads * d)) == (d == 2)  # (one pair a head: nothing moves)
+    expected = apply_rotary(in_order.reshape(rows, heads, d).clone(), cos, sin)
     untouched = qkv[:, heads * d:].clone()
-    assert cpu_linear.rope_(x, cos, sin) is x
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_linear.rope_(x, cos, sin, pairs=pairs) is x
+    finally:
+        torch.set_num_threads(before)
     assert torch.equal(x, expected)
     assert torch.equal(qkv[:, heads * d:], untouched)
     with pytest.raises(ValueError, match="cos must be"):
         cpu_linear.rope_(x, cos[:, :-1], sin)
     with pytest.raises(ValueError, match="contiguous heads"):
         cpu_linear.rope_(x.transpose(1, 2), cos, sin)
+
+
+@needs_kernel
+def test_rope_over_pairs_refuses_heads_past_its_bound():
+    d = 2 * cpu_linear.ROPE_PAIRS_MAX_HALF + 2
+    x, cs = torch.zeros(2, 1, d), torch.zeros(2, d // 2)
+    with pytest.raises(ValueError, match="heads of up to"):
+        cpu_linear.rope_(x, cs, cs, pairs=True)
+    cpu_linear.rope_(x, cs, cs)  # (without pairs: any head)
 
 
 @needs_kernel
