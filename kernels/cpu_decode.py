@@ -59,6 +59,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     tail.restype = ctypes.c_int
     tail.argtypes = ([_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _I, _P, _P, _I64, _P, _P]
                      + [_P] * 8 + [_I64, _I64, _I, _I, _I, _P, ctypes.c_float, _I])
+    fn = lib.longctx_write_kv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int]
     write = lib.longctx_int8_write_kv
     write.restype = ctypes.c_int
     write.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -91,6 +96,55 @@ def _int8_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.
     if rc != 0:
         raise ValueError(f"int8 write rejected its arguments (code {rc}"
                          f"{': a slot outside the cache or a start outside the rows' if rc == -2 else ''})")
+
+
+FLOAT_PAGES = {torch.float32: 0, torch.bfloat16: 1}  # write_kv's cache dtypes, as the C code numbers them
+
+
+def takes_float_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``write_float_kv`` takes these: the library here, contiguous float32 or bfloat16
+    caches [NB, BS, Hkv, D] of one shape and dtype, float32 k and v [T, Hkv, D] on the CPU whose
+    heads are contiguous within each row (rows may be strided: views of a fused qkv row)."""
+    if not (available() and k_cache.dtype in FLOAT_PAGES and v_cache.dtype == k_cache.dtype
+            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu" and k_cache.dim() == 4
+            and v_cache.shape == k_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 3
+               and tuple(t.shape[1:]) == (heads, dim) and t.stride(2) == 1 and t.stride(1) == dim
+               and (t.shape[0] <= 1 or t.stride(0) >= heads * dim) for t in (k, v)) and k.shape[0] == v.shape[0]
+
+
+def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              threads: int) -> None:
+    if not takes_float_write(k_cache, v_cache, k, v):
+        raise ValueError(f"write_kv needs the decode library ({status()}), contiguous float32 or bfloat16 caches "
+                         f"[NB, BS, Hkv, D] of one shape and float32 k, v [T, Hkv, D] with contiguous heads, got "
+                         f"caches {k_cache.dtype} {tuple(k_cache.shape)} / {v_cache.dtype} {tuple(v_cache.shape)}, "
+                         f"k {k.dtype} {tuple(k.shape)} {k.stride()}, v {v.dtype} {tuple(v.shape)} {v.stride()}")
+    _meta("slots", slots, 1, torch.int64)
+    if slots.shape[0] != k.shape[0] or threads < 1:
+        raise ValueError(f"write_kv needs a slot per row ({k.shape[0]}, got {slots.shape[0]}) and threads >= 1")
+    rc = _load().longctx_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), FLOAT_PAGES[k_cache.dtype], k.data_ptr(),
+                                  k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), slots.numel(),
+                                  k_cache.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3], threads)
+    if rc != 0:
+        raise ValueError(f"write_kv rejected its arguments (code {rc}"
+                         f"{': a slot outside the cache' if rc == -2 else ''})")
+
+
+write_kv = cpu_build.define_op(
+    "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots, int threads) -> ()",
+    _write_kv)
+
+
+def write_float_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] float32 into float32 or bfloat16 pages at ``slots`` (int64 [T], < 0
+    skipped), in one C pass (the operator ``torch.ops.longctx.write_kv``): the bytes
+    ``index_copy_`` of ``k.to(cache dtype)`` writes (a NaN becomes torch's scalar form's
+    0x7FC0). The caller checks ``takes_float_write``."""
+    write_kv(k_cache, v_cache, k, v, slots.contiguous(), torch.get_num_threads())
 
 
 def write_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,

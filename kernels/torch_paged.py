@@ -457,11 +457,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     int8 pages (int8 caches with ``k_scale``/``v_scale`` fp32 [NB, Hkv], required): the kept
     rows are quantised by ``kv_quant.write_int8``. ``starts``: its indices of the rows that may
     enter a page already holding values (each sequence's first row), passed on when no slot
-    was skipped (the indices then still fit the rows); else ``write_int8`` finds them."""
+    was skipped (the indices then still fit the rows); else ``write_int8`` finds them.
+    Float pages on the CPU: one C pass (``cpu_decode.write_float_kv``, the same bytes) where
+    it takes them, else torch's conversion and ``index_copy_``."""
     quantized = k_cache.dtype == torch.int8
     cpu_decode.check_scales(k_cache, k_scale, v_scale)
     if starts is not None and not quantized:
         raise ValueError("starts is for int8 pages (with k_scale/v_scale) only")
+    if not quantized and cpu_decode.takes_float_write(k_cache, v_cache, k, v):  # convert and copy in one C pass
+        slots = step_cache.get("torch_paged.slots64") if step_cache is not None else None
+        if slots is None:
+            slots = slot_mapping.long()
+            if step_cache is not None:
+                step_cache["torch_paged.slots64"] = slots
+        cpu_decode.write_float_kv(k_cache, v_cache, k, v, slots)
+        return
     found = step_cache.get("torch_paged.slots") if step_cache is not None else None
     if found is None:
         slots = slot_mapping.long()

@@ -998,6 +998,48 @@ int longctx_int8_write_kv(int8_t *k_cache, int8_t *v_cache, float *k_scale, floa
     return 0;
 }
 
+/* float32 to bfloat16 as torch converts (round to nearest even; a NaN to 0x7FC0, torch's scalar form). */
+static inline uint16_t bf16_nearest_even(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The page writes of a float cache in one pass: float32 k / v rows [n, h * d] (row strides ldk,
+ * ldv; each row's heads contiguous: q, k and v of one fused qkv row) into float32 (dtype 0) or
+ * bfloat16 (dtype 1) caches [num_blocks, bs, h, d] at slots[t] (block * bs + offset; < 0:
+ * skipped), where torch converts each row (k.to(cache dtype)) and then copies it into its slot
+ * (index_copy_). Rows split over threads. Returns 0, -1 (shapes), -2 (a slot outside the cache:
+ * nothing written). */
+int longctx_write_kv(void *k_cache, void *v_cache, int dtype, const float *k, int64_t ldk, const float *v,
+                     int64_t ldv, const int64_t *slots, int64_t n, int64_t num_blocks, int bs, int h, int d,
+                     int threads) {
+    const int64_t row = (int64_t)h * d;
+    if ((dtype != 0 && dtype != 1) || bs < 1 || h < 1 || d < 1 || n < 0 || threads < 1
+        || (n > 1 && (ldk < row || ldv < row)))
+        return -1;
+    for (int64_t t = 0; t < n; t++)
+        if (slots[t] >= num_blocks * bs) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 64)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int which = 0; which < 2; which++) {
+            const float *src = which ? v + t * ldv : k + t * ldk;
+            void *cache = which ? v_cache : k_cache;
+            if (dtype == 0) {
+                memcpy((float *)cache + slot * row, src, sizeof(float) * (size_t)row);
+                continue;
+            }
+            uint16_t *dst = (uint16_t *)cache + slot * row;
+#pragma omp simd
+            for (int64_t e = 0; e < row; e++) dst[e] = bf16_nearest_even(src[e]);
+        }
+    }
+    return 0;
+}
+
 /* The exact tail of int8 pages (longctx/kv/exact_tail.py, kv_quant.exchange_keys): for each
  * result row p (query q_rows[src[p]], output row dst[p]) and head, swap the int8 rows of its
  * group's visible keys for their exact rows in out / lse, then write the step's exact rows

@@ -227,6 +227,50 @@ def test_write_kv_follows_in_place_changes_of_the_slots():
     assert torch.equal(flat_k[9], 2 * k[2]) and torch.equal(flat_v[1], 2 * v[0])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,threads", [(3, 1), (70, 1), (70, 2), (131, 2)])
+def test_float_pages_written_in_one_pass_are_torch_s_bytes(dtype, rows, threads):
+    """``cpu_decode.write_float_kv`` (what ``write_kv`` runs for float pages here): k and v as
+    strided views of fused qkv rows, some slots skipped (< 0), rows split over threads from 64
+    on: the bytes torch's ``index_copy_`` of ``k.to(cache dtype)`` writes, rounding ties,
+    subnormals and infinities included (a NaN stays a NaN); slots outside the cache refused
+    before a byte is written."""
+    gen = torch.Generator().manual_seed(rows + threads)
+    heads, dim, blocks, bs = 3, 40, 12, 16
+    qkv = torch.randn(rows, (4 + 2 * heads) * dim, generator=gen) * 3
+    qkv[0, 4 * dim:4 * dim + 6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1e-40, float("inf"), -float("inf"), 0.0])
+    k = qkv[:, 4 * dim:(4 + heads) * dim].view(rows, heads, dim)
+    v = qkv[:, (4 + heads) * dim:].view(rows, heads, dim)
+    slots = torch.randperm(blocks * bs, generator=gen)[:rows]
+    slots[::5] = -1
+    want_k, want_v = (torch.randn(blocks, bs, heads, dim, generator=gen).to(dtype) for _ in range(2))
+    got_k, got_v = want_k.clone(), want_v.clone()
+    keep = slots >= 0
+    want_k.view(-1, heads, dim).index_copy_(0, slots[keep], k[keep].to(dtype))
+    want_v.view(-1, heads, dim).index_copy_(0, slots[keep], v[keep].to(dtype))
+    assert cpu_decode.takes_float_write(got_k, got_v, k, v)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_decode.write_float_kv(got_k, got_v, k, v, slots)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    qkv[1, 4 * dim] = float("nan")
+    cpu_decode.write_float_kv(got_k, got_v, k, v, slots.abs())
+    assert got_k.view(-1, heads, dim)[abs(int(slots[1])), 0, 0].isnan()
+    bad = slots.clone()
+    bad[-1] = blocks * bs
+    untouched = got_k.clone()
+    with pytest.raises(ValueError, match="a slot outside the cache"):
+        cpu_decode.write_float_kv(got_k, got_v, 2 * k, 2 * v, bad)
+    assert torch.equal(got_k.view(torch.uint8), untouched.view(torch.uint8))  # (bytes: a NaN is there)
+    for kc, kk in ((got_k.to(torch.float16), k), (got_k, k.to(torch.bfloat16)), (got_k, k.transpose(1, 2)),
+                   (got_k[:, :, :2], k[:, :2])):
+        assert not cpu_decode.takes_float_write(kc, kc if kc.shape == got_v.shape else got_v, kk, kk)
+
+
 FALLBACK = textwrap.dedent("""
     import torch
     from longctx.kernels import cpu_build, cpu_decode, reference, torch_paged
