@@ -26,7 +26,8 @@ import torch
 
 from . import cpu_build
 
-__all__ = ["available", "status", "supports", "linear", "rope_", "max_rows", "rounds_bf16_rows", "DOT_MAX_ROWS"]
+__all__ = ["available", "status", "supports", "linear", "rope_", "swiglu", "rms_norm", "max_rows", "rounds_bf16_rows",
+           "DOT_MAX_ROWS"]
 
 SOURCE = cpu_build.CSRC / "linear_rows.c"
 # Rows up to which the model's Linear takes this kernel when it was built without AVX2/FMA (dot
@@ -47,6 +48,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn = lib.longctx_swiglu_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int]
+    fn = lib.longctx_rms_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     rope = lib.longctx_rope_inplace
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
@@ -257,3 +266,62 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = F
         raise RuntimeError(f"the CPU linear kernel is {status()}")
     rope_op(x, cos, sin, pairs)
     return x
+
+
+def _rows_ok(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """A float32 CPU matrix of this shape whose rows are contiguous (any row stride)."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and tuple(t.shape) == shape
+            and t.stride(1) == 1 and (shape[0] <= 1 or t.stride(0) >= shape[1]))
+
+
+def _swiglu_rows(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    shape = tuple(gate.shape)
+    if not (available() and len(shape) == 2 and shape[1] > 0 and _rows_ok(gate, shape) and _rows_ok(up, shape)
+            and (shape[0] <= 1 or gate.stride(0) == up.stride(0)) and _rows_ok(out, shape) and threads >= 1):
+        raise ValueError(f"swiglu_rows needs the kernel ({status()}) and float32 gate, up and out of one shape "
+                         f"[M, F] with contiguous rows (gate and up one row stride), got gate {gate.dtype} "
+                         f"{tuple(gate.shape)} {gate.stride()}, up {up.dtype} {tuple(up.shape)} {up.stride()}, "
+                         f"out {out.dtype} {tuple(out.shape)} {out.stride()}")
+    if _load().longctx_swiglu_rows(gate.data_ptr(), up.data_ptr(), gate.stride(0), shape[0], shape[1],
+                                   out.data_ptr(), out.stride(0), threads) != 0:
+        raise ValueError(f"swiglu_rows refused gate {shape}")
+
+
+def _rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, threads: int) -> None:
+    shape = tuple(x.shape)
+    if not (available() and len(shape) == 2 and shape[1] > 0 and _rows_ok(x, shape) and _rows_ok(out, shape)
+            and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+            and tuple(weight.shape) == (shape[1],) and eps >= 0 and threads >= 1):
+        raise ValueError(f"rms_rows needs the kernel ({status()}), float32 x and out [M, K] with contiguous rows, "
+                         f"a contiguous float32 weight [K] and eps >= 0, got x {x.dtype} {tuple(x.shape)} "
+                         f"{x.stride()}, weight {weight.dtype} {tuple(weight.shape)}, out {out.dtype} "
+                         f"{tuple(out.shape)} {out.stride()}, eps {eps}")
+    if _load().longctx_rms_rows(x.data_ptr(), x.stride(0), shape[0], shape[1], weight.data_ptr(), eps, out.data_ptr(),
+                                out.stride(0), threads) != 0:
+        raise ValueError(f"rms_rows refused x {shape}")
+
+
+swiglu_rows = cpu_build.define_op("swiglu_rows(Tensor gate, Tensor up, Tensor(a!) out, int threads) -> ()",
+                                  _swiglu_rows)
+rms_rows = cpu_build.define_op("rms_rows(Tensor x, Tensor weight, float eps, Tensor(a!) out, int threads) -> ()",
+                               _rms_rows)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for float32 gate and up [M, F] (contiguous rows, one row stride: the
+    halves of a gate/up product) in one pass, rows over the threads: the row kernel's SwiGLU
+    prologue's numbers (its exponential: within ~1 ulp of torch's silu, not its bits). Into
+    ``out`` ([M, F], contiguous rows) where given. The operator ``torch.ops.longctx.swiglu_rows``."""
+    out = torch.empty(gate.shape, dtype=torch.float32) if out is None else out
+    swiglu_rows(gate, up, out, torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` for a float32 x [M, K] (contiguous rows) in one
+    pass, rows over the threads: the row kernel's norm prologue's numbers (float32 statistics in
+    its order of sums: the scale may differ from torch's in its last bit). The operator
+    ``torch.ops.longctx.rms_rows``."""
+    out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+    rms_rows(x, weight, float(eps), out, torch.get_num_threads())
+    return out

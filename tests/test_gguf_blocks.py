@@ -210,8 +210,9 @@ def test_gated_mlp_is_the_whole_products_swiglu(monkeypatch, act, split, way):
             torch.set_num_threads(n_threads)
             x = torch.randn(rows, k, generator=g)
             whole = layer(x, norm=norm)  # [T, 2F], then the prologue the down product would run
-            gate, up = whole.split(f, dim=-1)
-            want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
+            gate, up = whole.split(f, dim=-1)  # (silu: the prologue's SwiGLU, C's where it runs)
+            want = (layer.method.prologue(whole, None, True) if act == "silu"
+                    else fn.gelu(gate, approximate="tanh").mul_(up))
             got = layer.method.gated(layer, x, norm, act)
             assert got.shape == (rows, f) and torch.equal(got, want), (n_threads, rows)
     finally:
@@ -409,8 +410,10 @@ def test_gated_mlp_on_tiles_is_the_whole_products_swiglu(monkeypatch, act, split
     fn = torch.nn.functional
     for rows in (17, 41, 300):
         x = torch.randn(rows, k, generator=g)
-        gate, up = layer(x, norm=norm).split(f, dim=-1)
-        want = (fn.silu(gate) if act == "silu" else fn.gelu(gate, approximate="tanh")).mul_(up)
+        whole = layer(x, norm=norm)
+        gate, up = whole.split(f, dim=-1)  # (silu: the prologue's SwiGLU, C's where it runs)
+        want = (layer.method.prologue(whole, None, True) if act == "silu"
+                else fn.gelu(gate, approximate="tanh").mul_(up))
         got = layer.method.gated(layer, x, norm, act)
         assert got.shape == (rows, f) and torch.equal(got, want), rows
         handed = layer.method.gated(layer, x, norm, act, rounded=True)

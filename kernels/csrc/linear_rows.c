@@ -681,6 +681,28 @@ int longctx_rope_inplace(float *x, int T, int64_t ldx, int heads, int d, const f
     return 0;
 }
 
+/* out[m][k] = silu(gate[m][k]) * up[m][k] for M rows of F (gate and up: one row stride ld; out:
+ * ldo): SwiGLU's product in one pass (swiglu_row, the prologue's numbers: its exponential, not
+ * torch's), rows split over threads. Returns 0, or -1 for shapes it does not take. */
+int longctx_swiglu_rows(const float *gate, const float *up, int64_t ld, int M, int F, float *out, int64_t ldo,
+                        int threads) {
+    if (M < 0 || F < 1 || threads < 1 || (M > 1 && (ld < F || ldo < F))) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 16)
+    for (int m = 0; m < M; m++) swiglu_row(gate + (int64_t)m * ld, up + (int64_t)m * ld, F, out + (int64_t)m * ldo);
+    return 0;
+}
+
+/* out[m] = w * (x[m] / sqrt(mean(x[m]^2) + eps)) for M rows of K (row strides ldx, ldo): an
+ * RMSNorm in one pass (rms_row, the prologue's numbers: float32 sums in its order), rows split
+ * over threads. Returns 0, or -1 for shapes it does not take. */
+int longctx_rms_rows(const float *x, int64_t ldx, int M, int K, const float *w, float eps, float *out, int64_t ldo,
+                     int threads) {
+    if (M < 0 || K < 1 || threads < 1 || !(eps >= 0.0f) || (M > 1 && (ldx < K || ldo < K))) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M >= 16)
+    for (int m = 0; m < M; m++) rms_row(x + (int64_t)m * ldx, w, eps, K, out + (int64_t)m * ldo);
+    return 0;
+}
+
 /* 1 when this build has the panel path for many rows (AVX2 + FMA), else 0: the caller then
  * keeps BLAS for long steps. */
 int longctx_linear_has_panels(void) { return HAVE_AVX2; }

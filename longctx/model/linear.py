@@ -47,6 +47,35 @@ def activation(gate: torch.Tensor, act: str, out: torch.Tensor | None = None) ->
     raise ValueError(f"act must be 'silu' or 'gelu_tanh', got {act!r}")
 
 
+def _is_rms(norm: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether ``norm`` is one whose float32 output is ``weight * (x * norm.row_scale(x))`` (an
+    RMSNorm) with a float32 weight, for a float32 x [T, K] on the CPU."""
+    return (norm is not None and hasattr(norm, "row_scale") and x.dtype == torch.float32 and x.dim() == 2
+            and x.device.type == "cpu" and norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu")
+
+
+def normed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """``norm(x)``: an RMSNorm over float32 rows in one C pass where the row kernel runs
+    (``cpu_linear.rms_norm``: its sums' order, so the scale may differ from torch's in its last
+    bit), else the module."""
+    if _is_rms(norm, x) and cpu_linear.available():
+        return cpu_linear.rms_norm(x if x.stride(-1) == 1 else x.contiguous(), norm.weight.contiguous(), norm.eps)
+    return norm(x)
+
+
+def swiglu_of(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` (into ``out`` where given): one C pass over float32 rows where the row
+    kernel runs (``cpu_linear.swiglu``: its exponential, within ~1 ulp of torch's), else torch's
+    activation and product."""
+    if (cpu_linear.available() and gate.dtype == up.dtype == torch.float32 and gate.dim() == 2
+            and gate.device.type == "cpu" and gate.stride(-1) == up.stride(-1) == 1 and gate.stride(0) == up.stride(0)
+            and (out is None or (out.dtype == torch.float32 and out.stride(-1) == 1))):
+        return cpu_linear.swiglu(gate, up, out)
+    if out is None:
+        return activation(gate, "silu").mul_(up)  # (one [T, F] temporary, not two at once)
+    return torch.mul(activation(gate, "silu"), up, out=out)
+
+
 def rounded_norm(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor | None:
     """``norm(x)`` rounded for the AMX tiles (``cpu_amx.round_x``'s order) in one pass, for a norm
     whose float32 output is ``weight * (x * norm.row_scale(x))`` (an RMSNorm): its statistics,
@@ -54,8 +83,7 @@ def rounded_norm(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor | None
     ops wrote and read [T, K] floats three times more. The row scale's sums run in the kernel's
     order, so an element may land one bfloat16 step from rounding torch's ``norm(x)``. None
     where ``norm`` is not one, or x is not float32."""
-    if (norm is None or not hasattr(norm, "row_scale") or x.dtype != torch.float32 or x.dim() != 2
-            or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"):
+    if not _is_rms(norm, x):
         return None
     x = x if x.stride(-1) == 1 else x.contiguous()
     return cpu_amx.round_x(x, col_scale=norm.weight.contiguous(), rms_eps=norm.eps)
@@ -442,6 +470,18 @@ class BlockWeights(LinearMethod):
     def takes_rounded(self, layer: "Linear") -> bool:
         return self._on_tiles(layer.weight)
 
+    @staticmethod
+    def prologue(x: torch.Tensor, norm: nn.Module | None, swiglu: bool) -> torch.Tensor:
+        """``LinearMethod.prologue`` with each over float32 rows in one C pass where the row
+        kernel runs (``normed``, ``swiglu_of``: its numbers, within float32 rounding of torch's),
+        as the block kernel's short steps run them."""
+        if norm is not None:
+            x = normed(x, norm)
+        if swiglu:
+            gate, up = x.split(x.shape[-1] // 2, dim=-1)  # (T, F) each
+            x = swiglu_of(gate, up)
+        return x
+
     def apply(self, layer: "Linear", x: torch.Tensor | RoundedRows, norm: nn.Module | None = None,
               swiglu: bool = False, residual: torch.Tensor | None = None,
               product: Callable | None = None) -> torch.Tensor:
@@ -516,6 +556,8 @@ class BlockWeights(LinearMethod):
                 self._slice_product(blocks, layer.bias, x, f + r0, f + r0 + w, up)
             if to_tiles:
                 cpu_amx.round_gated(gate, up, act, xb=out, col0=r0)
+            elif act == "silu":  # (the prologue's SwiGLU: the same numbers as on the whole [T, 2F] product)
+                swiglu_of(gate, up, out=out[:, r0:r0 + w])
             else:
                 torch.mul(activation(gate, act, out=gate), up, out=out[:, r0:r0 + w])  # (the pair is scratch)
         return RoundedRows(out, m) if to_tiles else out

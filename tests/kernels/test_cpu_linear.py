@@ -203,6 +203,42 @@ def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d, thread
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows,f,threads", [(1, 8, 1), (5, 13, 2), (40, 136, 1), (40, 136, 2), (300, 72, 2)])
+def test_swiglu_and_rmsnorm_passes_are_the_prologue_s_numbers(rows, f, threads):
+    """``cpu_linear.swiglu`` (the halves of a [T, 2F] product: strided rows) and ``rms_norm``
+    (strided x): within float32 rounding of torch's forms (their own exponential and order of
+    sums), the same rows' numbers with one thread and two, into an ``out`` with strided rows."""
+    gen = torch.Generator().manual_seed(rows * f + threads)
+    gate_up = torch.randn(rows, 2 * f, generator=gen) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # (the exponential's range)
+    gate, up = gate_up[:, :f], gate_up[:, f:]
+    x = torch.randn(rows, f + 5, generator=gen)[:, 2:2 + f] * 3
+    w = torch.rand(f, generator=gen) + 0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_linear.swiglu(gate, up), cpu_linear.rms_norm(x, w, 1e-5)
+        torch.set_num_threads(threads)
+        wide = torch.full((rows, f + 3), float("nan"))
+        got = cpu_linear.swiglu(gate, up, out=wide[:, :f]), cpu_linear.rms_norm(x, w, 1e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert got[0].data_ptr() == wide.data_ptr() and wide[:, f:].isnan().all()
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    torch.testing.assert_close(got[0], torch.nn.functional.silu(gate) * up, rtol=3e-6, atol=1e-30)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got[1], want, rtol=3e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="swiglu_rows needs"):
+        cpu_linear.swiglu(gate, up[:, :-1])
+    with pytest.raises(ValueError, match="swiglu_rows needs"):
+        cpu_linear.swiglu(gate.t(), up.t())
+    with pytest.raises(ValueError, match="rms_rows needs"):
+        cpu_linear.rms_norm(x, w[:-1], 1e-5)
+    with pytest.raises(ValueError, match="rms_rows needs"):
+        cpu_linear.rms_norm(x, w, -1.0)
+
+
+@needs_kernel
 def test_rope_over_pairs_refuses_heads_past_its_bound():
     d = 2 * cpu_linear.ROPE_PAIRS_MAX_HALF + 2
     x, cs = torch.zeros(2, 1, d), torch.zeros(2, d // 2)

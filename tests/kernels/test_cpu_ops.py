@@ -36,7 +36,8 @@ def mixed():
 
 
 def test_every_kernel_is_an_operator():
-    for name in ("paged_decode", "paged_flash", "linear_rows", "rope_", "int8_write_kv", "write_kv"):
+    for name in ("paged_decode", "paged_flash", "linear_rows", "rope_", "int8_write_kv", "write_kv", "swiglu_rows",
+                 "rms_rows"):
         op = getattr(torch.ops.longctx, name).default
         assert isinstance(op, torch._ops.OpOverload), name
     schema = str(torch.ops.longctx.paged_decode.default._schema)
