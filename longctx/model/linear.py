@@ -55,19 +55,20 @@ def _is_rms(norm: nn.Module | None, x: torch.Tensor) -> bool:
 
 
 def normed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """``norm(x)``: an RMSNorm over float32 rows in one C pass where the row kernel runs
-    (``cpu_linear.rms_norm``: its sums' order, so the scale may differ from torch's in its last
-    bit), else the module."""
-    if _is_rms(norm, x) and cpu_linear.available():
+    """``norm(x)``: an RMSNorm over float32 rows in one C pass where the row kernel runs with its
+    vector paths, as the blocks' do (``cpu_linear.rms_norm``: its sums' order, so the scale may
+    differ from torch's in its last bit), else the module."""
+    if _is_rms(norm, x) and cpu_linear.available() and cpu_build.vectorized():
         return cpu_linear.rms_norm(x if x.stride(-1) == 1 else x.contiguous(), norm.weight.contiguous(), norm.eps)
     return norm(x)
 
 
 def swiglu_of(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` (into ``out`` where given): one C pass over float32 rows where the row
-    kernel runs (``cpu_linear.swiglu``: its exponential, within ~1 ulp of torch's), else torch's
+    kernel runs with its vector paths (``cpu_linear.swiglu``: its exponential, within ~1 ulp of
+    torch's; without AVX2 its scalar exponential ran 3x slower than torch's), else torch's
     activation and product."""
-    if (cpu_linear.available() and gate.dtype == up.dtype == torch.float32 and gate.dim() == 2
+    if (cpu_linear.available() and cpu_build.vectorized() and gate.dtype == up.dtype == torch.float32 and gate.dim() == 2
             and gate.device.type == "cpu" and gate.stride(-1) == up.stride(-1) == 1 and gate.stride(0) == up.stride(0)
             and (out is None or (out.dtype == torch.float32 and out.stride(-1) == 1))):
         return cpu_linear.swiglu(gate, up, out)
