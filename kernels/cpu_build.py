@@ -53,7 +53,9 @@ import torch
 log = logging.getLogger("longctx.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]  # + the ISA level's (isa_flags)
+# + the ISA level's (isa_flags). No contraction into FMAs (GCC's default in ISO C, not clang's): the
+# kernels that promise torch's bits (rope_, the float page writes) keep them with any compiler
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off"]
 # x86 levels, best first: the compiler flags and the /proc/cpuinfo features each needs
 _V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}

@@ -1,5 +1,6 @@
 """The CPU decode-attention kernel (``csrc/paged_decode.c``): built on first use, called
-through ctypes, registered as the torch operator ``longctx::paged_decode``.
+through ctypes, registered as the torch operator ``longctx::paged_decode``; the same library's
+page writers as ``longctx::int8_write_kv`` and ``longctx::write_kv`` (float pages).
 
 Owns: loading the C source's library (``cpu_build.py`` compiles and caches it), the operator
 (a step's whole varlen batch per call, the thread count passed in; a fake implementation for

@@ -1,5 +1,6 @@
 """The CPU weight-product kernel (``csrc/linear_rows.c``): built on first use, called through
-ctypes, registered as the torch operators ``longctx::linear_rows`` and ``longctx::rope_``.
+ctypes, registered as the torch operators ``longctx::linear_rows``, ``longctx::rope_``,
+``longctx::swiglu_rows`` and ``longctx::rms_rows``.
 
 Owns: ``linear(x, weight, bias)`` = ``x @ weight.T + bias`` for float32 ``x`` and a float32 or bfloat16
 ``[out, in]`` weight (the checkpoint's layout), optionally with the decoder layer's RMSNorm or

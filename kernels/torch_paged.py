@@ -458,8 +458,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     rows are quantised by ``kv_quant.write_int8``. ``starts``: its indices of the rows that may
     enter a page already holding values (each sequence's first row), passed on when no slot
     was skipped (the indices then still fit the rows); else ``write_int8`` finds them.
-    Float pages on the CPU: one C pass (``cpu_decode.write_float_kv``, the same bytes) where
-    it takes them, else torch's conversion and ``index_copy_``."""
+    Float pages on the CPU: one C pass (``cpu_decode.write_float_kv``, the same bytes but a
+    NaN's) where it takes them, else torch's conversion and ``index_copy_``."""
     quantized = k_cache.dtype == torch.int8
     cpu_decode.check_scales(k_cache, k_scale, v_scale)
     if starts is not None and not quantized:

@@ -600,3 +600,7 @@ def test_blocks_rotate_q_and_k_in_place(model_file):
     assert v.data_ptr() == k.data_ptr() + 4 * hkv * d
     assert torch.equal(torch.cat([q, k], 1), want)
     assert torch.equal(v.reshape(3, hkv * d), in_order[:, (h + hkv) * d:])
+    attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(qkv.shape[1]), requires_grad=False)
+    for rows in (3, 40):  # (a bias would be in order, the outputs not: refused on short and long steps)
+        with pytest.raises(ValueError, match="takes no bias"):
+            attn.qkv_proj(torch.randn(rows, model.config.hidden_size))

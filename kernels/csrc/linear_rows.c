@@ -692,7 +692,7 @@ int longctx_swiglu_rows(const float *gate, const float *up, int64_t ld, int M, i
     return 0;
 }
 
-/* out[m] = w * (x[m] / sqrt(mean(x[m]^2) + eps)) for M rows of K (row strides ldx, ldo): an
+/* out[m] = w * (x[m] * (1 / sqrt(mean(x[m]^2) + eps))) for M rows of K (row strides ldx, ldo): an
  * RMSNorm in one pass (rms_row, the prologue's numbers: float32 sums in its order), rows split
  * over threads. Returns 0, or -1 for shapes it does not take. */
 int longctx_rms_rows(const float *x, int64_t ldx, int M, int K, const float *w, float eps, float *out, int64_t ldo,

@@ -97,7 +97,7 @@ static void swiglu_row(const float *g, const float *u, int K, float *t) {
     for (; k < K; k++) t[k] = swiglu(g[k], u[k]);
 }
 
-/* t[k] = w[k] * (x[k] / sqrt(mean(x^2) + eps)) for k < K: RMSNorm, statistics in float32. */
+/* t[k] = w[k] * (x[k] * (1 / sqrt(mean(x^2) + eps))) for k < K: RMSNorm, statistics in float32. */
 static void rms_row(const float *x, const float *w, float eps, int K, float *t) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)

@@ -59,8 +59,13 @@ def normed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     vector paths, as the blocks' do (``cpu_linear.rms_norm``: its sums' order, so the scale may
     differ from torch's in its last bit), else the module."""
     if _is_rms(norm, x) and cpu_linear.available() and cpu_build.vectorized():
-        return cpu_linear.rms_norm(x if x.stride(-1) == 1 else x.contiguous(), norm.weight.contiguous(), norm.eps)
+        return cpu_linear.rms_norm(x if _whole_rows(x) else x.contiguous(), norm.weight.contiguous(), norm.eps)
     return norm(x)
+
+
+def _whole_rows(t: torch.Tensor) -> bool:
+    """A [T, K] tensor whose rows are contiguous and do not overlap (the C passes' layout)."""
+    return t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
 def swiglu_of(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,12 +74,12 @@ def swiglu_of(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = N
     torch's; without AVX2 its scalar exponential ran 3x slower than torch's), else torch's
     activation and product."""
     if (cpu_linear.available() and cpu_build.vectorized() and gate.dtype == up.dtype == torch.float32 and gate.dim() == 2
-            and gate.device.type == "cpu" and gate.stride(-1) == up.stride(-1) == 1 and gate.stride(0) == up.stride(0)
-            and (out is None or (out.dtype == torch.float32 and out.stride(-1) == 1))):
+            and gate.device.type == "cpu" and _whole_rows(gate) and _whole_rows(up) and gate.stride(0) == up.stride(0)
+            and (out is None or (out.dtype == torch.float32 and out.shape == gate.shape and _whole_rows(out)))):
         return cpu_linear.swiglu(gate, up, out)
     if out is None:
         return activation(gate, "silu").mul_(up)  # (one [T, F] temporary, not two at once)
-    return torch.mul(activation(gate, "silu"), up, out=out)
+    return torch.mul(activation(gate, "silu", out=out), up, out=out)  # (by out=: the fast forms on strided views)
 
 
 def rounded_norm(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor | None:
@@ -281,7 +286,8 @@ class BlockMatrix:
     have different formats, as Q4_K_M files mix them, stays three parts; nothing is copied).
     ``k``: the input width. ``order`` (int64 [N] or None): output i is stored row ``order[i]``
     (a Llama's q/k rows, which llama.cpp permutes per head: the products run on the rows as
-    stored and their outputs are put back in order, instead of a copy of the rows).
+    stored and their outputs are put back in order, instead of a copy of the rows; or RoPE puts
+    them in order as it rotates them, for a layer with ``Linear.rows_as_stored``).
 
     Owns: the parts and their output order. Never: which kernel multiplies (``BlockWeights``)."""
 
@@ -358,8 +364,8 @@ class BlockWeights(LinearMethod):
     run the block kernel, which reads the blocks and dequantizes them in registers, with the
     norm or SwiGLU prologue, the bias and the residual inside the call; longer steps (prefill
     chunks) dequantize slices of ``SLICE_BYTES`` into one float32 buffer and run the row
-    kernel's panels on each (the prologues as torch ops there), so the model never holds a
-    float32 copy.
+    kernel's panels on each (the prologues as one C pass each there: ``prologue``), so the
+    model never holds a float32 copy.
     ``fast`` (``block_numerics="fast"``: 1): the block kernel's steps take x rounded to int8 in
     blocks of 32 and multiply in integers, as llama.cpp does (formats without integer products
     stay exact); 2 (``"fast2"``): x as two int8 terms, x rounded and what that left rounded
@@ -425,7 +431,7 @@ class BlockWeights(LinearMethod):
         """``rounded``: x as the tiles take it (``cpu_amx.round_x``), given where the product runs on
         them (``x`` then only gives the row count)."""
         blocks: BlockMatrix = layer.weight
-        if blocks.order is None or layer.rows_as_stored:
+        if blocks.order is None or _as_stored(layer):
             return self._product(blocks.stored(), layer.bias, x, residual, rounded)
         # the stored rows' products, then in order, then the bias and residual
         return _in_order(self._product(blocks.stored(), None, x, None, rounded), blocks.order, layer.bias, residual)
@@ -493,7 +499,7 @@ class BlockWeights(LinearMethod):
         if 0 < x.shape[0] <= BLOCK_ROWS and x.dtype == torch.float32 and (
                 norm is None or norm.weight.dtype == torch.float32):  # the prologue inside the one call
             blocks: BlockMatrix = layer.weight
-            order = None if layer.rows_as_stored else blocks.order
+            order = None if _as_stored(layer) else blocks.order
             out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
             out = blocks.prepared()(x.contiguous(), out, layer.bias if order is None else None,
                                     residual if order is None else None,
@@ -514,8 +520,9 @@ class BlockWeights(LinearMethod):
         goes straight into the [T, F] result. At a 1B model's 512-row chunks the [T, 2F] product
         (32 MiB) and the activation's temporary (16 MiB) are never held; the pair is 4 MiB.
         The activation runs on strided views, each row its own loop, from columns that are
-        multiples of 64: torch's vector and scalar code take the same elements as on the whole
-        [T, F] gate (the two differ in the last bit), so the result is the same bit for bit (with
+        multiples of 64: the C SwiGLU pass's 8-wide vector code (``swiglu_of``; GELU: torch's
+        vector and scalar code) takes the same elements as on the whole [T, F] gate (the
+        vector and scalar forms differ in the last bit), so the result is the same bit for bit (with
         BLAS's products, where gate and up are parts of their own: BLAS's sums may depend on a
         slice's width, and a fused gate/up part, Phi-3's, is cut elsewhere by ``_product``).
         With ``rounded`` (a down projection on the tiles next), on the tiles and F a multiple of
@@ -598,6 +605,14 @@ class BlockWeights(LinearMethod):
                 cpu_blocks.dequantize(data, fmt, k, first_row=a - start, num_rows=b - a, out=w, num_threads=threads)
                 cpu_amx.amx_linear_rounded(xb, m, w, out[:, a - lo:b - lo], threads)
             start = end
+
+
+def _as_stored(layer: "Linear") -> bool:
+    """Whether ``layer``'s outputs stay in its matrix's stored row order (``rows_as_stored``);
+    such a layer takes no bias (the bias is in order, its outputs would not be)."""
+    if layer.rows_as_stored and layer.bias is not None:
+        raise ValueError("a layer whose outputs stay in stored order takes no bias")
+    return layer.rows_as_stored
 
 
 def _tile_rows(m: int) -> int:

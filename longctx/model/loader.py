@@ -332,6 +332,7 @@ def read_gguf(path: Path, keep_blocks: bool = False
                 if arch == "llama" and kind in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                     if isinstance(weight, BlockMatrix):  # the rows stay as stored; their outputs are put in order
+                        # (by RoPE, as it rotates them: Attention.rotate_stored_pairs at the end of the load)
                         rows = weight.shape[0]
                         weight = BlockMatrix(weight.parts, weight.k, unpermute_rope_rows(torch.arange(rows), heads))
                     else:
@@ -623,8 +624,8 @@ def load_row_kernel_model(name: str, dtype: torch.dtype = torch.float32, use_cac
 def load_blocks_model(name: str, rope_scaling: dict | None = None, fast: int = 0) -> LlamaForCausalLM:
     """A CPU model whose matrices and embedding are the GGUF file's blocks as stored
     (``BlockWeights``: views of the file's memory map, read by the block kernel; a Llama's
-    q/k rows, which llama.cpp permutes, are read as stored and their outputs put in order:
-    no copy), with fp32 norms and biases and
+    q/k rows, which llama.cpp permutes, are read as stored and their outputs put in order by
+    RoPE as it rotates them: no copy), with fp32 norms and biases and
     fp32 activations. No float32 copy of the weights is made or cached. ``fast`` (1 or 2):
     decode steps on activations rounded to that many int8 terms (``BlockWeights.fast``)."""
     path = resolve_model(name)

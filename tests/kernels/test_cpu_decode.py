@@ -243,7 +243,7 @@ def test_float_pages_written_in_one_pass_are_torch_s_bytes(dtype, rows, threads)
     k = qkv[:, 4 * dim:(4 + heads) * dim].view(rows, heads, dim)
     v = qkv[:, (4 + heads) * dim:].view(rows, heads, dim)
     slots = torch.randperm(blocks * bs, generator=gen)[:rows]
-    slots[::5] = -1
+    slots[1::5] = -1  # (row 0, with the special values, is kept)
     want_k, want_v = (torch.randn(blocks, bs, heads, dim, generator=gen).to(dtype) for _ in range(2))
     got_k, got_v = want_k.clone(), want_v.clone()
     keep = slots >= 0
@@ -257,9 +257,9 @@ def test_float_pages_written_in_one_pass_are_torch_s_bytes(dtype, rows, threads)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    qkv[1, 4 * dim] = float("nan")
-    cpu_decode.write_float_kv(got_k, got_v, k, v, slots.abs())
-    assert got_k.view(-1, heads, dim)[abs(int(slots[1])), 0, 0].isnan()
+    qkv[0, 4 * dim] = float("nan")
+    cpu_decode.write_float_kv(got_k, got_v, k, v, slots)
+    assert got_k.view(-1, heads, dim)[int(slots[0]), 0, 0].isnan()
     bad = slots.clone()
     bad[-1] = blocks * bs
     untouched = got_k.clone()

@@ -169,7 +169,7 @@ def test_prologues_and_residual_match_the_model_modules(rows, k):
 @needs_kernel
 @pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (5, 3, 40), (70, 7, 2), (131, 2, 6)])
+@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (5, 3, 40), (70, 7, 2), (131, 2, 6), (3, 1, 512)])
 def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d, threads, pairs):
     """Rows split over threads from 64 rows on. ``pairs``: each head's halves stored as
     llama.cpp's interleaved pairs (x1[i] at 2i, x2[i] at 2i + 1) come out rotated and in
@@ -206,25 +206,32 @@ def test_rope_in_place_is_bit_identical_to_the_torch_form(rows, heads, d, thread
 @pytest.mark.parametrize("rows,f,threads", [(1, 8, 1), (5, 13, 2), (40, 136, 1), (40, 136, 2), (300, 72, 2)])
 def test_swiglu_and_rmsnorm_passes_are_the_prologue_s_numbers(rows, f, threads):
     """``cpu_linear.swiglu`` (the halves of a [T, 2F] product: strided rows) and ``rms_norm``
-    (strided x): within float32 rounding of torch's forms (their own exponential and order of
-    sums), the same rows' numbers with one thread and two, into an ``out`` with strided rows."""
+    (strided x): the numbers the row kernel's prologue makes inside its call (a product of
+    their output gives its product's bits), within float32 rounding of torch's forms (their
+    own exponential and order of sums), the same with one thread and two, into an ``out`` with
+    strided rows."""
     gen = torch.Generator().manual_seed(rows * f + threads)
     gate_up = torch.randn(rows, 2 * f, generator=gen) * 4
     gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # (the exponential's range)
     gate, up = gate_up[:, :f], gate_up[:, f:]
-    x = torch.randn(rows, f + 5, generator=gen)[:, 2:2 + f] * 3
+    x = (torch.randn(rows, f + 5, generator=gen) * 3)[:, 2:2 + f]
+    assert rows == 1 or not x.is_contiguous()
     w = torch.rand(f, generator=gen) + 0.5
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = cpu_linear.swiglu(gate, up), cpu_linear.rms_norm(x, w, 1e-5)
         torch.set_num_threads(threads)
-        wide = torch.full((rows, f + 3), float("nan"))
-        got = cpu_linear.swiglu(gate, up, out=wide[:, :f]), cpu_linear.rms_norm(x, w, 1e-5)
+        wide = torch.full((rows, 2 * f + 3), float("nan"))
+        got = (cpu_linear.swiglu(gate, up, out=wide[:, :f]),
+               cpu_linear.rms_norm(x, w, 1e-5, out=wide[:, f + 3:]))
     finally:
         torch.set_num_threads(before)
-    assert got[0].data_ptr() == wide.data_ptr() and wide[:, f:].isnan().all()
+    assert got[0].data_ptr() == wide.data_ptr() and wide[:, f:f + 3].isnan().all()
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    weight = torch.randn(24, f, generator=gen)
+    assert torch.equal(cpu_linear.linear(gate_up, weight, swiglu=True), cpu_linear.linear(got[0], weight))
+    assert torch.equal(cpu_linear.linear(x, weight, norm_weight=w, eps=1e-5), cpu_linear.linear(got[1], weight))
     torch.testing.assert_close(got[0], torch.nn.functional.silu(gate) * up, rtol=3e-6, atol=1e-30)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(got[1], want, rtol=3e-6, atol=1e-30)
