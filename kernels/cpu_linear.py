@@ -269,16 +269,18 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = F
     return x
 
 
-def _rows_ok(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
-    """A float32 CPU matrix of this shape whose rows are contiguous (any row stride)."""
+def whole_rows(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> bool:
+    """A float32 CPU matrix (of ``shape``, where given) whose rows are contiguous and do not
+    overlap (any row stride): what the SwiGLU and RMSNorm passes take."""
+    shape = tuple(t.shape) if shape is None else tuple(shape)
     return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and tuple(t.shape) == shape
             and t.stride(1) == 1 and (shape[0] <= 1 or t.stride(0) >= shape[1]))
 
 
 def _swiglu_rows(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, threads: int) -> None:
     shape = tuple(gate.shape)
-    if not (available() and len(shape) == 2 and shape[1] > 0 and _rows_ok(gate, shape) and _rows_ok(up, shape)
-            and (shape[0] <= 1 or gate.stride(0) == up.stride(0)) and _rows_ok(out, shape) and threads >= 1):
+    if not (available() and len(shape) == 2 and shape[1] > 0 and whole_rows(gate, shape) and whole_rows(up, shape)
+            and (shape[0] <= 1 or gate.stride(0) == up.stride(0)) and whole_rows(out, shape) and threads >= 1):
         raise ValueError(f"swiglu_rows needs the kernel ({status()}) and float32 gate, up and out of one shape "
                          f"[M, F] with contiguous rows (gate and up one row stride), got gate {gate.dtype} "
                          f"{tuple(gate.shape)} {gate.stride()}, up {up.dtype} {tuple(up.shape)} {up.stride()}, "
@@ -290,7 +292,7 @@ def _swiglu_rows(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, thread
 
 def _rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, threads: int) -> None:
     shape = tuple(x.shape)
-    if not (available() and len(shape) == 2 and shape[1] > 0 and _rows_ok(x, shape) and _rows_ok(out, shape)
+    if not (available() and len(shape) == 2 and shape[1] > 0 and whole_rows(x, shape) and whole_rows(out, shape)
             and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
             and tuple(weight.shape) == (shape[1],) and eps >= 0 and threads >= 1):
         raise ValueError(f"rms_rows needs the kernel ({status()}), float32 x and out [M, K] with contiguous rows, "

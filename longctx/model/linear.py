@@ -59,13 +59,9 @@ def normed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     vector paths, as the blocks' do (``cpu_linear.rms_norm``: its sums' order, so the scale may
     differ from torch's in its last bit), else the module."""
     if _is_rms(norm, x) and cpu_linear.available() and cpu_build.vectorized():
-        return cpu_linear.rms_norm(x if _whole_rows(x) else x.contiguous(), norm.weight.contiguous(), norm.eps)
+        return cpu_linear.rms_norm(x if cpu_linear.whole_rows(x) else x.contiguous(), norm.weight.contiguous(),
+                                   norm.eps)
     return norm(x)
-
-
-def _whole_rows(t: torch.Tensor) -> bool:
-    """A [T, K] tensor whose rows are contiguous and do not overlap (the C passes' layout)."""
-    return t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
 
 
 def swiglu_of(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,9 +69,9 @@ def swiglu_of(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = N
     kernel runs with its vector paths (``cpu_linear.swiglu``: its exponential, within ~1 ulp of
     torch's; without AVX2 its scalar exponential ran 3x slower than torch's), else torch's
     activation and product."""
-    if (cpu_linear.available() and cpu_build.vectorized() and gate.dtype == up.dtype == torch.float32 and gate.dim() == 2
-            and gate.device.type == "cpu" and _whole_rows(gate) and _whole_rows(up) and gate.stride(0) == up.stride(0)
-            and (out is None or (out.dtype == torch.float32 and out.shape == gate.shape and _whole_rows(out)))):
+    if (cpu_linear.available() and cpu_build.vectorized() and cpu_linear.whole_rows(gate)
+            and cpu_linear.whole_rows(up, gate.shape) and gate.stride(0) == up.stride(0)
+            and (out is None or cpu_linear.whole_rows(out, gate.shape))):
         return cpu_linear.swiglu(gate, up, out)
     if out is None:
         return activation(gate, "silu").mul_(up)  # (one [T, F] temporary, not two at once)
