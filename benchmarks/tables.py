@@ -76,8 +76,18 @@ class Record:
 
     @property
     def folder(self) -> str:
-        """``<bench>/<machine>``: records in one folder ran on one kind of machine."""
+        """``<bench>/<machine>``: the harness's folder, named by the CPU's model string, cores
+        and ISA level."""
         return self.name.rsplit("/", 1)[0] if "/" in self.name else ""
+
+    @property
+    def kind(self) -> str:
+        """The kind of machine: the folder, and the CPU's family and model where the record
+        names them (two CPUs can share a model string, and so a folder: the Intel Xeons of
+        model 167 and 207 both say "Intel(R) Xeon(R) Processor")."""
+        cpu = self.machine.get("cpu_id")
+        model = cpu.get("model") if isinstance(cpu, dict) else None
+        return f"{self.folder}@{cpu.get('family')}-{model}" if model else self.folder
 
 
 def is_record(data) -> bool:
@@ -140,12 +150,21 @@ def newest(records: Iterable[Record], bench: str, needs: Callable[[Record], bool
     return max(found, key=order_key) if found else None
 
 
-def newest_per_folder(records: Iterable[Record], bench: str, needs: Callable[[Record], bool]) -> list[Record]:
-    """``newest`` in each machine folder that has such a record, in folder order: for figures
-    whose bar holds on every kind of CPU (the kernels are tuned per kind)."""
+def kinds(records: Iterable[Record]) -> list[str]:
+    """The machine kinds of ``records``, sorted. A folder's records that name no CPU model
+    (older than the harness's ``cpu_id``) count only where none of the folder's records
+    names one: a newer record of a named model stands for them."""
+    found = {r.kind for r in records}
+    named = {k.split("@", 1)[0] for k in found if "@" in k}
+    return sorted(k for k in found if "@" in k or k not in named)
+
+
+def newest_per_kind(records: Iterable[Record], bench: str, needs: Callable[[Record], bool]) -> list[Record]:
+    """``newest`` for each kind of machine (``Record.kind``) that has such a record, in kind
+    order: for figures whose bar holds on every kind of CPU (the kernels are tuned per kind)."""
     records = list(records)
-    folders = sorted({r.folder for r in records if r.bench == bench and _holds(needs, r)})
-    return [newest(records, bench, lambda r, fo=fo: r.folder == fo and needs(r)) for fo in folders]
+    held = [r for r in records if r.bench == bench and _holds(needs, r)]
+    return [newest(held, bench, lambda r, k=k: r.kind == k) for k in kinds(held)]
 
 
 def _holds(needs: Callable[[Record], bool], rec: Record) -> bool:
@@ -192,13 +211,20 @@ def rev(rec: Record) -> str:
 
 
 def machine_name(rec: Record) -> str:
-    """The CPU model (and cores), or the GPU for a GPU run."""
+    """The CPU model (its family and model numbers where the record has them, and the cores),
+    or the GPU for a GPU run."""
     m = rec.machine
     if m.get("gpu"):
         return str(m["gpu"])
     cpu = re.sub(r"\s*\((R|TM|r|tm)\)", "", str(m.get("cpu") or "unknown CPU")).strip()
+    notes = []
     if re.search(r"-avx2-\d+c$", rec.folder):  # the harness's folder of an AVX2-only x86 CPU
-        cpu += " (AVX2 only)"
+        notes.append("AVX2 only")
+    if "@" in rec.kind:
+        family, model = rec.kind.rsplit("@", 1)[1].split("-", 1)
+        notes.append(f"family {family} model {model}")
+    if notes:
+        cpu += f" ({'; '.join(notes)})"
     return f"{cpu}, {m['cores']} cores" if m.get("cores") else cpu
 
 
@@ -311,10 +337,10 @@ def vllm_version(rec: Record) -> str:
 
 
 def reruns(records: list[Record], rec: Record, needs) -> list[Record]:
-    """Other records of the same benchmark, machine folder and revision as ``rec`` that hold
+    """Other records of the same benchmark, machine kind and revision as ``rec`` that hold
     ``needs``: reruns of part of a run (an fp32-only rerun of the vLLM comparison), newest first."""
     base = rev(rec).removesuffix("-dirty")
-    out = [r for r in records if r is not rec and r.bench == rec.bench and r.folder == rec.folder
+    out = [r for r in records if r is not rec and r.bench == rec.bench and r.kind == rec.kind
            and rev(r).removesuffix("-dirty") == base and _holds(needs, r)]
     return sorted(out, key=order_key, reverse=True)
 
@@ -446,9 +472,10 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
                      "", doc.run(sp)])
 
     # GGUF blocks against llama.cpp on the same file: the newest record per model file, machine
-    # folder and prompt length (the kernels are tuned per CPU kind: Intel's and AMD's side by side)
+    # folder and prompt length (the kernels are tuned per CPU kind: Intel's and AMD's side by
+    # side; the targets table in docs/benchmarks.md has every CPU model)
     for model, label in (("1b-q4_k_m", "1B-shaped Q4_K_M"), ("default", "SmolLM2-135M Q4_1")):
-        for q in llama_cpp_records(records, model):
+        for q in llama_cpp_records(records, model, per_folder=True):
             by, ctx = quant_rows(q), get(q.result, "args", "ctx")
             lc, ll = by["longctx blocks"], by["llama.cpp"]
             kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
@@ -477,7 +504,7 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
     # weights quantized at load against vLLM-CPU bf16 on the same HF folder (issue 42's int8 bar)
     vq = [r for r in records if r.bench == "quant" and _holds(
         lambda r: {"vllm bfloat16", "longctx int8"} <= set(quant_rows(r)), r)]
-    for folder in sorted({r.folder for r in vq}):
+    for folder in sorted({r.folder for r in vq}):  # the README: one row per folder
         q = newest(vq, "quant", lambda r, fo=folder: r.folder == fo)
         by, ctx = quant_rows(q), get(q.result, "args", "ctx")
         v = by["vllm bfloat16"]
@@ -509,13 +536,20 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
 
 # --- helpers for the other benchmarks ------------------------------------------------------
 
-def llama_cpp_records(records: list[Record], model: str) -> list[Record]:
-    """bench_quant's newest record against llama.cpp on ``model``'s file for each machine folder
-    and prompt length (the kernels are tuned per CPU kind), in folder and length order."""
+def llama_cpp_records(records: list[Record], model: str, per_folder: bool = False) -> list[Record]:
+    """bench_quant's newest record against llama.cpp on ``model``'s file for each machine kind
+    (``Record.kind``; the kernels are tuned per CPU kind) and prompt length, in kind and length
+    order; with ``per_folder``, for each of the harness's folders instead (the README's one row
+    per folder)."""
     qs = [r for r in records if r.bench == "quant" and _holds(
         lambda r: get(r.result, "args", "model") == model and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)), r)]
-    return [newest(qs, "quant", lambda r, fo=folder, n=n: (r.folder, get(r.result, "args", "ctx") or 0) == (fo, n))
-            for folder, n in sorted({(r.folder, get(r.result, "args", "ctx") or 0) for r in qs})]
+    groups = sorted({r.folder for r in qs}) if per_folder else kinds(qs)
+
+    def group(r: Record) -> str:
+        return r.folder if per_folder else r.kind
+
+    return [newest(qs, "quant", lambda r, g=g, n=n: (group(r), get(r.result, "args", "ctx") or 0) == (g, n))
+            for g in groups for n in sorted({get(r.result, "args", "ctx") or 0 for r in qs if group(r) == g})]
 
 
 def quant_rows(rec: Record) -> dict[str, dict]:
@@ -656,7 +690,7 @@ def ceilings_sentence(rec: Record, names: Iterable[str]) -> str:
 def e2e_vllm(records: list[Record], doc: Doc) -> list[str]:
     rows, used = [], []
     for dtype, lc_name, vl_name in (("fp32", LC, VF), ("bf16", LB, VB)):
-        for v in newest_per_folder(records, "e2e", both(has_prefill(vl_name, lc_name), has(decode, vl_name, lc_name))):
+        for v in newest_per_kind(records, "e2e", both(has_prefill(vl_name, lc_name), has(decode, vl_name, lc_name))):
             used += [v] if v not in used else []
             n = lengths(v, vl_name, lc_name)[-1]
             a, b = prefill(v, lc_name, n), prefill(v, vl_name, n)
@@ -932,7 +966,7 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
         s = decode(b16, HF) / decode(b16, LB)
         add("bf16 decode against HF fp32", ">= 25x", x(s, 25), s >= 25, b16)
     for dtype, lc_name, vl_name, bar in (("bf16", LB, VB, 0.8), ("fp32", LC, VF, 1.0)):
-        for v in newest_per_folder(records, "e2e", both(has_prefill(vl_name, lc_name), has(decode, vl_name, lc_name))):
+        for v in newest_per_kind(records, "e2e", both(has_prefill(vl_name, lc_name), has(decode, vl_name, lc_name))):
             n = lengths(v, vl_name, lc_name)[-1]
             s = prefill(v, lc_name, n) / prefill(v, vl_name, n)
             add(f"{dtype} {tokens(n)} prefill, time against vLLM-CPU's", f"<= {bar:g}x", x(s, bar), s <= bar, v)
@@ -967,7 +1001,7 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
             s = i8["decode_ms_per_token"] / fp["decode_ms_per_token"]
             add(f"int8 decode at {tokens(ctx)}, time against float32 pages'", "<= 0.6x",
                 x(s, 0.6) + (f" (paired steps {pd:.3f}x)" if pd is not None else ""), s <= 0.6, lg)
-    # issue 42: GGUF blocks against llama.cpp on the same file (newest record per machine folder
+    # issue 42: GGUF blocks against llama.cpp on the same file (newest record per machine kind
     # and prompt length), and weights quantized at load against vLLM-CPU on the same HF folder
     for model, label in (("1b-q4_k_m", "1B Q4_K_M"), ("default", "135M Q4_1")):
         for q in llama_cpp_records(records, model):
@@ -988,14 +1022,14 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
                                                       if pool is ours or len(pool) > 1 else ""),
                     s <= bar, q)
     vq = [r for r in records if r.bench == "quant" and _holds(lambda r: "vllm bfloat16" in quant_rows(r), r)]
-    for folder in sorted({r.folder for r in vq}):
+    for kind in kinds(vq):
         for ours, theirs, what, bar in ((("int8", "int8-fast", "int8-fast-bf16kv", "int8-bf16", "int8-fast-bf16"),
                                          "vllm bfloat16",
                                          "int8 weights' decode", 0.6),
                                         (("float",), "vllm float32", "fp32 prefill", 1.0),
                                         (("bf16",), "vllm bfloat16", "bf16 prefill", 1.0)):
             # the newest record of this machine holding one of ours and the peer
-            q = newest(vq, "quant", lambda r, fo=folder, o=ours, t=theirs: r.folder == fo and t in quant_rows(r)
+            q = newest(vq, "quant", lambda r, k=kind, o=ours, t=theirs: r.kind == k and t in quant_rows(r)
                        and any(f"longctx {name}" in quant_rows(r) for name in o))
             if not q:
                 continue

@@ -100,10 +100,13 @@ def test_a_hand_edited_table_fails_the_check(tmp_path: Path):
 
 
 def _record(root: Path, bench: str, machine: str, name: str, started: str, result: dict, rev: str = "1111111",
-            cpu: str = "Test CPU") -> Path:
+            cpu: str = "Test CPU", model: str | None = None) -> Path:
     path = root / "benchmarks" / "results" / bench / machine / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema_version": 1, "bench": bench, "machine": {"cpu": cpu, "cores": 2},
+    info = {"cpu": cpu, "cores": 2}
+    if model is not None:  # what the harness's cpu_id() records
+        info["cpu_id"] = {"vendor": "GenuineIntel", "family": "6", "model": model, "isa": ["avx2"]}
+    path.write_text(json.dumps({"schema_version": 1, "bench": bench, "machine": info,
                                 "git": {"rev": rev, "dirty": False}, "command": None, "started": started,
                                 "result": result}))
     return path
@@ -261,3 +264,33 @@ def test_vllm_bars_are_read_per_machine_folder(tmp_path: Path, tables):
     table = tables.e2e_vllm(records, doc)
     assert sum("8K prefill |" in line for line in table) == 4
     assert any("| fp32 8K prefill | 60.00 s | 50.00 s | 1.20x |" in line for line in table), table
+
+
+def test_two_cpu_models_in_one_folder_are_two_kinds(tmp_path: Path, tables):
+    """Two CPUs with one model string share the harness's folder (the Intel Xeons of model 167
+    and 207): each model's newest record gives its own rows, named with its model, and a record
+    too old to name its model is not read beside them."""
+    root = tmp_path / "repo"
+    engines = ("vllm-fp32", "longctx-fp32", "vllm-bf16", "longctx-bf16")
+    fast, slow = _e2e(50.0, 80.0, engines=engines), _e2e(50.0, 80.0, engines=engines)
+    for engine in ("longctx-fp32", "longctx-bf16"):  # here longctx takes 1.2x vLLM's time
+        slow["results"][engine]["prefill_s"]["8000"] = [60.0]
+    folder, cpu = "intel-xeon-processor-2c", "Intel(R) Xeon(R) Processor"
+    _record(root, "e2e", folder, "aaaaaaa", "2026-01-01T00:00:00+00:00", fast, rev="aaaaaaa", cpu=cpu)
+    _record(root, "e2e", folder, "bbbbbbb", "2026-01-02T00:00:00+00:00", slow, rev="bbbbbbb", cpu=cpu, model="207")
+    _record(root, "e2e", folder, "ccccccc", "2026-01-03T00:00:00+00:00", fast, rev="ccccccc", cpu=cpu, model="167")
+    records = tables.load_records(root / "benchmarks" / "results", root)
+    assert sorted(r.kind for r in records) == [f"e2e/{folder}", f"e2e/{folder}@6-167", f"e2e/{folder}@6-207"]
+    doc = tables.Doc(root / "docs" / "benchmarks.md", root)
+    rows = [line for line in tables.targets(records, doc) if "prefill, time against vLLM-CPU's" in line]
+    assert len(rows) == 4, rows  # bf16 and fp32, on each model; the unnamed record not at all
+    assert not any("aaaaaaa.json" in r for r in rows)
+    for dtype in ("bf16", "fp32"):
+        a = next(r for r in rows if r.startswith(f"| {dtype} ") and "ccccccc.json" in r)
+        b = next(r for r in rows if r.startswith(f"| {dtype} ") and "bbbbbbb.json" in r)
+        assert "| 0.50x | met |" in a and "Intel Xeon Processor (family 6 model 167), 2 cores" in a, a
+        assert "| 1.20x | not met |" in b and "Intel Xeon Processor (family 6 model 207), 2 cores" in b, b
+    # a folder whose records name no model is read as before: its newest record
+    alone = [r for r in records if r.name.endswith("aaaaaaa.json")]
+    assert tables.newest_per_kind(alone, "e2e", lambda r: True) == alone
+    assert tables.machine_name(alone[0]) == "Intel Xeon Processor, 2 cores"
