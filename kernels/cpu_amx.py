@@ -28,7 +28,7 @@ import torch
 from . import cpu_build
 
 __all__ = ["available", "status", "supports", "takes_weight", "linear", "linear_rounded", "round_x",
-           "round_gated", "unsupported"]
+           "round_gated", "gated_rounded", "unsupported"]
 
 SOURCE = cpu_build.CSRC / "linear_amx.c"
 NEEDS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo flags
@@ -70,6 +70,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int]
+    fn = lib.longctx_amx_gated_rounded
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int]
     if lib.longctx_amx_enable() != 0:  # the process may not use the tiles: a fault at the first one
         raise RuntimeError("the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
 
@@ -217,6 +221,28 @@ def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: 
                            "(K % 32, N % 16, or out of memory)")
 
 
+def _amx_gated_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, act: int, out: torch.Tensor,
+                       threads: int) -> None:
+    """The operator: ``out`` [M rounded up to 16, F] bfloat16 (contiguous, ``round_x``'s order) <-
+    act(gate) * up rounded, gate and up the two halves of ``amx_linear_rounded(xb, rows, weight)``
+    for a gate/up ``weight`` [2F, K] (gate's rows first, F a multiple of 32); act as
+    ``amx_round_gated``'s. The same bits as that product followed by ``amx_round_gated``."""
+    padded = (rows + 15) // 16 * 16
+    f = weight.shape[0] // 2 if weight.dim() == 2 else 0
+    if not (rows > 0 and takes_weight(weight) and f % K_MULTIPLE == 0 and weight.shape[0] == 2 * f
+            and _takes_rounded(xb, padded, weight.shape[1]) and _takes_rounded(out, padded, f) and act in (0, 1)
+            and threads >= 1):
+        raise ValueError(f"amx_gated_rounded needs amx_round's xb [{padded}, K] for {rows} rows, a gate/up weight "
+                         f"[2F, K] takes_weight takes with F a multiple of {K_MULTIPLE}, a contiguous bfloat16 out "
+                         f"[{padded}, F] and act 0 or 1, got xb {tuple(xb.shape)} {xb.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, out {tuple(out.shape)} {out.dtype}, act {act}, "
+                         f"threads {threads}")
+    rc = _LIBRARY.load().longctx_amx_gated_rounded(xb.data_ptr(), rows, weight.shape[1], weight.data_ptr(), f, act,
+                                                   out.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError(f"amx_gated_rounded refused {rows} rows, weight {tuple(weight.shape)} (out of memory?)")
+
+
 amx_round_scaled = cpu_build.define_op(
     "amx_round_scaled(Tensor x, Tensor? row_scale, Tensor? col_scale, Tensor(a!) xb, int threads) -> ()",
     _amx_round_scaled)
@@ -226,6 +252,9 @@ amx_round_gated = cpu_build.define_op(
     "amx_round_gated(Tensor gate, Tensor up, int act, int col0, Tensor(a!) xb, int threads) -> ()", _amx_round_gated)
 amx_linear_rounded = cpu_build.define_op(
     "amx_linear_rounded(Tensor xb, int rows, Tensor weight, Tensor(a!) out, int threads) -> ()", _amx_linear_rounded)
+amx_gated_rounded = cpu_build.define_op(
+    "amx_gated_rounded(Tensor xb, int rows, Tensor weight, int act, Tensor(a!) out, int threads) -> ()",
+    _amx_gated_rounded)
 
 
 def round_x(x: torch.Tensor, num_threads: int | None = None, row_scale: torch.Tensor | None = None,
@@ -277,6 +306,25 @@ def linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, num_thread
     out = torch.empty(xb.shape[0], weight.shape[0], dtype=torch.float32)  # (whole 16-row tiles)
     amx_linear_rounded(xb, rows, weight, out, torch.get_num_threads() if num_threads is None else num_threads)
     return out[:rows]
+
+
+def gated_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, act: str = "silu",
+                  num_threads: int | None = None) -> torch.Tensor:
+    """An MLP's ``act(gate) * up`` for x already rounded by ``round_x`` (``rows`` of it) and its
+    gate/up matrix ``weight`` [2F, K] (bfloat16, gate's rows first, F a multiple of 32), rounded
+    for the down projection's tiles: [rows rounded up to 16, F] bfloat16 in ``round_x``'s order,
+    the same bits as ``round_gated`` on the two halves of ``linear_rounded(xb, rows, weight)``,
+    without that [rows, 2F] float32 product (each 16 gate columns are multiplied beside their
+    16 up columns, and go through the activation from a buffer in L1)."""
+    if not available():
+        raise RuntimeError(f"the AMX linear kernel is {status()}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    out = torch.empty(xb.shape[0] if xb.dim() == 2 else 0, weight.shape[0] // 2 if weight.dim() == 2 else 0,
+                      dtype=torch.bfloat16)
+    amx_gated_rounded(xb, rows, weight, ACTIVATIONS[act], out,
+                      torch.get_num_threads() if num_threads is None else num_threads)
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:

@@ -423,7 +423,7 @@ def test_gated_mlp_on_tiles_is_the_whole_products_swiglu(monkeypatch, act, split
         assert isinstance(handed, linear.RoundedRows) and handed.rows == rows
         assert torch.equal(handed.xb, cpu_amx.round_gated(gate, up, act))
         down, _, _ = _tile_layer((32, 32), f, seed=rows)
-        assert down.method.takes_rounded(down)
+        assert down.method.takes_rounded(down, rows)
         mp = handed.xb.shape[0]  # the rounded rows back in row order, as float32 (bfloat16 values: rounding keeps them)
         as_rows = handed.xb.view(mp // 16, f // 32, 16, 32).permute(0, 2, 1, 3).reshape(mp, f)[:rows].float()
         res = torch.randn(rows, 64, generator=g)

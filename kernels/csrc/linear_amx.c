@@ -104,25 +104,29 @@ static void round_gated_rows(const float *gate, const float *up, int64_t ld, int
     }
 }
 
-/* w rows [n0, n0 + 16 * nb) for all of K -> wp[K / 32][nb][16 r][16 n] pairs (one B tile per
- * 32 k and 16 columns, 1 KB each): each 16 x 16 block of pairs transposed. */
-static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
+/* w rows [n0, n0 + 16) for all of K -> block b of wp[K / 32][nb][16 r][16 n] pairs (one B tile
+ * per 32 k and 16 columns, 1 KB each): each 16 x 16 block of pairs transposed. */
+static void pack_block(const uint16_t *w, int K, int n0, int b, int nb, uint32_t *wp) {
     const int kblocks = K / 32;
-    for (int b = 0; b < nb; b++) {
-        const uint32_t *rows = (const uint32_t *)(w + (int64_t)(n0 + 16 * b) * K);  /* K / 2 pairs a row */
-        for (int kb = 0; kb < kblocks; kb++) {
-            __m512i r[16];
-            for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(rows + (int64_t)n * (K / 2) + 16 * kb);
-            amx_transpose16(r);
-            uint32_t *tile = wp + ((int64_t)kb * nb + b) * 256;
-            for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 16 * i, r[i]);
-        }
+    const uint32_t *rows = (const uint32_t *)(w + (int64_t)n0 * K);  /* K / 2 pairs a row */
+    for (int kb = 0; kb < kblocks; kb++) {
+        __m512i r[16];
+        for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(rows + (int64_t)n * (K / 2) + 16 * kb);
+        amx_transpose16(r);
+        uint32_t *tile = wp + ((int64_t)kb * nb + b) * 256;
+        for (int i = 0; i < 16; i++) _mm512_store_si512(tile + 16 * i, r[i]);
     }
 }
 
-/* y[m0 .. m0 + 16 mb, n0 .. n0 + 16 nb) over all of K (mb, nb in {1, 2}). */
-static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t *wp, int nb, float *y,
-                       int64_t ldy, int n0) {
+/* w rows [n0, n0 + 16 * nb) -> wp[K / 32][nb][16 r][16 n]. */
+static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
+    for (int b = 0; b < nb; b++) pack_block(w, K, n0 + 16 * b, b, nb, wp);
+}
+
+/* c[0 .. 16 mb, 0 .. 16 nb) (row stride ldc) = rows [m0, m0 + 16 mb) of x times the nb packed
+ * 16-column blocks of w, over all of K (mb, nb in {1, 2}). */
+static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t *wp, int nb, float *c,
+                       int64_t ldc) {
     const int kblocks = K / 32;
     _tile_zero(0);
     _tile_zero(1);
@@ -144,13 +148,12 @@ static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t
             if (nb == 2) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    float *c = y + (int64_t)m0 * ldy + n0;
-    const int64_t cstride = ldy * 4;
+    const int64_t cstride = ldc * 4;
     _tile_stored(0, c, cstride);
     if (nb == 2) _tile_stored(1, c + 16, cstride);
     if (mb == 2) {
-        _tile_stored(2, c + 16 * ldy, cstride);
-        if (nb == 2) _tile_stored(3, c + 16 * ldy + 16, cstride);
+        _tile_stored(2, c + 16 * ldc, cstride);
+        if (nb == 2) _tile_stored(3, c + 16 * ldc + 16, cstride);
     }
 }
 
@@ -180,7 +183,64 @@ static int tiles_product(const uint16_t *xb, int Mp, int K, const uint16_t *w, i
             for (int m0 = 0; m0 < Mp; m0 += 32)  /* 32 rows of x (in L1/L2) against every pair */
                 for (int n0 = s0; n0 < s1; n0 += 32)
                     tile_block(xb, K, m0, Mp - m0 >= 32 ? 2 : 1, wp + (int64_t)(n0 - s0) * (K / 2),
-                               s1 - n0 >= 32 ? 2 : 1, y, ldy, n0);
+                               s1 - n0 >= 32 ? 2 : 1, y + (int64_t)m0 * ldy + n0, ldy);
+        }
+        _tile_release();
+    }
+    free(packed);
+    return 0;
+}
+
+/* xo [Mp, F] bfloat16, in round_rows' tile order (the down projection's rounded x) = act(x @
+ * w[0, F)^T) * (x @ w[F, 2F)^T) rounded (gated_vec16, then vcvtneps2bf16), for xb (x rounded,
+ * Mp rows, M of them x's) and an MLP's gate/up matrix w [2F, K] (gate's rows first); rows
+ * M..Mp-1 of xo zero. Each block of 16 gate columns is multiplied beside its 16 up columns (a
+ * 2 x 2 tile block: gate and up for 32 rows), the sums go to a 4 KB buffer in L1 and out as
+ * bfloat16 through the activation, instead of a [Mp, 2F] float32 product written to memory
+ * and read back by round_gated_rows: the same sums (each element's over K in the same order)
+ * and the same activation and rounding, so the same bits as the two passes. Returns 0, or -1
+ * for a failed allocation (nothing written). */
+static int tiles_gated(const uint16_t *xb, int M, int Mp, int K, const uint16_t *w, int F, int act, uint16_t *xo,
+                       int threads) {
+    const int fblocks = F / 16, okb = F / 32;  /* 16-column blocks of the result; its tiles along K */
+    int per = (int)((1 << 20) / ((int64_t)K * 64));  /* gate/up block pairs a slice: ~1 MB packed */
+    const int even = fblocks / (2 * threads);
+    per = per < 1 ? 1 : per > 8 ? 8 : per;
+    if (even >= 1 && per > even) per = even;
+    const int slices = (fblocks + per - 1) / per;
+    const size_t pair_words = (size_t)16 * (size_t)K;  /* 32 rows of w, K / 2 pairs each */
+    uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * pair_words * (size_t)per * (size_t)threads);
+    if (!packed) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        uint32_t *wp = packed + pair_words * (size_t)per * (size_t)omp_get_thread_num();
+        float buf[32 * 32] __attribute__((aligned(64)));  /* row i: gate's 16 sums, then up's */
+        amx_load_config();
+#pragma omp for schedule(dynamic, 1)
+        for (int s = 0; s < slices; s++) {
+            const int j0 = per * s, j1 = j0 + per < fblocks ? j0 + per : fblocks;
+            for (int j = j0; j < j1; j++) {
+                pack_block(w, K, 16 * j, 0, 2, wp + (int64_t)(j - j0) * pair_words);
+                pack_block(w, K, F + 16 * j, 1, 2, wp + (int64_t)(j - j0) * pair_words);
+            }
+            for (int m0 = 0; m0 < Mp; m0 += 32) {
+                const int mb = Mp - m0 >= 32 ? 2 : 1;
+                for (int j = j0; j < j1; j++) {
+                    tile_block(xb, K, m0, mb, wp + (int64_t)(j - j0) * pair_words, 2, buf, 32);
+                    const int c = 16 * j;
+                    for (int i = 0; i < 16 * mb; i++) {
+                        const int m = m0 + i;
+                        uint16_t *dst = xo + ((int64_t)(m / 16) * okb + c / 32) * 512 + (m % 16) * 32 + c % 32;
+                        if (m >= M) {
+                            memset(dst, 0, 32);
+                            continue;
+                        }
+                        const __m512 v = gated_vec16(_mm512_load_ps(buf + 32 * i), _mm512_load_ps(buf + 32 * i + 16),
+                                                     act);
+                        _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+                    }
+                }
+            }
         }
         _tile_release();
     }
@@ -249,4 +309,15 @@ int longctx_amx_linear_rounded(const uint16_t *xb, int M, int K, const uint16_t 
                                int threads) {
     if (M <= 0 || K <= 0 || N <= 0 || threads < 1 || K % 32 || N % 16) return -1;
     return tiles_product(xb, (M + 15) / 16 * 16, K, w, N, y, ldy, threads);
+}
+
+/* tiles_gated: an MLP's act(gate) * up (act 0 silu, 1 GELU tanh) for xb's M rows (as
+ * longctx_amx_linear_rounded takes them) and its gate/up matrix w [2F, K], straight into xo
+ * [Mp, F] bfloat16 in the rounded order (longctx_amx_round_gated's result for the two halves of
+ * longctx_amx_linear_rounded's [M, 2F] product, bit for bit). Returns 0, or -1 for shapes it
+ * does not take (K % 32, F % 32) or a failed allocation (nothing written). */
+int longctx_amx_gated_rounded(const uint16_t *xb, int M, int K, const uint16_t *w, int F, int act, uint16_t *xo,
+                              int threads) {
+    if (M <= 0 || K <= 0 || F <= 0 || threads < 1 || K % 32 || F % 32 || (act != 0 && act != 1)) return -1;
+    return tiles_gated(xb, M, (M + 15) / 16 * 16, K, w, F, act, xo, threads);
 }

@@ -184,8 +184,9 @@ class LinearMethod:
         ``RoundedRows`` (its ``takes_rounded``), which this method may return instead."""
         return None
 
-    def takes_rounded(self, layer: "Linear") -> bool:
-        """Whether ``apply`` takes a ``RoundedRows`` x for ``layer`` (a long step on the tiles)."""
+    def takes_rounded(self, layer: "Linear", rows: int) -> bool:
+        """Whether ``apply`` takes a ``RoundedRows`` x of ``rows`` rows for ``layer`` (a long step
+        on the tiles)."""
         return False
 
 
@@ -211,6 +212,26 @@ class RowKernelWeights(LinearMethod):
 
     def amx_takes(self, layer: "Linear", rows: int) -> bool:
         return rows >= self.amx_from_rows and cpu_amx.takes_weight(layer.weight)
+
+    def takes_rounded(self, layer: "Linear", rows: int) -> bool:
+        return self.amx_takes(layer, rows)
+
+    def gated(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, act: str,
+              rounded: bool = False) -> torch.Tensor | RoundedRows | None:
+        """On the tiles, for a down projection on them (``rounded``): SwiGLU's ``silu(gate) * up``
+        straight into that projection's rounded input (``cpu_amx.gated_rounded``), without the
+        [T, 2F] float32 product written and read back; the same bits as the product followed by
+        the down projection's ``rounded_swiglu``. None otherwise (GELU's activation there is
+        torch's, a bias is added to the product: the caller's two calls)."""
+        f = layer.weight.shape[0] // 2
+        if not (rounded and act == "silu" and layer.bias is None and x.dtype == torch.float32
+                and self.amx_takes(layer, x.shape[0]) and f % cpu_amx.K_MULTIPLE == 0):
+            return None
+        xb = rounded_norm(x, norm)  # as _amx_apply rounds it: the norm folded in where it can be
+        if xb is None:
+            x = self.prologue(x, norm, False)
+            xb = cpu_amx.round_x(x if x.stride(-1) == 1 else x.contiguous())
+        return RoundedRows(cpu_amx.gated_rounded(xb, x.shape[0], layer.weight, act), x.shape[0])
 
     def _amx_apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None, swiglu: bool,
                    residual: torch.Tensor | None) -> torch.Tensor:
@@ -243,8 +264,16 @@ class RowKernelWeights(LinearMethod):
         weight = layer.weight if layer.weight.dtype == x.dtype else layer.weight.to(x.dtype)
         return nn.functional.linear(x, weight, layer.bias)
 
-    def apply(self, layer: "Linear", x: torch.Tensor, norm: nn.Module | None = None, swiglu: bool = False,
-              residual: torch.Tensor | None = None, product: Callable | None = None) -> torch.Tensor:
+    def apply(self, layer: "Linear", x: torch.Tensor | RoundedRows, norm: nn.Module | None = None,
+              swiglu: bool = False, residual: torch.Tensor | None = None,
+              product: Callable | None = None) -> torch.Tensor:
+        if isinstance(x, RoundedRows):  # (gated's SwiGLU, rounded for these tiles: x gives only the rows)
+            if norm is not None or swiglu or product is not None or not self.takes_rounded(layer, x.rows):
+                raise ValueError("rounded rows are for a long step on the tiles, without a prologue")
+            y = cpu_amx.linear_rounded(x.xb, x.rows, layer.weight)
+            if layer.bias is not None:
+                y += layer.bias
+            return y if residual is None else y.add_(residual)
         if product is None and self.amx_takes(layer, x.shape[0]):  # (SP's column split keeps its product)
             return self._amx_apply(layer, x, norm, swiglu, residual)
         if not self.kernel_takes(x.shape[0]):  # past the kernel's rows: torch ops, BLAS
@@ -470,8 +499,8 @@ class BlockWeights(LinearMethod):
             lo = hi
         return out
 
-    def takes_rounded(self, layer: "Linear") -> bool:
-        return self._on_tiles(layer.weight)
+    def takes_rounded(self, layer: "Linear", rows: int) -> bool:
+        return rows > BLOCK_ROWS and self._on_tiles(layer.weight)
 
     @staticmethod
     def prologue(x: torch.Tensor, norm: nn.Module | None, swiglu: bool) -> torch.Tensor:
@@ -489,7 +518,7 @@ class BlockWeights(LinearMethod):
               swiglu: bool = False, residual: torch.Tensor | None = None,
               product: Callable | None = None) -> torch.Tensor:
         if isinstance(x, RoundedRows):  # (gated's SwiGLU, rounded for these tiles: x gives only the rows)
-            if norm is not None or swiglu or x.rows <= BLOCK_ROWS or not self.takes_rounded(layer):
+            if norm is not None or swiglu or not self.takes_rounded(layer, x.rows):
                 raise ValueError("rounded rows are for a long step on the tiles, without a prologue")
             return self.product(layer, x.xb[:x.rows], residual, rounded=x.xb)
         if 0 < x.shape[0] <= BLOCK_ROWS and x.dtype == torch.float32 and (

@@ -152,7 +152,7 @@ class MLP(nn.Module):
         down = self.down_proj
         h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu",
                                            rounded=(product is None and x.shape[0] > BLOCK_ROWS  # (not on decode steps)
-                                                    and down.method.takes_rounded(down)))
+                                                    and down.method.takes_rounded(down, x.shape[0])))
         if h is not None:
             return self.down_proj(h, residual=residual, product=product)
         gate_up = self.gate_up_proj(x, norm=norm, product=product)  # (T, 2F)

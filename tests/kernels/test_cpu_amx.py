@@ -240,6 +240,77 @@ def test_the_gated_product_rounded_for_the_tiles(act, rows, f):
         cpu_amx.round_gated(gate, up, "relu")
 
 
+def _bf16_linear(k: int, n: int, gen: torch.Generator, amx_from_rows: int, bias: bool = False):
+    from longctx.model.linear import Linear, RowKernelWeights
+
+    layer = Linear(k, n, bias)
+    layer.weight_t.data = (torch.randn(k, n, generator=gen) * 0.1).to(torch.bfloat16)
+    if bias:
+        layer.bias.data = torch.randn(n, generator=gen)
+    layer.hold(RowKernelWeights(amx_from_rows=amx_from_rows))
+    return layer
+
+
+@needs_amx
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,k,f", [(1, 32, 32), (17, 64, 96), (33, 96, 64), (100, 576, 1536)])
+def test_the_gated_product_in_one_pass_is_the_two_passes_bit_for_bit(act, rows, k, f):
+    """``gated_rounded``: an MLP's gate/up product and ``round_gated`` in one pass (each 16 gate
+    columns beside their 16 up columns, through the activation from L1) gives the bits of the
+    [rows, 2F] float32 product followed by ``round_gated`` on its halves, padding rows zero;
+    what does not fit is refused before the kernel writes a byte."""
+    gen = torch.Generator().manual_seed(rows + k + f)
+    x = torch.randn(rows, k, generator=gen)
+    w = (torch.randn(2 * f, k, generator=gen) * 0.1).to(torch.bfloat16)
+    xb = cpu_amx.round_x(x)
+    y = cpu_amx.linear_rounded(xb, rows, w)
+    want = cpu_amx.round_gated(y[:, :f], y[:, f:], act)
+    got = cpu_amx.gated_rounded(xb, rows, w, act)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == ((rows + 15) // 16 * 16, f)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.all(_tile_rows(got, got.shape[0])[rows:] == 0)  # (the padding rows)
+    out = torch.empty_like(got)
+    for bad in (dict(weight=w[:32]),  # F = 16: not a multiple of 32
+                dict(weight=w.float()), dict(out=torch.empty(out.shape[0] + 16, f, dtype=torch.bfloat16)),
+                dict(out=out.float()), dict(act=2), dict(xb=torch.empty(xb.shape[0], k + 32, dtype=torch.bfloat16))):
+        args = dict(xb=xb, weight=w, act=0, out=out) | bad
+        with pytest.raises(ValueError, match="amx_gated_rounded needs"):
+            cpu_amx.amx_gated_rounded(args["xb"], rows, args["weight"], args["act"], args["out"], 2)
+    with pytest.raises(ValueError, match="act must be"):
+        cpu_amx.gated_rounded(xb, rows, w, "relu")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [17, 100])
+def test_a_bf16_mlp_hands_its_swiglu_rounded_to_the_down_projection(rows):
+    """A bfloat16 MLP on the tiles (``RowKernelWeights`` from ``amx_from_rows``): ``gated`` makes
+    SwiGLU rounded for the down projection in one pass (``cpu_amx.gated_rounded``), and the
+    down projection's result is the two calls' (the [T, 2F] product, then the down projection
+    with ``swiglu=True``) bit for bit, with an RMSNorm before and a residual after. Below
+    ``amx_from_rows``, for GELU, or with a bias: None, the two calls."""
+    from longctx.model.linear import RoundedRows
+    from longctx.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    k, f = 96, 64
+    gate_up, down = _bf16_linear(k, 2 * f, gen, 17), _bf16_linear(f, k, gen, 17)
+    norm = RMSNorm(k, 1e-5)
+    norm.weight.data.copy_(torch.rand(k, generator=gen) + 0.5)
+    x, res = torch.randn(rows, k, generator=gen), torch.randn(rows, k, generator=gen)
+    assert down.method.takes_rounded(down, rows) and not down.method.takes_rounded(down, 16)
+    handed = gate_up.method.gated(gate_up, x, norm, "silu", rounded=True)
+    assert isinstance(handed, RoundedRows) and handed.rows == rows
+    want = down(gate_up(x, norm=norm), swiglu=True, residual=res)
+    assert torch.equal(down(handed, residual=res), want)
+    assert gate_up.method.gated(gate_up, x, norm, "silu", rounded=False) is None
+    assert gate_up.method.gated(gate_up, x, norm, "gelu_tanh", rounded=True) is None
+    assert gate_up.method.gated(gate_up, x[:16], norm, "silu", rounded=True) is None
+    biased = _bf16_linear(k, 2 * f, gen, 17, bias=True)
+    assert biased.method.gated(biased, x, norm, "silu", rounded=True) is None
+    with pytest.raises(ValueError, match="rounded rows are for"):
+        down(handed, norm=norm)
+
+
 @needs_amx
 def test_the_rounded_operators_refuse_what_does_not_fit():
     """A buffer of the wrong shape or type for x, an out too short for the padded rows, a weight
