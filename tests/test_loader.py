@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -342,3 +343,38 @@ def test_row_layout_cache_written_under_a_rope_override_keeps_the_checkpoints_ro
     plain = loader.load_row_kernel_model(str(path), torch.float32)  # a hit
     assert plain.config.rope_scaling.rope_type != "linear"
     assert plain.config == loader.with_rope_scaling(plain.config, None)
+
+
+@pytest.mark.parametrize("kind", ["llama-default", "llama-tied"])
+def test_a_first_bf16_load_converts_as_it_reads_to_the_same_tensors(tmp_path, monkeypatch, kind):
+    """A GGUF's first bfloat16 row-kernel load converts each matrix as it is read (never the
+    whole model in float32): the tensors are the float32 load's, cast to bfloat16; and the
+    file's float32 reader lets each tensor's pages go once it is copied out (``release``)."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    path = _gguf_of(tmp_path, kind)
+    released = []
+    from longctx.model import gguf_file
+
+    real = gguf_file.GGUFFile.release
+    monkeypatch.setattr(gguf_file.GGUFFile, "release", lambda self, t: released.append(t.name) or real(self, t))
+    half = loader.load_row_kernel_model(str(path), torch.bfloat16, use_cache=False)
+    assert "token_embd.weight" in released and "blk.0.attn_q.weight" in released
+    full = loader.load_row_kernel_model(str(path), torch.float32, use_cache=False)
+    (sh, th), (sf, tf) = half.row_kernel_state(), full.row_kernel_state()
+    assert th == tf and sh.keys() == sf.keys()
+    for k in sh:  # (a bf16 model's norms are bf16 values, held as the row kernel takes them)
+        assert sf[k].dim() != 2 or sh[k].dtype == torch.bfloat16, k
+        assert torch.equal(sh[k], sf[k].to(torch.bfloat16).to(sh[k].dtype)), k
+
+
+def test_a_released_tensor_still_reads_its_values(tmp_path):
+    """``GGUFFile.release`` drops this process's pages of a tensor's bytes, not the bytes: read
+    again, they come back from the file (and a tensor of no bytes is left alone)."""
+    from longctx.model.gguf_file import GGUFFile
+
+    path = _gguf_of(tmp_path, "llama-default")
+    reader = GGUFFile(path)
+    before = {t.name: t.data.copy() for t in reader.tensors}
+    for t in reader.tensors:
+        reader.release(t)
+    assert all(np.array_equal(t.data, before[t.name]) for t in reader.tensors)

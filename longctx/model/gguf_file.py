@@ -44,6 +44,7 @@ class GGUFTensor:
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: np.ndarray  # ne, inputs first (uint64)
     data: np.ndarray
+    offset: int = 0  # of data's first byte in the file
 
 
 class GGUFFile:
@@ -105,7 +106,25 @@ class GGUFFile:
                 data = raw.view(np.float16).reshape(shape)
             else:
                 data = raw.reshape(*shape[:-1], shape[-1] // block * size)
-            self.tensors.append(GGUFTensor(name, qtype, np.array(dims, dtype=np.uint64), data))
+            self.tensors.append(GGUFTensor(name, qtype, np.array(dims, dtype=np.uint64), data, begin))
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Let go of the pages of ``tensor``'s bytes this process has mapped (``madvise``
+        MADV_DONTNEED; the file's pages stay in the page cache, and its data, still valid,
+        comes back from there if read again): for a loader that has copied the tensor out, so
+        that a conversion of the whole file does not hold the file's pages and the converted
+        copy at once (an F32 file of 4 GB had peaked at twice its size). A no-op where the
+        platform has no madvise."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or tensor.data.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page  # (a page shared with a neighbour is read again if needed)
+        end = min(-(-(tensor.offset + tensor.data.nbytes) // page) * page, len(self._map))
+        try:
+            self._map.madvise(advice, start, end - start)
+        except (OSError, ValueError):  # advice only: a refusal changes nothing
+            pass
 
     # ------------------------------------------------------------------ parsing
 

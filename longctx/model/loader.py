@@ -317,7 +317,11 @@ def read_gguf(path: Path, keep_blocks: bool = False
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for t in reader.tensors:
             kept = _gguf_blocks(t) if keep_blocks else None
-            weight = kept if kept is not None else torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            if kept is not None:
+                weight = kept
+            else:  # a float copy: the file's pages of it are let go (a whole conversion held both)
+                weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+                reader.release(t)
             if t.name == "token_embd.weight":
                 yield "model.embed_tokens.weight", weight
             elif t.name == "output_norm.weight":
@@ -509,7 +513,8 @@ def load_state(path: Path, use_cache: bool = True, store: bool = True, cache_byt
     """(config, packed state dict in fp32 or the checkpoint dtype) for a resolved model path.
     A GGUF file's conversion is read from its cache when ``use_cache`` and written to it when
     also ``store``, within ``cache_bytes`` for all caches (None: ``DEFAULT_CACHE_BYTES``). An
-    HF folder's matrices come in ``dtype`` where given (converted as read: ``_hf_tensors``)."""
+    HF folder's matrices come in ``dtype`` where given (converted as read: ``_hf_tensors``), and
+    so do a GGUF's where no float32 cache is written."""
     if path.is_dir():
         config = ModelConfig.from_hf_folder(path)
         return config, pack_hf_state(config, _hf_tensors(path, dtype))
@@ -517,6 +522,10 @@ def load_state(path: Path, use_cache: bool = True, store: bool = True, cache_byt
     if use_cache and (cached := _load_cached(folder)) is not None:
         return cached
     config, _, tensors = read_gguf(path)
+    if dtype not in (None, torch.float32) and not (use_cache and store):  # (the converted cache is float32)
+        # as an HF folder's: the matrices in ``dtype`` as read, so that the whole model is never
+        # held in float32 (the packing only moves their values: the same numbers as converting after)
+        tensors = ((name, t.to(dtype) if t.dim() == 2 else t) for name, t in tensors)
     state = pack_hf_state(config, tensors)
     if use_cache and store:
         _store_cache(folder, config, state, cache_bytes)
