@@ -152,8 +152,8 @@ def newest(records: Iterable[Record], bench: str, needs: Callable[[Record], bool
 
 def kinds(records: Iterable[Record]) -> list[str]:
     """The machine kinds of ``records``, sorted. A folder's records that name no CPU model
-    (older than the harness's ``cpu_id``) count only where none of the folder's records
-    names one: a newer record of a named model stands for them."""
+    (older than the harness's ``cpu_id``: they cannot say which of the folder's CPUs ran them)
+    count only where none of that folder's records among ``records`` names one."""
     found = {r.kind for r in records}
     named = {k.split("@", 1)[0] for k in found if "@" in k}
     return sorted(k for k in found if "@" in k or k not in named)
@@ -220,9 +220,9 @@ def machine_name(rec: Record) -> str:
     notes = []
     if re.search(r"-avx2-\d+c$", rec.folder):  # the harness's folder of an AVX2-only x86 CPU
         notes.append("AVX2 only")
-    if "@" in rec.kind:
-        family, model = rec.kind.rsplit("@", 1)[1].split("-", 1)
-        notes.append(f"family {family} model {model}")
+    cpu_id = m.get("cpu_id") if isinstance(m.get("cpu_id"), dict) else {}
+    if cpu_id.get("model"):
+        notes.append(f"family {cpu_id.get('family', '?')} model {cpu_id['model']}")
     if notes:
         cpu += f" ({'; '.join(notes)})"
     return f"{cpu}, {m['cores']} cores" if m.get("cores") else cpu

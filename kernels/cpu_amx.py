@@ -6,7 +6,9 @@ Owns: ``linear(x, weight)`` = ``x @ weight.T`` for float32 ``x`` [M, K] and a bf
 bfloat16 once and float32 sums: the row kernel's bfloat16 numerics from 17 rows
 (``cpu_linear.rounds_bf16_rows``), on the tile unit, for a bfloat16 model's long steps; the
 same in two halves (``round_x`` once, then ``amx_linear_rounded`` per slice) for a matrix that
-is never whole in bfloat16 (GGUF blocks dequantized a slice at a time); and
+is never whole in bfloat16 (GGUF blocks dequantized a slice at a time); an MLP's SwiGLU (or
+GELU) product rounded straight into the down projection's input (``round_gated`` from a float32
+gate/up product, ``gated_rounded`` with that product made in the same pass); and
 saying whether it runs here (``available``/``status``/``supports``). Never: choosing when it
 is used (``cpu_tune`` measures that, the model's ``Linear`` follows), or failing a run: on a CPU
 without AMX, below the ``avx512bf16`` level (``LONGCTX_CPU_ISA``), where the kernel refuses the

@@ -357,8 +357,16 @@ def test_a_first_bf16_load_converts_as_it_reads_to_the_same_tensors(tmp_path, mo
 
     real = gguf_file.GGUFFile.release
     monkeypatch.setattr(gguf_file.GGUFFile, "release", lambda self, t: released.append(t.name) or real(self, t))
+    packed = []  # the dtypes the packing gets: matrices already bfloat16, vectors as stored
+    real_pack = loader.pack_hf_state
+
+    def pack(config, tensors):
+        return real_pack(config, ((packed.append((n, t.dim(), t.dtype)) or (n, t)) for n, t in tensors))
+
+    monkeypatch.setattr(loader, "pack_hf_state", pack)
     half = loader.load_row_kernel_model(str(path), torch.bfloat16, use_cache=False)
     assert "token_embd.weight" in released and "blk.0.attn_q.weight" in released
+    assert packed and all(dt == (torch.bfloat16 if dim == 2 else torch.float32) for _, dim, dt in packed), packed
     full = loader.load_row_kernel_model(str(path), torch.float32, use_cache=False)
     (sh, th), (sf, tf) = half.row_kernel_state(), full.row_kernel_state()
     assert th == tf and sh.keys() == sf.keys()
@@ -372,9 +380,29 @@ def test_a_released_tensor_still_reads_its_values(tmp_path):
     again, they come back from the file (and a tensor of no bytes is left alone)."""
     from longctx.model.gguf_file import GGUFFile
 
+    import mmap
+
     path = _gguf_of(tmp_path, "llama-default")
     reader = GGUFFile(path)
     before = {t.name: t.data.copy() for t in reader.tensors}
+
+    class Recording:  # the map, with its madvise calls written down
+        def __init__(self, real):
+            self.real, self.calls = real, []
+
+        def madvise(self, advice, start, length):
+            self.calls.append((advice, start, length))
+            return self.real.madvise(advice, start, length)
+
+        def __len__(self):
+            return len(self.real)
+
+    real_map = reader._map
+    reader._map = Recording(real_map)
     for t in reader.tensors:
+        calls = len(reader._map.calls)
         reader.release(t)
+        advice, start, length = reader._map.calls[calls]  # (one call a tensor)
+        assert advice == mmap.MADV_DONTNEED and start % mmap.PAGESIZE == 0
+        assert start <= t.offset and t.offset + t.data.nbytes <= start + length <= len(real_map)
     assert all(np.array_equal(t.data, before[t.name]) for t in reader.tensors)

@@ -207,6 +207,7 @@ static int tiles_gated(const uint16_t *xb, int M, int Mp, int K, const uint16_t 
     const int even = fblocks / (2 * threads);
     per = per < 1 ? 1 : per > 8 ? 8 : per;
     if (even >= 1 && per > even) per = even;
+    per = per < 2 ? 2 : per / 2 * 2;  /* whole 32-column groups: one thread writes a tile row's 64 bytes */
     const int slices = (fblocks + per - 1) / per;
     const size_t pair_words = (size_t)16 * (size_t)K;  /* 32 rows of w, K / 2 pairs each */
     uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * pair_words * (size_t)per * (size_t)threads);

@@ -73,7 +73,9 @@
  * key tile and column group: twice the keys a tile halve those round trips and the rescales.
  * Intel Xeon (family 6 model 167), 2 threads, the default model's bf16 8K prefill in 2,048-token
  * chunks (longctx-bf16 of bench_e2e, builds alternating, 3 runs each, twice): KT 96 4.33-4.73 s,
- * 192 4.08-4.28 s; 288 level with 192; RB 96 instead of 192 5.0-5.2 s. */
+ * 192 4.08-4.28 s; 288 level with 192; RB 96 instead of 192 5.0-5.2 s. (With QK_EXACT_EDGES, an
+ * A/B switch off by default, the first tile's float32 q then covers 192 keys here, 96 in the
+ * vector builds.) */
 #define KT 192
 #else
 #define KT 96 /* keys per tile (a multiple of 6) */
@@ -84,6 +86,7 @@
  * blocks, so both builds round q on the same keys: deciding per 192 rows parted the default
  * model's bf16 greedy tokens from float32's on bench_e2e's 8K prompt (token 3, a 0.15-nat margin
  * turned by 0.17) and moved the real-model test's logits from 0.9% to 1.4% off float32's. */
+_Static_assert(KT % 6 == 0, "key tiles in whole groups of 6 keys (the vector scores' step)");
 #define EXACT_ROWS 96
 #define MAX_D 256
 #define KT32 ((KT + 31) / 32 * 32)
@@ -648,7 +651,8 @@ _Static_assert(EXACT_ROWS % AMX_SW == 0 && AMX_SW % 16 == 0 && AMX_SW <= 64, "st
  * window's and the causal or tree mask where the tile meets them (mask_columns), the
  * online-softmax step, P^T's bfloat16 pairs (zero past the keys, up to n32) and its part of O^T
  * (V^T's pairs in vt), each row through the same steps in the same order as tile_softmax and
- * pair_rows_bf16 take it over the whole block. Why strip groups: the whole block's S^T (96
+ * pair_rows_bf16 take it over the whole block. Why strip groups (measured with KT 96, the key
+ * tile before 2026-12-07; 192 keys now, a group's S^T 24 KB): the whole block's S^T (96
  * keys x 96 rows, 36 KB) left L1 between the passes over it (scores, max, exp, pairs, P.V), a
  * group's (96 x 32, 12 KB) stays, and a work item can then take more rows per K and V packing
  * (RB 192 in this build). Intel Xeon (family 6 model 207), 2 threads, one layer of SmolLM2's

@@ -123,7 +123,7 @@ class GGUFFile:
         end = min(-(-(tensor.offset + tensor.data.nbytes) // page) * page, len(self._map))
         try:
             self._map.madvise(advice, start, end - start)
-        except (OSError, ValueError):  # advice only: a refusal changes nothing
+        except OSError:  # advice only: a refusal changes nothing
             pass
 
     # ------------------------------------------------------------------ parsing

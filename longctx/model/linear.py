@@ -14,7 +14,8 @@ result). A method that can fuse them into its product does (the row kernel: a de
 four kernel calls around attention); the others run them as separate torch ops, in the order
 the model would. ``product``: a replacement for the row kernel's function with its signature
 (sequence parallelism's column split). ``gated`` makes an MLP's ``act(gate) * up`` where a
-method can without the whole [T, 2F] gate/up product (GGUF blocks on prefill chunks).
+method can without the whole [T, 2F] gate/up product (GGUF blocks on prefill chunks, and a
+bfloat16 matrix on the AMX tiles, whose result goes to the down projection already rounded).
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, product: Any) -> torch.Tensor:
         """down(act(gate(norm(x))) * up(norm(x))) (+ residual). A method that can make act(gate) * up
-        without the whole [T, 2F] product (``gated``: GGUF blocks on prefill chunks) does."""
+        without the whole [T, 2F] product (``gated``: GGUF blocks on prefill chunks, bf16 matrices on
+        the AMX tiles) does."""
         down = self.down_proj
         h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu",
                                            rounded=(product is None and x.shape[0] > BLOCK_ROWS  # (not on decode steps)

@@ -302,6 +302,8 @@ def test_a_bf16_mlp_hands_its_swiglu_rounded_to_the_down_projection(rows):
     assert isinstance(handed, RoundedRows) and handed.rows == rows
     want = down(gate_up(x, norm=norm), swiglu=True, residual=res)
     assert torch.equal(down(handed, residual=res), want)
+    handed = gate_up.method.gated(gate_up, x, None, "silu", rounded=True)  # (no norm: x rounded as it is)
+    assert torch.equal(down(handed, residual=res), down(gate_up(x), swiglu=True, residual=res))
     assert gate_up.method.gated(gate_up, x, norm, "silu", rounded=False) is None
     assert gate_up.method.gated(gate_up, x, norm, "gelu_tanh", rounded=True) is None
     assert gate_up.method.gated(gate_up, x[:16], norm, "silu", rounded=True) is None
