@@ -159,14 +159,18 @@ static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t
 
 /* y [Mp, N] float32 (row stride ldy) = xb (x rounded: round_rows, Mp rows) @ w [N, K] bfloat16 ^T.
  * Returns 0, or -1 for a failed allocation (nothing written). */
+/* A thread's slice of w, in groups of 32 rows (of `groups`): up to 8, as many as keep the packed
+ * slice near 1 MB (in L2 with the 32 rows of x it meets) and give each thread two slices or more. */
+static int slice_groups(int K, int groups, int threads) {
+    int n = (int)((1 << 20) / ((int64_t)K * 64));
+    const int even = groups / (2 * threads);
+    n = n < 1 ? 1 : n > 8 ? 8 : n;
+    return even >= 1 && n > even ? even : n;
+}
+
 static int tiles_product(const uint16_t *xb, int Mp, int K, const uint16_t *w, int N, float *y, int64_t ldy,
                          int threads) {
-    /* a thread's slice: up to 8 pairs of 16-column blocks, as many as keep the packed slice near
-     * 1 MB (in L2 with the 32 rows of x it meets) and give each thread two slices or more */
-    int pairs = (int)((1 << 20) / ((int64_t)K * 64));
-    const int blocks32 = (N + 31) / 32, even = blocks32 / (2 * threads);
-    pairs = pairs < 1 ? 1 : pairs > 8 ? 8 : pairs;
-    if (even >= 1 && pairs > even) pairs = even;
+    const int pairs = slice_groups(K, (N + 31) / 32, threads);  /* pairs of 16-column blocks a slice */
     const int width = 32 * pairs, slices = (N + width - 1) / width;
     const size_t per_thread = (size_t)width * (size_t)K / 2;  /* the slice's columns x K / 2 pairs */
     uint32_t *packed = aligned_alloc(64, sizeof(uint32_t) * per_thread * (size_t)threads);
@@ -203,10 +207,7 @@ static int tiles_product(const uint16_t *xb, int Mp, int K, const uint16_t *w, i
 static int tiles_gated(const uint16_t *xb, int M, int Mp, int K, const uint16_t *w, int F, int act, uint16_t *xo,
                        int threads) {
     const int fblocks = F / 16, okb = F / 32;  /* 16-column blocks of the result; its tiles along K */
-    int per = (int)((1 << 20) / ((int64_t)K * 64));  /* gate/up block pairs a slice: ~1 MB packed */
-    const int even = fblocks / (2 * threads);
-    per = per < 1 ? 1 : per > 8 ? 8 : per;
-    if (even >= 1 && per > even) per = even;
+    int per = slice_groups(K, fblocks, threads);  /* gate/up block pairs (32 rows of w each) a slice */
     per = per < 2 ? 2 : per / 2 * 2;  /* whole 32-column groups: one thread writes a tile row's 64 bytes */
     const int slices = (fblocks + per - 1) / per;
     const size_t pair_words = (size_t)16 * (size_t)K;  /* 32 rows of w, K / 2 pairs each */
