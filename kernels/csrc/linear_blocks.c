@@ -60,6 +60,7 @@
 #include "prologue.h"
 
 #define CHUNK 8 /* output rows per work item */
+#define C128_MAX_ROWS 8 /* x rows up to which the fast Q8_0 form gets x's c128 (QuantX) */
 
 /* Weight bytes asked into L2 ahead of their use: each block loop below asks for the lines
  * PREFETCH_BYTES past the block it is at (spread over the loop, one or a few lines a step). A
@@ -1385,12 +1386,13 @@ struct QuantX {
     float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
     float *d8;     /* [m, k / 32 * 8]: each block's scale 8 times (the lanes of its sums) */
     float *s32;    /* [m, k / 32]: d * the sum of q over each block */
+    int32_t *c128; /* [m, k / 4]: -128 * the sum of each 4 of q (one row's terms, few rows; NULL otherwise) */
 };
 
 static void free_quant_x(QuantX *qx) { /* a calloc'ed QuantX and what quantize_x gave it; NULL: nothing */
     if (qx == NULL)
         return;
-    free(qx->q), free(qx->d), free(qx->s16), free(qx->d8), free(qx->s32);
+    free(qx->q), free(qx->d), free(qx->s16), free(qx->d8), free(qx->s32), free(qx->c128);
     free(qx);
 }
 
@@ -1446,6 +1448,18 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, 
                 quantize_block(rest, qx, 2 * (int64_t)i + 1, b, k, d / 256.0f, NULL); /* d = 0: all zeros */
             }
         }
+#if defined(__AVX512VNNI__)
+    /* decode-sized calls: x's 4-byte sums times -128, where Q8_0's AVX-512 form starts its sums
+     * (fast512_q32) */
+    if (terms == 1 && m <= C128_MAX_ROWS) {
+        if ((qx->c128 = (int32_t *)malloc((size_t)m * (size_t)(k / 4) * sizeof(int32_t))) == NULL)
+            return 1;
+        for (int64_t j = 0; j < (int64_t)m * (k / 4); j++) {
+            const int8_t *q4 = qx->q + 4 * j;
+            qx->c128[j] = -128 * (q4[0] + q4[1] + q4[2] + q4[3]);
+        }
+    }
+#endif
     return 0;
 }
 
@@ -1757,52 +1771,95 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
         out[r] = hsum_tail(acc[r][0], acc[r][1]) - 32.0f * _mm512_reduce_add_ps(off[r]);
 }
 
-/* Q8_0 (kind -1: magnitudes, the signs moved onto x), Q4_0 (0: nibbles, offset -8 d) and Q4_1
- * (1: nibbles, offset m), two blocks a step */
+/* One 64-weight step p (two blocks) of fast512_q32 into acc[r] (the sums of the steps of p's
+ * parity) and off. Q8_0 (kind -1) takes one of two forms of the same int32 sums: with x's
+ * c128 (AVX-512 VNNI, one term, few rows), the weights' bytes made unsigned by flipping their
+ * top bit (w + 128) and vpdpbusd started from -128 times x's 4-byte sums, so
+ * sum (w + 128) x - 128 sum x = sum w x; else their magnitudes, with their signs moved onto x.
+ * The first is three instructions a step where the second takes five per row of x (sign mask,
+ * magnitudes, x's masked negation, a zeroed sum). */
+static inline __attribute__((always_inline)) void q32_step512(const uint8_t *row, int64_t k, const QuantX *qx,
+                                                              int i0, const int NR, const int kind, const int T,
+                                                              const int unsigned_w, int64_t p, __m512 *acc,
+                                                              float (*off)[2]) {
+    const int64_t nb = k / 32;
+    const int bb = kind < 0 ? 34 : kind ? 20 : 18, qo = kind == 1 ? 4 : 2;
+    const uint8_t *b0 = row + 2 * p * bb, *b1 = b0 + bb;
+    PREFETCH_W(b0, 2);
+    const float d0 = h2f(b0), d1 = h2f(b1);
+    __m512i w;
+    __mmask64 neg = 0;
+    if (kind < 0) {
+        const __m512i sw = join256(_mm256_loadu_si256((const __m256i *)(b0 + 2)),
+                                   _mm256_loadu_si256((const __m256i *)(b1 + 2)));
+        if (unsigned_w) {
+            w = _mm512_xor_si512(sw, _mm512_set1_epi8((char)0x80));
+        } else {
+            neg = _mm512_movepi8_mask(sw);
+            w = _mm512_abs_epi8(sw);
+        }
+    } else { /* byte j of a block: elements j (low nibble) and j + 16 (high) */
+        const __m256i m15 = _mm256_set1_epi8(15);
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + qo)), q1 = _mm_loadu_si128((const __m128i *)(b1 + qo));
+        const __m256i lo = _mm256_and_si256(_mm256_set_m128i(q1, q0), m15);                        /* lo0 lo1 */
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_set_m128i(q1, q0), 4), m15); /* hi0 hi1 */
+        const __m512i lh = join256(lo, hi);
+        w = _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+    }
+    const __m512 wsc = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+    const float m0 = kind == 1 ? h2f(b0 + 2) : -8.0f * d0, m1 = kind == 1 ? h2f(b1 + 2) : -8.0f * d1;
+    for (int r = 0; r < NR; r++) {
+        const int64_t i = (int64_t)T * (i0 + r), last = i + T - 1; /* T = 2: the scale d / 256 is last's */
+        __m512i sums;
+#if defined(__AVX512VNNI__)
+        if (unsigned_w)
+            sums = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(qx->c128 + i * (k / 4) + p * 16)), w,
+                                       _mm512_loadu_si512((const void *)(qx->q + i * k + p * 64)));
+        else
+#endif
+            /* kind < 0: the weights' signs onto x, each term */
+            sums = xsums_512(w, qx->q + i * k + p * 64, k, T, kind < 0, neg);
+        const __m512 f = _mm512_cvtepi32_ps(sums);
+        const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (last * nb + 2 * p) * 8));
+        acc[r] = _mm512_fmadd_ps(f, sc, acc[r]);
+        if (kind >= 0) {
+            off[r][0] += m0 * (qx->s32[i * nb + 2 * p] + (T == 2 ? qx->s32[last * nb + 2 * p] : 0.0f));
+            off[r][1] += m1 * (qx->s32[i * nb + 2 * p + 1] + (T == 2 ? qx->s32[last * nb + 2 * p + 1] : 0.0f));
+        }
+    }
+}
+
+/* Q8_0 (kind -1: see q32_step512), Q4_0 (0: nibbles, offset -8 d) and Q4_1 (1: nibbles, offset
+ * m), two blocks a step, the even and odd steps into two sets of sums (taken two steps an
+ * iteration, so both stay in registers: indexed by p & 1 they lived on the stack, a load and a
+ * store a step) */
 static inline __attribute__((always_inline)) void fast512_q32(const uint8_t *row, int64_t k, const QuantX *qx,
                                                               int i0, const int NR, const int kind, const int T,
                                                               float *out) {
-    __m512 acc[4][2];
+    __m512 even[4], odd[4];
     float off[4][2] = {{0}};
     for (int r = 0; r < NR; r++)
-        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t nb = k / 32;
-    const int bb = kind < 0 ? 34 : kind ? 20 : 18, qo = kind == 1 ? 4 : 2;
-    const __m256i m15 = _mm256_set1_epi8(15);
-    for (int64_t p = 0; p < nb / 2; p++) {
-        const uint8_t *b0 = row + 2 * p * bb, *b1 = b0 + bb;
-        PREFETCH_W(b0, 2);
-        const float d0 = h2f(b0), d1 = h2f(b1);
-        __m512i w;
-        __mmask64 neg = 0;
-        if (kind < 0) {
-            const __m512i sw = join256(_mm256_loadu_si256((const __m256i *)(b0 + 2)),
-                                       _mm256_loadu_si256((const __m256i *)(b1 + 2)));
-            neg = _mm512_movepi8_mask(sw);
-            w = _mm512_abs_epi8(sw);
-        } else { /* byte j of a block: elements j (low nibble) and j + 16 (high) */
-            const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + qo)), q1 = _mm_loadu_si128((const __m128i *)(b1 + qo));
-            const __m256i lo = _mm256_and_si256(_mm256_set_m128i(q1, q0), m15);                        /* lo0 lo1 */
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_set_m128i(q1, q0), 4), m15); /* hi0 hi1 */
-            const __m512i lh = join256(lo, hi);
-            w = _mm512_shuffle_i64x2(lh, lh, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
-        }
-        const __m512 wsc = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-        const float m0 = kind == 1 ? h2f(b0 + 2) : -8.0f * d0, m1 = kind == 1 ? h2f(b1 + 2) : -8.0f * d1;
-        for (int r = 0; r < NR; r++) {
-            const int64_t i = (int64_t)T * (i0 + r), last = i + T - 1; /* T = 2: the scale d / 256 is last's */
-            /* kind < 0: the weights' signs onto x, each term */
-            const __m512 f = _mm512_cvtepi32_ps(xsums_512(w, qx->q + i * k + p * 64, k, T, kind < 0, neg));
-            const __m512 sc = _mm512_mul_ps(wsc, _mm512_loadu_ps(qx->d8 + (last * nb + 2 * p) * 8));
-            acc[r][p & 1] = _mm512_fmadd_ps(f, sc, acc[r][p & 1]);
-            if (kind >= 0) {
-                off[r][0] += m0 * (qx->s32[i * nb + 2 * p] + (T == 2 ? qx->s32[last * nb + 2 * p] : 0.0f));
-                off[r][1] += m1 * (qx->s32[i * nb + 2 * p + 1] + (T == 2 ? qx->s32[last * nb + 2 * p + 1] : 0.0f));
-            }
-        }
-    }
+        even[r] = odd[r] = _mm512_setzero_ps();
+    const int64_t steps = k / 64;
+#define Q32_STEPS(U)                                                                                  \
+    do {                                                                                              \
+        int64_t p = 0;                                                                                \
+        for (; p + 2 <= steps; p += 2) {                                                              \
+            q32_step512(row, k, qx, i0, NR, kind, T, U, p, even, off);                                \
+            q32_step512(row, k, qx, i0, NR, kind, T, U, p + 1, odd, off);                             \
+        }                                                                                             \
+        if (p < steps)                                                                                \
+            q32_step512(row, k, qx, i0, NR, kind, T, U, p, even, off);                                \
+    } while (0)
+#if defined(__AVX512VNNI__)
+    if (kind < 0 && T == 1 && qx->c128 != NULL)
+        Q32_STEPS(1);
+    else
+#endif
+        Q32_STEPS(0);
+#undef Q32_STEPS
     for (int r = 0; r < NR; r++)
-        out[r] = hsum_tail(acc[r][0], acc[r][1]) + (off[r][0] + off[r][1]);
+        out[r] = hsum_tail(even[r], odd[r]) + (off[r][0] + off[r][1]);
 }
 
 #define FAST512_Q4K(NR) fast512_q4k(row, k, qx, i0, NR, T, out)

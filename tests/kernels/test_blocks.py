@@ -229,6 +229,28 @@ def test_fast_products_are_integer_products_on_rounded_x(fmt, m, n, k, terms):
         assert apart * 20 < float(((one - exact).abs() / scale).max())
 
 
+@pytest.mark.parametrize("k", [192, 2048])
+def test_fast_q8_0_few_rows_equal_the_same_rows_of_a_long_step(k):
+    """Q8_0's fast products for up to 8 rows of x start their integer sums from x's sums
+    times -128 and take the weights' bytes with the top bit flipped (unsigned, AVX-512 VNNI
+    builds); longer steps move the weights' signs onto x. The same int32 sums either way: every
+    row of a short call equals that row of a 12-row call bit for bit, weights of -128 included.
+    k = 192: an odd count of two-block steps (the last taken alone)."""
+    raw = random_blocks("Q8_0", 37, k, seed=k)
+    quants = raw.reshape(37, k // 32, 34)[:, :, 2:]
+    quants[::3, :, 5] = 0x80  # -128, the weight whose magnitude only the unsigned byte holds
+    quants[1::4, :, 17] = 0x7F
+    blocks = torch.from_numpy(raw)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(k))
+    x[:, 7] = 0.0
+    long_step = cpu_blocks.linear(x, blocks, "Q8_0", k, fast=True)
+    for m in (1, 2, 5, 8):
+        assert torch.equal(cpu_blocks.linear(x[:m], blocks, "Q8_0", k, fast=True), long_step[:m]), m
+    w = torch.from_numpy(reference_dequant("Q8_0", raw, k)).double()
+    expect = _rounded_x(x) @ w.T
+    assert torch.all((long_step.double() - expect).abs() <= 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6)
+
+
 def test_fast_is_refused_for_a_format_without_integer_products():
     raw = torch.from_numpy(random_blocks("Q5_K", 4, 256))
     with pytest.raises(ValueError, match="no integer products for Q5_K"):
