@@ -539,10 +539,14 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
 def llama_cpp_records(records: list[Record], model: str, per_folder: bool = False) -> list[Record]:
     """bench_quant's newest record against llama.cpp on ``model``'s file for each machine kind
     (``Record.kind``; the kernels are tuned per CPU kind) and prompt length, in kind and length
-    order; with ``per_folder``, for each of the harness's folders instead (the README's one row
-    per folder)."""
+    order, among those holding some longctx engine over the file's blocks (``blocks``,
+    ``blocks-bf16``, ...); with ``per_folder``, for each of the harness's folders instead, among
+    those holding the exact ``blocks`` engine (the README's one row per folder shows it)."""
+    def ours(rows: dict) -> bool:
+        return "longctx blocks" in rows if per_folder else any(n.startswith("longctx blocks") for n in rows)
+
     qs = [r for r in records if r.bench == "quant" and _holds(
-        lambda r: get(r.result, "args", "model") == model and {"longctx blocks", "llama.cpp"} <= set(quant_rows(r)), r)]
+        lambda r: get(r.result, "args", "model") == model and "llama.cpp" in quant_rows(r) and ours(quant_rows(r)), r)]
     groups = sorted({r.folder for r in qs}) if per_folder else kinds(qs)
 
     def group(r: Record) -> str:
@@ -1011,7 +1015,7 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
             decode_bar = 0.7 if n >= 16384 else 1.0  # long context is where the paged kernels should show
             # prefill: the exact blocks' (float32 sums over the file's values), and where a run holds it
             # the bfloat16 compute's (prefill chunks on AMX tiles), the faster of the two, named
-            pre_pool = [r for r in (by["longctx blocks"], by.get("longctx blocks-bf16")) if r]
+            pre_pool = [r for r in (by.get("longctx blocks"), by.get("longctx blocks-bf16")) if r]
             for what, key, pick, pool, bar in (("decode at", "decode_ms", min, ours, decode_bar),
                                                ("prefill of", "prefill_s", min, pre_pool, 1.0),
                                                ("peak RSS at", "peak_rss_gib", min, ours, 1.1)):

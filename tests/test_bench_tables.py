@@ -294,3 +294,33 @@ def test_two_cpu_models_in_one_folder_are_two_kinds(tmp_path: Path, tables):
     alone = [r for r in records if r.name.endswith("aaaaaaa.json")]
     assert tables.newest_per_kind(alone, "e2e", lambda r: True) == alone
     assert tables.machine_name(alone[0]) == "Intel Xeon Processor, 2 cores"
+
+
+def test_a_llama_cpp_record_without_the_exact_blocks_engine_counts_for_the_bars(tables):
+    """A run against llama.cpp that took only the bfloat16 compute over the blocks (a 16K run
+    kept short) gives the bars of its length, named with that engine; the README's one row per
+    folder keeps to records with the exact ``blocks`` engine, which it shows."""
+    def row(engine: str, prefill: float, decode: float, rss: float) -> dict:
+        return {"engine": engine, "prefill_s": prefill, "decode_ms": decode, "peak_rss_gib": rss}
+
+    def rec(name: str, started: str, ctx: int, rows: list[dict]) -> object:
+        return tables.Record(f"benchmarks/results/quant/intel-xeon-processor-2c/{name}",
+                             f"quant/intel-xeon-processor-2c/{name}",
+                             {"bench": "quant", "started": started, "machine": {"cpu": "Intel Xeon", "cores": 2},
+                              "git": {"rev": name[:7]},
+                              "result": {"args": {"model": "1b-q4_k_m", "ctx": ctx}, "rows": rows}})
+
+    short = rec("aaaaaaa.json", "2026-12-05T04:00:00+00:00", 4096,
+                [row("longctx blocks", 30.0, 60.0, 1.3), row("llama.cpp", 40.0, 100.0, 1.3)])
+    old16 = rec("bbbbbbb.json", "2026-12-05T05:00:00+00:00", 16384,
+                [row("longctx blocks", 200.0, 150.0, 2.0), row("llama.cpp", 300.0, 280.0, 1.6)])
+    new16 = rec("ccccccc.json", "2026-12-05T06:00:00+00:00", 16384,
+                [row("longctx blocks-bf16", 45.0, 75.0, 1.4), row("llama.cpp", 265.0, 270.0, 1.6)])
+    lines = tables.render("targets", [short, old16, new16], tables.Doc(Path("docs/benchmarks.md"))).splitlines()
+    rss16 = next(line for line in lines if "peak RSS at 16K" in line)
+    assert "| 0.87x (blocks-bf16) | met |" in rss16 and "ccccccc" in rss16, rss16
+    pre16 = next(line for line in lines if "prefill of 16K" in line)
+    assert "0.17x" in pre16 and "ccccccc" in pre16, pre16
+    assert not any("bbbbbbb" in line for line in lines)  # the newer 16K record holds the bars
+    assert [r.name for r in tables.llama_cpp_records([short, old16, new16], "1b-q4_k_m", per_folder=True)] == \
+        [short.name, old16.name]
