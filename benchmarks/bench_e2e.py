@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_worker import spawn
+from hf_worker import peer_env, spawn
 from machine import machine_info, save_result
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
@@ -277,7 +277,8 @@ def worker_vllm(args) -> dict:
            "kv_cache_gib": kv_bytes / (1 << 30),
            "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND",
                                                    "VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                   "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")},
+                                                   "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD",
+                                                   "THP_MEM_ALLOC_ENABLE")},
            "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
            "prefill_s": {}, "prefill_engine_s": {}}
     for n in args.lengths:
@@ -346,7 +347,7 @@ def run_worker(engine: str, args) -> dict:
            "--block-size", str(args.block_size)]
     if engine in VLLM_ENGINES:
         cmd += ["--hf-folder", str(args.hf_folder), "--vllm-kv-gib", str(args.vllm_kv_gib)]
-    res, wall = spawn(__file__, cmd, engine, python=python)
+    res, wall = spawn(__file__, cmd, engine, python=python, env=None if engine.startswith("longctx") else peer_env())
     res["worker_wall_s"] = wall
     return res
 

@@ -67,6 +67,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from hf_worker import peer_env  # noqa: E402
 from machine import machine_info, save_result  # noqa: E402
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -277,12 +278,13 @@ def main() -> int:
                 continue
             ids = rows[0]["prompt_ids"]
             proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), *common, json.dumps(ids),
-                                   "q8_0" if engine.endswith("q8kv") else "f16"], capture_output=True, text=True)
+                                   "q8_0" if engine.endswith("q8kv") else "f16"], capture_output=True, text=True,
+                                  env=peer_env())
         elif engine in VLLM_ENGINES:
             ids = rows[0]["prompt_ids"]
             proc = subprocess.run([args.vllm_python, "-c", VLLM, VLLM_ENGINES[engine], *common, json.dumps(ids),
                                    str(hf_folder_of(args.model)), str(ROOT / "benchmarks")],
-                                  capture_output=True, text=True, cwd="/")
+                                  capture_output=True, text=True, cwd="/", env=peer_env())
         else:
             model = gguf
             if engine in QUANTIZED:  # an HF folder of the same weights (the F32 file's, for the 1B model)

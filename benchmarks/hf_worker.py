@@ -15,6 +15,7 @@ transformers is not needed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -122,15 +123,27 @@ def worker_result(stdout: str) -> dict:
     raise RuntimeError("worker printed no JSON result")
 
 
+def peer_env() -> dict[str, str]:
+    """The environment for a peer's process (HF transformers, vLLM-CPU, llama.cpp): this
+    process's, less the ``THP_MEM_ALLOC_ENABLE`` that ``import longctx`` set here (the peers
+    run with their own defaults; a value the user gave is kept for every engine)."""
+    env = dict(os.environ)
+    longctx = sys.modules.get("longctx")
+    if longctx is not None and getattr(longctx, "_huge_pages_set_here", False):
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
+    return env
+
+
 def spawn(script: str | Path, args: list[str], label: str, python: str | None = None,
-          announce: bool = True) -> tuple[dict, float]:
+          announce: bool = True, env: dict[str, str] | None = None) -> tuple[dict, float]:
     """Run ``python script --worker ... args`` (``args`` include ``--worker``), wait, and return
     (its JSON result, wall seconds of the process). ``announce``: say "running LABEL ..." on
-    stderr first. A failing worker raises with the tails of its stderr and stdout."""
+    stderr first; ``env``: the process's environment (None: this one's). A failing worker
+    raises with the tails of its stderr and stdout."""
     if announce:
         print(f"running {label} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run([python or sys.executable, str(script), *args], capture_output=True, text=True)
+    proc = subprocess.run([python or sys.executable, str(script), *args], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{label} worker failed with exit code {proc.returncode}:\n"

@@ -1019,6 +1019,8 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
             for what, key, pick, pool, bar in (("decode at", "decode_ms", min, ours, decode_bar),
                                                ("prefill of", "prefill_s", min, pre_pool, 1.0),
                                                ("peak RSS at", "peak_rss_gib", min, ours, 1.1)):
+                if not pool:  # e.g. a run of int8 pages alone: no figure of this kind
+                    continue
                 r = pick(pool, key=lambda r, k=key: r[k])
                 s = r[key] / ll[key]
                 add(f"{label} {what} {tokens(n)}, {'time' if key != 'peak_rss_gib' else 'RSS'} against llama.cpp's",

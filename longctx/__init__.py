@@ -37,23 +37,27 @@ def _unshadow_top_level_kernels() -> None:
         del _sys.modules["kernels"]  # imported as top-level before us: let the real one load
 
 
-
 _unshadow_top_level_kernels()
+_huge_pages_set_here = False  # whether the import below set THP_MEM_ALLOC_ENABLE
 
 
 def _huge_pages_for_large_tensors() -> None:
-    """Have torch's CPU allocator put each block of 2 MiB or more on transparent huge pages
-    (its ``THP_MEM_ALLOC_ENABLE``: 2 MiB-aligned, madvise MADV_HUGEPAGE), on Linux, unless the
-    user set that variable or ``LONGCTX_HUGE_PAGES=0``. torch reads the variable once, at its
-    first large allocation, so it is set at import, before the engine allocates anything (a
-    process that allocated large tensors before importing longctx keeps 4 KiB pages). Why: a
-    decode step streams every weight once, and on 4 KiB pages each 4 KiB of that stream needs
+    """Have torch's CPU allocator advise the kernel to back each block of 2 MiB or more with
+    transparent huge pages (its ``THP_MEM_ALLOC_ENABLE``: madvise MADV_HUGEPAGE), on Linux,
+    unless the user set that variable or ``LONGCTX_HUGE_PAGES=0``. torch reads the variable
+    once, at its first CPU allocation, so it is set at import, before the engine allocates
+    anything (a process that made CPU tensors before importing longctx keeps 4 KiB pages). Why:
+    a decode step streams every weight once, and on 4 KiB pages each 4 KiB of that stream needs
     a TLB entry. Measured on an Intel Xeon (family 6 model 167, 2 threads): the int8 block
     product of a [8192, 2048] matrix with one row of x 19.6-20.1 -> 21.6-22.9 GB/s, and the 1B
-    int8 model's decode at 4K 65-69 -> 61-62 ms a token (docs/kernels.md). Weights read from a
-    memory-mapped file (GGUF blocks, the weight caches) are page cache and keep its pages."""
-    if _sys.platform.startswith("linux") and _os.environ.get("LONGCTX_HUGE_PAGES", "1") != "0":
-        _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    int8 model's decode at 4K 66.7-69.9 -> 62.1-64.9 ms a token (docs/kernels.md). Weights read
+    from a memory-mapped file (GGUF blocks, the weight caches) are page cache and keep its
+    pages."""
+    global _huge_pages_set_here
+    if (_sys.platform.startswith("linux") and _os.environ.get("LONGCTX_HUGE_PAGES", "1") != "0"
+            and "THP_MEM_ALLOC_ENABLE" not in _os.environ):
+        _os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+        _huge_pages_set_here = True  # (the benchmarks start their peers without it)
 
 
 _huge_pages_for_large_tensors()

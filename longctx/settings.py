@@ -31,6 +31,8 @@ ENV_VARS: dict[str, str] = {
                          "CPU has AMX-BF16 (default: its AMX build there)",
     "LONGCTX_MALLOC_TUNE": "0: leave glibc's malloc thresholds as they are (default: after a CPU engine loads, "
                            "blocks under 256 MiB come from the heap and 512 MiB stay at its top, mallopt)",
+    "LONGCTX_HUGE_PAGES": "0: do not ask torch for transparent huge pages (default: import longctx sets "
+                          "THP_MEM_ALLOC_ENABLE=1 on Linux unless it is set)",
     "LONGCTX_API_KEY": "the API key `longctx serve` requires when --api-key is not given",
     "LONGCTX_SP_TORCHRUN": "internal: set by `python -m longctx.entrypoints.torchrun` on rank 0 (the ranks' "
                            "torchrun variables, handed to the engine)",
@@ -44,6 +46,9 @@ ENV_VARS: dict[str, str] = {
     "MASTER_PORT": "the rendezvous port (torchrun)",
     # others' variables longctx reads or sets
     "TRITON_INTERPRET": "1: Triton kernels run in its interpreter (tests on the CPU)",
+    "THP_MEM_ALLOC_ENABLE": "torch's: 1 puts CPU blocks of 2 MiB or more on transparent huge pages (set to 1 "
+                            "at import unless given or LONGCTX_HUGE_PAGES=0; torch reads it at its first CPU "
+                            "allocation)",
     "TOKENIZERS_PARALLELISM": "set to false unless given (the tokenizers library's threads "
                               "would fight the engine's)",
 }

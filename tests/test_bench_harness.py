@@ -301,3 +301,22 @@ def test_e2e_rounds_pool_each_engines_samples():
     assert m["decode_tokens"] == [1, 2] and m["decode_tokens_same_in_every_round"] is False
     assert [r["batch_output_tok_s"] for r in m["rounds"]] == [100.0, 120.0, 90.0]
     assert one["longctx-bf16"]["prefill_s"] == {"2048": [1.0, 1.2]}  # (the rounds' own results untouched)
+
+
+def test_peers_start_without_the_huge_pages_longctx_set(monkeypatch):
+    """HF transformers, vLLM-CPU and llama.cpp run with their own defaults: the
+    THP_MEM_ALLOC_ENABLE that ``import longctx`` set is left out of their environment; one the
+    user gave is kept, and longctx's own workers keep theirs."""
+    import longctx
+
+    spec = importlib.util.spec_from_file_location("hf_worker_for_test", BENCH / "hf_worker.py")
+    hf_worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_worker)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    monkeypatch.setattr(longctx, "_huge_pages_set_here", True)
+    assert "THP_MEM_ALLOC_ENABLE" not in hf_worker.peer_env()
+    monkeypatch.setattr(longctx, "_huge_pages_set_here", False)  # the user's own setting
+    assert hf_worker.peer_env()["THP_MEM_ALLOC_ENABLE"] == "1"
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"],
+                         env=hf_worker.peer_env(), capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "1"

@@ -322,5 +322,9 @@ def test_a_llama_cpp_record_without_the_exact_blocks_engine_counts_for_the_bars(
     pre16 = next(line for line in lines if "prefill of 16K" in line)
     assert "0.17x" in pre16 and "ccccccc" in pre16, pre16
     assert not any("bbbbbbb" in line for line in lines)  # the newer 16K record holds the bars
+    int8kv = rec("ddddddd.json", "2026-12-05T07:00:00+00:00", 16384,
+                 [row("longctx blocks-int8kv", 45.0, 60.0, 1.2), row("llama.cpp", 265.0, 270.0, 1.6)])
+    lines = tables.render("targets", [short, int8kv], tables.Doc(Path("docs/benchmarks.md"))).splitlines()
+    assert not any("ddddddd" in line for line in lines)  # int8 pages alone: no bar against f16 KV
     assert [r.name for r in tables.llama_cpp_records([short, old16, new16], "1b-q4_k_m", per_folder=True)] == \
         [short.name, old16.name]

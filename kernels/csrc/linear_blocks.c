@@ -1386,7 +1386,7 @@ struct QuantX {
     float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
     float *d8;     /* [m, k / 32 * 8]: each block's scale 8 times (the lanes of its sums) */
     float *s32;    /* [m, k / 32]: d * the sum of q over each block */
-    int32_t *c128; /* [m, k / 4]: -128 * the sum of each 4 of q (one row's terms, few rows; NULL otherwise) */
+    int32_t *c128; /* [m, k / 4]: -128 * the sum of each 4 of q (terms == 1, m <= C128_MAX_ROWS; else NULL) */
 };
 
 static void free_quant_x(QuantX *qx) { /* a calloc'ed QuantX and what quantize_x gave it; NULL: nothing */
@@ -1776,8 +1776,9 @@ static inline __attribute__((always_inline)) void fast512_q6k(const uint8_t *row
  * c128 (AVX-512 VNNI, one term, few rows), the weights' bytes made unsigned by flipping their
  * top bit (w + 128) and vpdpbusd started from -128 times x's 4-byte sums, so
  * sum (w + 128) x - 128 sum x = sum w x; else their magnitudes, with their signs moved onto x.
- * The first is three instructions a step where the second takes five per row of x (sign mask,
- * magnitudes, x's masked negation, a zeroed sum). */
+ * The first takes one flip a step and, per row of x, a load of the sums' start with the
+ * product; the second a sign mask and the magnitudes a step, then per row x's masked negation
+ * and a zeroed sum besides the product. */
 static inline __attribute__((always_inline)) void q32_step512(const uint8_t *row, int64_t k, const QuantX *qx,
                                                               int i0, const int NR, const int kind, const int T,
                                                               const int unsigned_w, int64_t p, __m512 *acc,
