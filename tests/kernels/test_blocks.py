@@ -236,6 +236,8 @@ def test_fast_q8_0_few_rows_equal_the_same_rows_of_a_long_step(k):
     builds); longer steps move the weights' signs onto x. The same int32 sums either way: every
     row of a short call equals that row of a 12-row call bit for bit, weights of -128 included.
     k = 192: an odd count of two-block steps (the last taken alone)."""
+    if not cpu_blocks.fast_supported("Q8_0"):
+        pytest.skip(f"no integer products at {cpu_build.isa()}")
     raw = random_blocks("Q8_0", 37, k, seed=k)
     quants = raw.reshape(37, k // 32, 34)[:, :, 2:]
     quants[::3, :, 5] = 0x80  # -128, the weight whose magnitude only the unsigned byte holds
