@@ -157,8 +157,6 @@ static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t
     }
 }
 
-/* y [Mp, N] float32 (row stride ldy) = xb (x rounded: round_rows, Mp rows) @ w [N, K] bfloat16 ^T.
- * Returns 0, or -1 for a failed allocation (nothing written). */
 /* A thread's slice of w, in groups of 32 rows (of `groups`): up to 8, as many as keep the packed
  * slice near 1 MB (in L2 with the 32 rows of x it meets) and give each thread two slices or more. */
 static int slice_groups(int K, int groups, int threads) {
@@ -168,6 +166,8 @@ static int slice_groups(int K, int groups, int threads) {
     return even >= 1 && n > even ? even : n;
 }
 
+/* y [Mp, N] float32 (row stride ldy) = xb (x rounded: round_rows, Mp rows) @ w [N, K] bfloat16 ^T.
+ * Returns 0, or -1 for a failed allocation (nothing written). */
 static int tiles_product(const uint16_t *xb, int Mp, int K, const uint16_t *w, int N, float *y, int64_t ldy,
                          int threads) {
     const int pairs = slice_groups(K, (N + 31) / 32, threads);  /* pairs of 16-column blocks a slice */

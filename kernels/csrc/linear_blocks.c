@@ -1132,7 +1132,7 @@ int longctx_blocks_row_bytes(int fmt, int64_t k, int64_t *row_bytes) {
 int longctx_blocks_fast_supported(int fmt);
 #if HAVE_AVX2
 typedef struct QuantX QuantX; /* x rounded to int8 in blocks of 32 (the "fast" numerics, below) */
-static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k, int terms);
+static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k, int terms, int want_c128);
 static void free_quant_x(QuantX *qx);
 static void fast_dot_terms(const uint8_t *row, int fmt, int64_t k, const QuantX *qx, int terms, int i0, int R,
                            float *out);
@@ -1181,10 +1181,13 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
 #if HAVE_AVX2
     /* fast: x rounded to int8 once a call, for the parts whose format has integer products */
     QuantX *qx = NULL;
+    int q8_0 = 0; /* a Q8_0 part: x's c128 serves its few-row form */
+    for (int p = 0; p < nparts; p++)
+        q8_0 |= fmts[p] == F_Q8_0;
     for (int p = 0; p < nparts && fast && qx == NULL; p++) {
         if (!longctx_blocks_fast_supported(fmts[p]))
             continue;
-        if ((qx = new_quant_x(x, ldx, m, k, fast)) == NULL) {
+        if ((qx = new_quant_x(x, ldx, m, k, fast, q8_0)) == NULL) {
             free(pro);
             return 3;
         }
@@ -1386,7 +1389,7 @@ struct QuantX {
     float *s16;    /* [m, k / 16]: d * the sum of q over each half block */
     float *d8;     /* [m, k / 32 * 8]: each block's scale 8 times (the lanes of its sums) */
     float *s32;    /* [m, k / 32]: d * the sum of q over each block */
-    int32_t *c128; /* [m, k / 4]: -128 * the sum of each 4 of q (terms == 1, m <= C128_MAX_ROWS; else NULL) */
+    int32_t *c128; /* [m, k / 4]: -128 * the sum of each 4 of q (a Q8_0 part, terms == 1, m <= C128_MAX_ROWS; else NULL) */
 };
 
 static void free_quant_x(QuantX *qx) { /* a calloc'ed QuantX and what quantize_x gave it; NULL: nothing */
@@ -1428,7 +1431,7 @@ static float quantize_block(const float *xb, QuantX *qx, int64_t i, int64_t b, i
  * within d / 512 (~1/65000 of each block's largest element) instead of d / 2 (1/254), a 16-bit
  * value 256 q1 + q2 on the scale d / 256, whose integer sums the AVX-512 forms take as
  * 256 * (w . q1) + w . q2 in one int32 lane (|w . q1| over 4 elements <= 4 * 255 * 127). */
-static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, QuantX *qx) {
+static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, int want_c128, QuantX *qx) {
     const size_t rows = (size_t)m * (size_t)terms;
     qx->q = (int8_t *)malloc(rows * k);
     qx->d = (float *)malloc(rows * (k / 32) * sizeof(float));
@@ -1451,7 +1454,7 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, 
 #if defined(__AVX512VNNI__)
     /* decode-sized calls: x's 4-byte sums times -128, where Q8_0's AVX-512 form starts its sums
      * (fast512_q32) */
-    if (terms == 1 && m <= C128_MAX_ROWS) {
+    if (want_c128 && terms == 1 && m <= C128_MAX_ROWS) {
         if ((qx->c128 = (int32_t *)malloc((size_t)m * (size_t)(k / 4) * sizeof(int32_t))) == NULL)
             return 1;
         for (int64_t j = 0; j < (int64_t)m * (k / 4); j++) {
@@ -1464,9 +1467,9 @@ static int quantize_x(const float *x, int64_t ldx, int m, int64_t k, int terms, 
 }
 
 /* x [m, k] rounded to int8 in 1 or 2 terms (quantize_x), or NULL when out of memory */
-static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k, int terms) {
+static QuantX *new_quant_x(const float *x, int64_t ldx, int m, int64_t k, int terms, int want_c128) {
     QuantX *qx = (QuantX *)calloc(1, sizeof *qx);
-    if (qx == NULL || quantize_x(x, ldx, m, k, terms, qx) != 0) {
+    if (qx == NULL || quantize_x(x, ldx, m, k, terms, want_c128, qx) != 0) {
         free_quant_x(qx);
         return NULL;
     }
