@@ -70,6 +70,12 @@
 #ifndef PANEL_K
 #define PANEL_K 2048 /* most of K per panel block (a multiple of 8): 2048 x 32 floats = 256 KB, in L2 */
 #endif
+#ifndef PANEL_ROWS_Z
+/* rows of x per pass over a K block of both panels at AVX-512 (1..15): each row's broadcast feeds two FMAs,
+ * the two panel loads feed 2 x PANEL_ROWS_Z (see panel_rows_z) */
+#define PANEL_ROWS_Z 6
+#endif
+#define ROW_PAD 16 /* floats after each row of the prologue's copy of x (see longctx_linear_rows) */
 
 /* Weights are float32 (WT_F32) or bfloat16 (WT_BF16: the top half of a float32, read back by a
  * 16-bit shift, so every product and sum stays float32 and only the stored weight is rounded).
@@ -364,11 +370,16 @@ static int panel_block(int K) {
 
 #if HAVE_AVX512
 /* AVX-512: both panels of a slice at once, 16 columns each in one register: acc[m][s] = sum
- * over k < kb of x[m][k] * panel s [k][0..15], MR (1..6) rows. (8 or 12 rows measured the
- * same as 6.) */
+ * over k < kb of x[m][k] * panel s [k][0..15], MR (1..PANEL_ROWS_Z) rows. Per k two panel loads
+ * and MR broadcasts feed 2 MR FMAs. On the AMD EPYC (Zen 4, its 512-bit FMAs taken in two halves)
+ * 8 or 12 rows measured the same as 6. On the Intel Xeon (two 512-bit FMA ports, where the loads
+ * bind first) with the prologue's rows padded (ROW_PAD), one layer's four products of the 1B-shaped
+ * model at 512 rows took 209 ms with 10 rows against 226 with 6 (medians of 7, alternating; 9 rows
+ * 213, 11 rows 208; 12 rows 217 against 225 in another run; 14 no faster than 6 unpadded): Intel
+ * builds take 10 (cpu_linear.VENDOR_FLAGS). */
 static inline __attribute__((always_inline)) void panel_rows_z(int MR, const float *wp, int kb, const float *x,
-                                                               int64_t ldx, __m512 acc[6][2]) {
-    __m512 a[6][2];
+                                                               int64_t ldx, __m512 acc[PANEL_ROWS_Z][2]) {
+    __m512 a[PANEL_ROWS_Z][2];
     for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_ps();
     const float *w0 = wp, *w1 = wp + (int64_t)kb * 16;
     for (int k = 0; k < kb; k++) {
@@ -385,17 +396,22 @@ static inline __attribute__((always_inline)) void panel_rows_z(int MR, const flo
     }
 }
 
-/* panel_store for each of the slice's panels (its ns columns), from the 16-float sums. */
-static inline __attribute__((always_inline)) void panel_store_z(int MR, __m512 z[6][2], Epilogue ep, int n_begin,
-                                                                int ns, float *y, int64_t ldy, int first, int last) {
-    for (int s = 0; s * 16 < ns; s++) {
-        __m256 acc[6][2];
-        for (int m = 0; m < MR; m++) {
-            acc[m][0] = _mm512_castps512_ps256(z[m][s]);
-            acc[m][1] = _mm512_extractf32x8_ps(z[m][s], 1);
+/* panel_store for each of the slice's panels (its ns columns), from the 16-float sums, six rows
+ * at a time. */
+static inline __attribute__((always_inline)) void panel_store_z(int MR, __m512 z[PANEL_ROWS_Z][2], Epilogue ep,
+                                                                int n_begin, int ns, float *y, int64_t ldy, int first,
+                                                                int last) {
+    for (int s = 0; s * 16 < ns; s++)
+        for (int m0 = 0; m0 < MR; m0 += 6) {
+            const int mr = MR - m0 < 6 ? MR - m0 : 6;
+            __m256 acc[6][2];
+            for (int m = 0; m < mr; m++) {
+                acc[m][0] = _mm512_castps512_ps256(z[m0 + m][s]);
+                acc[m][1] = _mm512_extractf32x8_ps(z[m0 + m][s], 1);
+            }
+            panel_store(mr, acc, tile_ep(ep, m0), n_begin + 16 * s, ns - 16 * s < 16 ? ns - 16 * s : 16,
+                        y + m0 * ldy, ldy, first, last);
         }
-        panel_store(MR, acc, ep, n_begin + 16 * s, ns - 16 * s < 16 ? ns - 16 * s : 16, y, ldy, first, last);
-    }
 }
 #endif
 
@@ -423,13 +439,57 @@ static void slice_panels(const float *x, int64_t ldx, int M, const void *w, int 
         const int first = k0 == 0, last = k0 + kb == K;
         pack_panels(w, wt, K, k0, kb, n_begin, ns, wp);
 #if HAVE_AVX512
-        for (int m = 0; m < M; m += 6) {
-            __m512 z[6][2];
+        for (int m = 0; m < M; m += PANEL_ROWS_Z) {
+            __m512 z[PANEL_ROWS_Z][2];
             const float *xr = x + m * ldx + k0;
             const Epilogue er = tile_ep(ep, m);
             float *yr = y + m * ldy;
 #define Z_ROWS(R) panel_rows_z(R, wp, kb, xr, ldx, z); panel_store_z(R, z, er, n_begin, ns, yr, ldy, first, last)
-            BY_ROWS(M - m < 6 ? M - m : 6, Z_ROWS);
+            switch (M - m < PANEL_ROWS_Z ? M - m : PANEL_ROWS_Z) { /* the rows as a constant: sums in registers */
+#if PANEL_ROWS_Z > 1
+            case 1: Z_ROWS(1); break;
+#endif
+#if PANEL_ROWS_Z > 2
+            case 2: Z_ROWS(2); break;
+#endif
+#if PANEL_ROWS_Z > 3
+            case 3: Z_ROWS(3); break;
+#endif
+#if PANEL_ROWS_Z > 4
+            case 4: Z_ROWS(4); break;
+#endif
+#if PANEL_ROWS_Z > 5
+            case 5: Z_ROWS(5); break;
+#endif
+#if PANEL_ROWS_Z > 6
+            case 6: Z_ROWS(6); break;
+#endif
+#if PANEL_ROWS_Z > 7
+            case 7: Z_ROWS(7); break;
+#endif
+#if PANEL_ROWS_Z > 8
+            case 8: Z_ROWS(8); break;
+#endif
+#if PANEL_ROWS_Z > 9
+            case 9: Z_ROWS(9); break;
+#endif
+#if PANEL_ROWS_Z > 10
+            case 10: Z_ROWS(10); break;
+#endif
+#if PANEL_ROWS_Z > 11
+            case 11: Z_ROWS(11); break;
+#endif
+#if PANEL_ROWS_Z > 12
+            case 12: Z_ROWS(12); break;
+#endif
+#if PANEL_ROWS_Z > 13
+            case 13: Z_ROWS(13); break;
+#endif
+#if PANEL_ROWS_Z > 14
+            case 14: Z_ROWS(14); break;
+#endif
+            default: Z_ROWS(PANEL_ROWS_Z); break;
+            }
 #undef Z_ROWS
         }
 #else
@@ -561,12 +621,16 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
         return -1;
     float *tmp = NULL;
     if (prologue != 0) { /* the rows the product takes, computed once: M x K floats */
-        tmp = malloc(sizeof(float) * (size_t)M * (size_t)K);
+        /* Each row ROW_PAD floats (a cache line) past the last: the panels read several rows of x side
+         * by side, and at a width of 1,024 floats or a multiple of it those rows' lines would share one
+         * L1 set (the set repeats every 4 KB). */
+        const int64_t ldt = K + (M >= PANEL_MIN_ROWS ? ROW_PAD : 0);
+        tmp = malloc(sizeof(float) * (size_t)M * (size_t)ldt);
         if (!tmp) return -2;
 #pragma omp parallel for schedule(static) if (M >= 8) num_threads(threads)
         for (int m = 0; m < M; m++) {
             const float *xr = x + m * ldx;
-            float *t = tmp + (int64_t)m * K;
+            float *t = tmp + (int64_t)m * ldt;
             if (prologue == 1) {
                 rms_row(xr, norm_w, eps, K, t);
             } else {
@@ -574,7 +638,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
             }
         }
         x = tmp;
-        ldx = K;
+        ldx = ldt;
     }
     const Epilogue ep = {bias, res, ldr};
     const int num_slices = (N + SLICE - 1) / SLICE;

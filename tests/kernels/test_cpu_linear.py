@@ -52,9 +52,9 @@ def test_matches_reference(rows, n, k, bias):
     torch.testing.assert_close(cpu_linear.linear(x, w, b), _reference(x, w, b), rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DROW_PREFETCH=8192",)), ("AuthenticAMD", ()),
-                                          ("", ())])
-def test_decode_weight_prefetch_is_built_for_intel_cpus_only(vendor, flags):
+@pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DROW_PREFETCH=8192", "-DPANEL_ROWS_Z=10")),
+                                          ("AuthenticAMD", ()), ("", ())])
+def test_decode_weight_prefetch_and_wider_panel_passes_are_built_for_intel_cpus_only(vendor, flags):
     assert cpu_build.vendor_flags(cpu_linear.VENDOR_FLAGS, vendor) == flags
 
 
@@ -79,6 +79,42 @@ def test_weight_prefetch_changes_no_bit(monkeypatch, rows, dtype, n, k):
         outs[ahead] = cpu_linear.linear(x, w, b)
     assert torch.equal(outs[64], outs[0]) and torch.equal(outs[8192], outs[0])
     torch.testing.assert_close(outs[8192], _reference(x, w.float(), b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [17, 23, 31, 100])
+@pytest.mark.parametrize("n,k", [(37, 77), (70, 1024), (33, 2100)])
+def test_panel_passes_of_any_row_count_give_the_same_bits(monkeypatch, rows, n, k):
+    """Builds whose AVX-512 panels take 6, 10 or 15 rows of x per pass (PANEL_ROWS_Z) give the
+    same bits and the float64 product, with each prologue (whose copy of x has padded rows), a
+    bias and a residual: the rows per pass change no sum's order, only which sums share a pass
+    (the last pass of a step takes the rows left: 17 = 15 + 2 = 10 + 7). K = 1,024 puts x's rows
+    4 KB apart, K = 2,100 makes two K blocks; float32 weights, and bfloat16 weights where the CPU
+    has no AVX-512 BF16 (they widen into the same panels). Without AVX-512 the builds are one."""
+    gen = torch.Generator().manual_seed(rows * 13 + n + k)
+    x = torch.randn(rows, 2 * k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    b, residual = torch.randn(n, generator=gen), torch.randn(rows, n, generator=gen)
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    weights = [w] if cpu_linear.rounds_bf16_rows() else [w, w.bfloat16()]
+    outs = {}
+    for per_pass in (6, 10, 15):
+        lib = cpu_build.build(cpu_linear.SOURCE, (f"-DPANEL_ROWS_Z={per_pass}",))
+        cpu_linear._declare(lib)
+        monkeypatch.setattr(cpu_linear._LIBRARY, "_lib", lib)
+        monkeypatch.setattr(cpu_linear._LIBRARY, "_status", "ok")
+        outs[per_pass] = [out for wt in weights for out in (
+            cpu_linear.linear(x[:, :k], wt, b, residual=residual),
+            cpu_linear.linear(x[:, :k], wt, norm_weight=norm_w, eps=1e-5),
+            cpu_linear.linear(x, wt, swiglu=True, residual=residual))]
+    for got in (outs[10], outs[15]):
+        assert all(torch.equal(a, c) for a, c in zip(got, outs[6]))
+    plain = x[:, :k]
+    normed = norm_w * (plain * torch.rsqrt(plain.pow(2).mean(-1, keepdim=True) + 1e-5))
+    gated = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    want = [_reference(plain, w, b) + residual, _reference(normed, w), _reference(gated, w) + residual]
+    for got, expected in zip(outs[10], want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
