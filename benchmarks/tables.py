@@ -1027,7 +1027,8 @@ def targets(records: list[Record], doc: Doc) -> list[str]:
                     f"<= {bar:g}x", f"{x(s, bar)}" + (f" ({r['engine'].removeprefix('longctx ')})"
                                                       if pool is ours or len(pool) > 1 else ""),
                     s <= bar, q)
-    vq = [r for r in records if r.bench == "quant" and _holds(lambda r: "vllm bfloat16" in quant_rows(r), r)]
+    vq = [r for r in records if r.bench == "quant"  # with a vLLM-CPU peer of either dtype (each row asks for its own)
+          and _holds(lambda r: "vllm bfloat16" in quant_rows(r) or "vllm float32" in quant_rows(r), r)]
     for kind in kinds(vq):
         for ours, theirs, what, bar in ((("int8", "int8-fast", "int8-fast-bf16kv", "int8-bf16", "int8-fast-bf16"),
                                          "vllm bfloat16",

@@ -239,6 +239,12 @@ def test_issue_42_vllm_bars_each_come_from_the_newest_record_holding_them(tables
     assert not any("bf16 prefill" in line for line in lines)  # no record ran bf16 beside vLLM
     readme = tables.render("readme-results", [old, new], tables.Doc(Path("README.md")))
     assert "int8-fast 40.00 s / 55.0 ms" in readme and "int8-fast 5.00x / 0.55x vs its bf16" in readme
+    # a newer run of float against vLLM fp32 alone (no bf16 peer) gives the fp32 bar
+    fp32_only = rec("ccccccc.json", "2026-12-05T06:00:00+00:00",
+                    [row("longctx float", 29.0, 190.0), row("vllm float32", 30.0, 200.0)])
+    lines = tables.render("targets", [old, new, fp32_only], tables.Doc(Path("docs/benchmarks.md"))).splitlines()
+    fp32 = next(line for line in lines if "fp32 prefill" in line)
+    assert "| 0.97x | met |" in fp32 and "ccccccc" in fp32
 
 
 def test_vllm_bars_are_read_per_machine_folder(tmp_path: Path, tables):
