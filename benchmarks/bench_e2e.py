@@ -56,6 +56,19 @@ VLLM_DEFAULT_ENGINES = ("vllm-fp32", "longctx-fp32", "vllm-bf16", "longctx-bf16"
 
 # ---------------------------------------------------------------- machine facts and ceilings
 
+def _chunk(text: str) -> int | str:
+    """--chunk: 'auto' or a positive token count."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--chunk must be 'auto' or a token count, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--chunk must be at least 1, got {value}")
+    return value
+
+
 def ceilings(threads: int, bf16: bool = True) -> dict:
     """GEMM rates and copy bandwidth. ``bf16=False`` skips the bf16 GEMM: on a CPU without
     bf16 instructions torch's bf16 matmul crawls (seen: 0.2 GFLOP/s on an AVX2 EPYC, ~10 min
@@ -126,7 +139,8 @@ def worker_longctx(args) -> dict:
     tok = llm.get_tokenizer()
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate({"prompt_token_ids": document_ids(tok, 256)}, one)  # warm-up
-    res = {"load_s": load_s, "prefill_s": {}}
+    res = {"load_s": load_s, "max_num_batched_tokens": llm.engine.sched_config.max_num_batched_tokens,
+           "prefill_s": {}}
     for n in args.lengths:
         ids = document_ids(tok, n)
         times = [llm.generate({"prompt_token_ids": ids}, one)[0].metrics.time_to_first_token
@@ -520,7 +534,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--batch-ctx", type=int, default=2048)
     p.add_argument("--batch-tokens", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk", type=_chunk, default="auto",
+                   help="longctx's max_num_batched_tokens: a token count, or 'auto' (the engine's own choice, "
+                        "4096 for this model since 2026-12-07; the records before used 2048)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
     p.add_argument("--out", type=Path, default=None)

@@ -44,7 +44,8 @@ def test_kv_cache_gb_auto_is_the_default():
 
 
 @pytest.mark.parametrize("intermediate,device,chunk", [
-    (1536, "cpu", 2048),   # SmolLM2-135M: 18 KiB of activations a token
+    (1536, "cpu", 4096),   # SmolLM2-135M: 18 KiB of activations a token
+    (3072, "cpu", 2048),   # Qwen3-0.6B
     (8192, "cpu", 512),    # Llama-3.2-1B: 96 KiB a token
     (14336, "cpu", 256),   # Llama-3.1-8B
     (200000, "cpu", 256),  # never below 256
@@ -55,8 +56,10 @@ def test_auto_batched_tokens_bound_a_cpu_chunks_activations(intermediate, device
 
     got = batched_tokens_for(SchedulerConfig(max_num_batched_tokens="auto"), intermediate, device)
     assert got.max_num_batched_tokens == chunk
-    if device == "cpu" and chunk < 2048:
+    if device == "cpu" and chunk < 4096:
         assert 2 * chunk * intermediate * 12 > CPU_ACTIVATION_BYTES  # the next power of two would not fit
+    if device == "cpu" and chunk > 256:
+        assert chunk * intermediate * 12 <= CPU_ACTIVATION_BYTES  # and this one does
     # a given budget is kept as given
     assert batched_tokens_for(SchedulerConfig(max_num_batched_tokens=4096), intermediate, device) \
         .max_num_batched_tokens == 4096
