@@ -62,7 +62,8 @@ MIN_ROWS = 65  # a forced N below this is raised to it: decode and verification 
 REPEATS = 5
 MARGIN = 0.03  # BLAS must be this much faster (a fraction of the kernel's time) to be chosen
 MAX_ELEMENTS = 1 << 21  # each measured matrix at most this many weights (8 MB of float32)
-VERSION = 2  # of the measurement: a change here re-measures (2: five repeats, from three)
+VERSION = 3  # of the measurement: a change here re-measures (2: five repeats, from three; 3: in the heap regime
+# the steps run in, longctx.model.prepare)
 
 
 def setting() -> str | int:

@@ -204,6 +204,27 @@ def test_engine_with_prefill_chunks_on_blas(tmp_path, monkeypatch):
 
 
 @needs_kernel
+def test_the_tune_measures_in_the_heap_regime_the_steps_run_in(tiny_engine_folder, monkeypatch):
+    """A first load's measurement (BLAS against the kernel) runs after glibc is told to keep
+    large blocks in its heap, as the steps will run: measured before, BLAS's fresh temporaries
+    were faulted in on every call (on huge pages, 2x its time at 2,048 rows)."""
+    from longctx.kernels import cpu_tune
+    from longctx.model import prepare
+
+    events = []
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
+    monkeypatch.setattr(cpu_tune, "_MEMO", {})
+    monkeypatch.setattr(cpu_tune, "_read", lambda path: {})  # nothing cached,
+    monkeypatch.setattr(cpu_tune, "_write", lambda path, data: None)  # nothing kept
+    monkeypatch.setattr(cpu_tune, "measure", lambda shapes, threads, way="blas": events.append(("measure", way)) or
+                        {"rows": {}, "blas_from_rows": None})
+    monkeypatch.setattr(prepare.cpu_build, "keep_large_blocks", lambda: events.append(("heap",)) or True)
+    with LLM(tiny_engine_folder, max_num_batched_tokens=64, block_size=16) as llm:
+        assert llm.engine.cpu_matmul == "kernel"
+    assert events[0] == ("heap",) and ("measure", "blas") in events, events
+
+
+@needs_kernel
 def test_a_bad_tune_setting_is_a_config_error_naming_it(tiny_engine_folder, monkeypatch):
     monkeypatch.setenv("LONGCTX_CPU_TUNE", "fastest")
     with pytest.raises(ConfigError, match="LONGCTX_CPU_TUNE must be 'auto', 'off' or a row count"):
