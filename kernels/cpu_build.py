@@ -121,7 +121,9 @@ def keep_large_blocks() -> bool:
     (mallopt M_MMAP_THRESHOLD), and keep up to twice that free at the heap's top
     (M_TRIM_THRESHOLD, else a freed block at the top goes back to the system and is faulted in
     again), instead of mapping each one afresh, once per process; the engine
-    calls it on the CPU once its weights and pages are allocated. Why: glibc maps every block of
+    calls it on the CPU once its weights are loaded, before the first-use tuning measures
+    (``longctx.model.prepare``: the measurements then see the heap the steps will), and again
+    once its pages are allocated (a KV pool made after it may take pages the tuning freed). Why: glibc maps every block of
     32 MiB or more (its dynamic threshold stops there) and unmaps it when freed, so a prefill
     chunk's large activations (a 1B model's [512, 16384] float32 gate/up product is exactly
     32 MiB) came back as fresh pages each time: ~8,000 page faults and zeroing a call, which cut

@@ -29,8 +29,9 @@ ENV_VARS: dict[str, str] = {
                         "every step) or a row count (BLAS or AMX from that many rows)",
     "LONGCTX_FLASH_AMX": "0: bfloat16 KV pages' prefill attention keeps the flash kernel's vector build where the "
                          "CPU has AMX-BF16 (default: its AMX build there)",
-    "LONGCTX_MALLOC_TUNE": "0: leave glibc's malloc thresholds as they are (default: after a CPU engine loads, "
-                           "blocks under 256 MiB come from the heap and 512 MiB stay at its top, mallopt)",
+    "LONGCTX_MALLOC_TUNE": "0: leave glibc's malloc thresholds as they are (default: once a CPU engine's weights are "
+                           "loaded, before its first-use tuning, blocks under 256 MiB come from the heap and 512 MiB "
+                           "stay at its top, mallopt)",
     "LONGCTX_HUGE_PAGES": "0: do not ask torch for transparent huge pages (default: import longctx sets "
                           "THP_MEM_ALLOC_ENABLE=1 on Linux unless it is set)",
     "LONGCTX_API_KEY": "the API key `longctx serve` requires when --api-key is not given",

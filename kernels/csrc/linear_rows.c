@@ -34,7 +34,8 @@
  * PANEL_MIN_ROWS rows on (panels): a slice's weights are transposed once into two panels of
  * 16 output columns ([k][16], 8x8 register transposes), and x rows are taken six at a time
  * against a panel: per k two panel loads and six broadcasts feed twelve FMAs, where the dot
- * products spend a load per FMA. K goes in blocks of up to PANEL_K and rows in blocks of
+ * products spend a load per FMA (at AVX-512 both panels at once, PANEL_ROWS_Z rows a pass: ten
+ * on Intel, see panel_rows_z). K goes in blocks of up to PANEL_K and rows in blocks of
  * PANEL_M so the panels and the x rows stay in cache for any model width and step.
  * (bench_linear.py has the figures per row count.) AVX2 + FMA with intrinsics where the
  * compiler targets them (kernels/cpu_build.py picks the instruction set); the dot products run
@@ -74,6 +75,9 @@
 /* rows of x per pass over a K block of both panels at AVX-512 (1..15): each row's broadcast feeds two FMAs,
  * the two panel loads feed 2 x PANEL_ROWS_Z (see panel_rows_z) */
 #define PANEL_ROWS_Z 6
+#endif
+#if PANEL_ROWS_Z < 1 || PANEL_ROWS_Z > 15
+#error "PANEL_ROWS_Z must be 1..15 (the pass's switch and the 32 vector registers)"
 #endif
 #define ROW_PAD 16 /* floats after each row of the prologue's copy of x (see longctx_linear_rows) */
 
@@ -593,7 +597,7 @@ static void slice_panels_bf16(const uint32_t *xb, int M, const uint16_t *w, int 
         const int first = k0 == 0, last = k0 + kb == K;
         pack_panels_bf16(w, K, k0, kb, n_begin, ns, wp);
         for (int m = 0; m < M; m += 6) {
-            __m512 z[6][2];
+            __m512 z[PANEL_ROWS_Z][2]; /* (at most 6 rows used: panel_store_z's array) */
             const uint32_t *xr = xb + m * ldxb + k0 / 2;
             const Epilogue er = tile_ep(ep, m);
             float *yr = y + m * ldy;
@@ -620,7 +624,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
     if (ldx < (prologue == 2 ? 2 * (int64_t)K : K) || (prologue == 1 && !norm_w) || (res && ldr < N))
         return -1;
     float *tmp = NULL;
-    if (prologue != 0) { /* the rows the product takes, computed once: M x K floats */
+    if (prologue != 0) { /* the rows the product takes, computed once: M rows of ldt floats */
         /* Each row ROW_PAD floats (a cache line) past the last: the panels read several rows of x side
          * by side, and at a width of 1,024 floats or a multiple of it those rows' lines would share one
          * L1 set (the set repeats every 4 KB). */

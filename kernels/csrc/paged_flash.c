@@ -100,12 +100,6 @@ _Static_assert(KT % 6 == 0, "key tiles in whole groups of 6 keys (the vector sco
 #ifndef QK_EXACT_EDGES
 #define QK_EXACT_EDGES 0
 #endif
-#ifndef STRIP48
-#define STRIP48 0
-#endif
-#ifndef PF_TILE
-#define PF_TILE 1
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -261,75 +255,6 @@ FLASH_SIMD(8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 FLASH_SIMD(16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 #endif
 
-#if defined(HAVE_AVX512) && STRIP48
-/* qk_16 and pv_16 over 48-row strips (three registers a row of S^T or O^T): per key (or dim) one
- * broadcast feeds three FMAs where the 32-row strips' feeds two. */
-INLINE void qk3_16(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
-    __m512 a[6][3];
-    for (int u = 0; u < 6; u++) a[u][0] = a[u][1] = a[u][2] = _mm512_setzero_ps();
-    const float *k0 = krow[0], *k1 = krow[1], *k2 = krow[2], *k3 = krow[3], *k4 = krow[4], *k5 = krow[5];
-    const float *qp = qt + i0;
-    for (int x = 0; x < d; x++, qp += rbp) {
-        const __m512 q0 = _mm512_loadu_ps(qp), q1 = _mm512_loadu_ps(qp + 16), q2 = _mm512_loadu_ps(qp + 32);
-        const float kx[6] = {k0[x], k1[x], k2[x], k3[x], k4[x], k5[x]};
-        for (int u = 0; u < 6; u++) {
-            const __m512 k = _mm512_set1_ps(kx[u]);
-            a[u][0] = _mm512_fmadd_ps(k, q0, a[u][0]);
-            a[u][1] = _mm512_fmadd_ps(k, q1, a[u][1]);
-            a[u][2] = _mm512_fmadd_ps(k, q2, a[u][2]);
-        }
-    }
-    float *s = st + i0;
-    for (int u = 0; u < 6; u++, s += rbp) {
-        _mm512_storeu_ps(s, a[u][0]);
-        _mm512_storeu_ps(s + 16, a[u][1]);
-        _mm512_storeu_ps(s + 32, a[u][2]);
-    }
-}
-
-INLINE void pv3_16(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd, float *ot, int i0,
-                   const float *alpha) {
-    __m512 a[6][3];
-    for (int u = 0; u < nd; u++)
-        for (int r = 0; r < 3; r++) a[u][r] = _mm512_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 16 * r);
-    if (alpha)
-        for (int r = 0; r < 3; r++) {
-            const __m512 sc = _mm512_loadu_ps(alpha + i0 + 16 * r);
-            for (int u = 0; u < nd; u++) a[u][r] = _mm512_mul_ps(a[u][r], sc);
-        }
-    const float *pp = pt + i0;
-    for (int j = 0; j < n; j++, pp += rbp) {
-        const __m512 p0 = _mm512_loadu_ps(pp), p1 = _mm512_loadu_ps(pp + 16), p2 = _mm512_loadu_ps(pp + 32);
-        const float *v = vrow[j] + x0;
-        for (int u = 0; u < nd; u++) {
-            const __m512 w = _mm512_set1_ps(v[u]);
-            a[u][0] = _mm512_fmadd_ps(w, p0, a[u][0]);
-            a[u][1] = _mm512_fmadd_ps(w, p1, a[u][1]);
-            a[u][2] = _mm512_fmadd_ps(w, p2, a[u][2]);
-        }
-    }
-    for (int u = 0; u < nd; u++)
-        for (int r = 0; r < 3; r++) _mm512_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 16 * r, a[u][r]);
-}
-
-INLINE void pv3_strips_16(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot, int i_begin,
-                          int i_end, const float *alpha) {
-    int x0 = 0;
-    for (; x0 + 6 <= d; x0 += 6)
-        for (int i0 = i_begin; i0 < i_end; i0 += 48) pv3_16(pt, rbp, vrow, n, x0, 6, ot, i0, alpha);
-    const int rest = d - x0;
-    for (int i0 = i_begin; i0 < i_end && rest > 0; i0 += 48) {
-        switch (rest) {
-        case 1: pv3_16(pt, rbp, vrow, n, x0, 1, ot, i0, alpha); break;
-        case 2: pv3_16(pt, rbp, vrow, n, x0, 2, ot, i0, alpha); break;
-        case 3: pv3_16(pt, rbp, vrow, n, x0, 3, ot, i0, alpha); break;
-        case 4: pv3_16(pt, rbp, vrow, n, x0, 4, ot, i0, alpha); break;
-        default: pv3_16(pt, rbp, vrow, n, x0, 5, ot, i0, alpha); break;
-        }
-    }
-}
-#endif
-
 /* The same two products for a last strip of 8 rows (a block whose rows are 8 mod 16). */
 INLINE void qk_6x8(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
@@ -383,9 +308,6 @@ static void tile_scores(const float *qt, int rbp, const float *const *krow, int 
 #ifdef HAVE_AVX2
         int i0 = 0;
 #ifdef HAVE_AVX512
-#if STRIP48
-        for (; i0 + 48 <= rbp; i0 += 48) qk3_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, i0);
-#endif
         for (; i0 + 32 <= rbp; i0 += 32) qk_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
 #endif
         for (; i0 + 16 <= rbp; i0 += 16) qk_8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
@@ -410,14 +332,8 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
 #ifdef HAVE_AVX2
     int wide = 0; /* rows in 32-row strips (AVX-512), then 16-row strips; an 8-row strip may follow */
 #ifdef HAVE_AVX512
-#if STRIP48
-    const int wide3 = rbp / 48 * 48;
-    pv3_strips_16(pt, rbp, vrow, n, d, ot, 0, wide3, alpha);
-#else
-    const int wide3 = 0;
-#endif
-    wide = wide3 + (rbp - wide3) / 32 * 32;
-    pv_strips_16(pt, rbp, vrow, n, d, ot, wide3, wide, alpha);
+    wide = rbp / 32 * 32;
+    pv_strips_16(pt, rbp, vrow, n, d, ot, 0, wide, alpha);
 #endif
     const int full = wide + (rbp - wide) / 16 * 16;
     pv_strips_8(pt, rbp, vrow, n, d, ot, wide, full, alpha);
@@ -1073,7 +989,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
 #endif
     for (int base = begin; base < end; base += KT) {
         const int n = end - base < KT ? end - base : KT;
-        if (PF_TILE && base + n < end) {
+        if (base + n < end) {
             const int next = end - base - n < KT ? end - base - n : KT;
             const int elem = a->dtype == 0 ? 4 : a->dtype == 1 ? 2 : 1;
             prefetch_tile(a->k_cache, elem, a->blocks, a->block_size, base + n, next, a->num_kv, kvh, d);

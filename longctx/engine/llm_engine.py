@@ -67,7 +67,7 @@ class LLMEngine:
                                  self.dtype)
         self.kv_format = kv_format(cache, self.model_config, self.dtype)
         cache, pool_note, ring = self._start_runner(load, cache, sched, parallel, max_len, backend)
-        if self.device.type == "cpu":  # weights and pages are allocated: later large blocks reuse the heap
+        if self.device.type == "cpu":  # later large blocks reuse the heap (set already where prepare_model tuned)
             keep_large_blocks()
         self.lookahead = LookaheadController(lookahead) if lookahead.lookahead else None
         try:
