@@ -52,6 +52,14 @@ def test_matches_reference(rows, n, k, bias):
     torch.testing.assert_close(cpu_linear.linear(x, w, b), _reference(x, w, b), rtol=1e-5, atol=2e-5)
 
 
+def _use_build(monkeypatch, *flags: str) -> None:
+    """The kernel built with ``flags`` (e.g. -DROW_PREFETCH=64) serves ``cpu_linear`` for this test."""
+    lib = cpu_build.build(cpu_linear.SOURCE, flags)
+    cpu_linear._declare(lib)
+    monkeypatch.setattr(cpu_linear._LIBRARY, "_lib", lib)
+    monkeypatch.setattr(cpu_linear._LIBRARY, "_status", "ok")
+
+
 @pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DROW_PREFETCH=8192", "-DPANEL_ROWS_Z=10")),
                                           ("AuthenticAMD", ()), ("", ())])
 def test_decode_weight_prefetch_and_wider_panel_passes_are_built_for_intel_cpus_only(vendor, flags):
@@ -72,10 +80,7 @@ def test_weight_prefetch_changes_no_bit(monkeypatch, rows, dtype, n, k):
     w = w.to(dtype)
     outs = {}
     for ahead in (0, 64, 8192):
-        lib = cpu_build.build(cpu_linear.SOURCE, (f"-DROW_PREFETCH={ahead}",))
-        cpu_linear._declare(lib)
-        monkeypatch.setattr(cpu_linear._LIBRARY, "_lib", lib)
-        monkeypatch.setattr(cpu_linear._LIBRARY, "_status", "ok")
+        _use_build(monkeypatch, f"-DROW_PREFETCH={ahead}")
         outs[ahead] = cpu_linear.linear(x, w, b)
     assert torch.equal(outs[64], outs[0]) and torch.equal(outs[8192], outs[0])
     torch.testing.assert_close(outs[8192], _reference(x, w.float(), b), rtol=1e-5, atol=1e-4)
@@ -99,10 +104,7 @@ def test_panel_passes_of_any_row_count_give_the_same_bits(monkeypatch, rows, n, 
     weights = [w] if cpu_linear.rounds_bf16_rows() else [w, w.bfloat16()]
     outs = {}
     for per_pass in (6, 10, 15):
-        lib = cpu_build.build(cpu_linear.SOURCE, (f"-DPANEL_ROWS_Z={per_pass}",))
-        cpu_linear._declare(lib)
-        monkeypatch.setattr(cpu_linear._LIBRARY, "_lib", lib)
-        monkeypatch.setattr(cpu_linear._LIBRARY, "_status", "ok")
+        _use_build(monkeypatch, f"-DPANEL_ROWS_Z={per_pass}")
         outs[per_pass] = [out for wt in weights for out in (
             cpu_linear.linear(x[:, :k], wt, b, residual=residual),
             cpu_linear.linear(x[:, :k], wt, norm_weight=norm_w, eps=1e-5),
