@@ -6,7 +6,11 @@ backend probes a kernels module for what it takes."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -167,3 +171,48 @@ def test_the_engine_takes_the_toggles_from_its_arguments(tmp_path):
     assert llm.engine.prefix_cache.extra_key[-1] == "torch.int8"
     out = llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+_PAGE_FLAGS = """
+import json, sys
+from types import SimpleNamespace
+import longctx, torch
+from longctx.kv.device_pool import DeviceKVPool
+from longctx.kv.formats import FloatPages, Int8Pages
+
+def flags(t):
+    at = t.data_ptr() + t.numel() * t.element_size() // 2  # inside the block, whatever its alignment
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= at < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError("the block is in no mapping")
+
+cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=64)
+plain = torch.empty(8 << 20, dtype=torch.uint8)  # a block as large, not a pool's
+seen = {"plain": ["hg" in flags(plain), "nh" in flags(plain)]}
+for fmt in (FloatPages(cfg, torch.float32), Int8Pages(cfg, torch.float32)):
+    pool = DeviceKVPool(fmt, 256, 64, "cpu")  # 8 MiB (int8: 2 MiB) per cache
+    seen[fmt.name] = [["hg" in flags(t), "nh" in flags(t)] for layer in pool.caches for t in layer[:2]]
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_the_cpu_pool_asks_for_small_pages_where_torch_asks_for_huge_ones():
+    """The CPU pool's caches are advised onto 4 KiB pages (the ``nh`` of their mapping's
+    VmFlags; ``cpu_build.small_pages``), float and int8 alike, while a plain tensor as large,
+    made after ``import longctx``, is advised onto huge pages (``hg``: what the pool's would be
+    without the call). In a child process: torch reads its huge-page setting once."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE")}
+    proc = subprocess.run([sys.executable, "-c", _PAGE_FLAGS], env=clean, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["plain"] == [True, False]
+    for name in ("auto", "int8"):
+        assert seen[name] and all(pair == [False, True] for pair in seen[name]), (name, seen[name])

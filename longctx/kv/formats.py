@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from longctx.config import ConfigError
-from longctx.kernels import kv_quant
+from longctx.kernels import cpu_build, kv_quant
 from longctx.kv.exact_tail import TailStore, tail_store_bytes
 
 
@@ -80,11 +80,16 @@ class FloatPages:
     def allocate(self, num_blocks: int, block_size: int, device: torch.device,
                  num_layers: int | None = None) -> list[tuple[torch.Tensor, ...]]:
         """Per layer (every layer, or ``num_layers``) the caches attention reads
-        (``torch.empty``: untouched pages stay unmapped)."""
+        (``torch.empty``: untouched pages stay unmapped; on the CPU on 4 KiB pages,
+        ``cpu_build.small_pages``: the first prefill touches them)."""
         m = self.model
         shape = (num_blocks, block_size, m.num_key_value_heads, m.head_dim)
-        return [tuple(torch.empty(shape, dtype=self.storage_dtype, device=device) for _ in range(2))
-                for _ in range(m.num_hidden_layers if num_layers is None else num_layers)]
+        caches = [tuple(torch.empty(shape, dtype=self.storage_dtype, device=device) for _ in range(2))
+                  for _ in range(m.num_hidden_layers if num_layers is None else num_layers)]
+        for cache in caches:
+            for pages in cache:
+                cpu_build.small_pages(pages)
+        return caches
 
     def read_pages(self, caches: list[tuple[torch.Tensor, ...]], idx: torch.Tensor) -> torch.Tensor:
         """Pages ``idx`` of every layer, ``[P, *page shape]``, on the CPU."""
