@@ -87,6 +87,22 @@
  * model's bf16 greedy tokens from float32's on bench_e2e's 8K prompt (token 3, a 0.15-nat margin
  * turned by 0.17) and moved the real-model test's logits from 0.9% to 1.4% off float32's. */
 _Static_assert(KT % 6 == 0, "key tiles in whole groups of 6 keys (the vector scores' step)");
+/* The AVX-512 float32 products' register blocks (see qk_keys16): keys a pass of the scores takes
+ * and head-dim columns a pass of P.V takes, against a 32-row strip. 6 and 6 by default; Intel
+ * builds take 12 and 12 (kernels/cpu_flash.py's VENDOR_FLAGS). */
+#ifndef QK_KEYS
+#define QK_KEYS 6
+#endif
+#ifndef PV_COLS
+#define PV_COLS 6
+#endif
+#if QK_KEYS < 6 || QK_KEYS > 12 || KT % QK_KEYS != 0
+#error "QK_KEYS must be 6..12 and divide KT (the sums of a pass stay in 2 x QK_KEYS registers)"
+#endif
+#if PV_COLS < 6 || PV_COLS > 12
+#error "PV_COLS must be 6..12 (the sums of a pass stay in 2 x PV_COLS registers)"
+#endif
+#define WIDE_BLOCKS (QK_KEYS != 6 || PV_COLS != 6)
 #define EXACT_ROWS 96
 #define MAX_D 256
 #define KT32 ((KT + 31) / 32 * 32)
@@ -255,6 +271,91 @@ FLASH_SIMD(8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 FLASH_SIMD(16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 #endif
 
+#if defined(HAVE_AVX512) && WIDE_BLOCKS
+/* qk_16 and pv_16 over more keys / columns a pass (QK_KEYS, PV_COLS up to 12): per step, two
+ * loads of the strip and one broadcast a key (column) feed two FMAs a key (column), so 12 keys
+ * take 14 loads for 24 FMAs where 6 take 8 for 12. On an Intel core with two 512-bit FMA ports
+ * the loads bind first (as in linear_rows.c's panels). Each sum is the same sum in the same
+ * order: the same bits. Intel Xeon (family 6 model 167), 2 threads, 2026-12-07, float32 pages of
+ * SmolLM2's geometry (9 / 3 heads of 64), 8,000 keys in 4,096-row chunks, 6 layers, builds
+ * alternating in one process, medians of 9: 1,551 ms with 6 and 6, 1,503 with 12 and 12 (8 and 8
+ * 1,588 against 1,632 in a noisier run). */
+INLINE void qk_keys16(const float *qt, int rbp, const float *const *krow, int d, float *st, int sstride, int i0) {
+    __m512 a[QK_KEYS], b[QK_KEYS];
+    const float *kr[QK_KEYS];
+    for (int u = 0; u < QK_KEYS; u++) {
+        a[u] = b[u] = _mm512_setzero_ps();
+        kr[u] = krow[u];
+    }
+    const float *qp = qt + i0;
+    for (int x = 0; x < d; x++, qp += rbp) {
+        const __m512 q0 = _mm512_loadu_ps(qp), q1 = _mm512_loadu_ps(qp + 16);
+        for (int u = 0; u < QK_KEYS; u++) {
+            const __m512 k = _mm512_set1_ps(kr[u][x]);
+            a[u] = _mm512_fmadd_ps(k, q0, a[u]);
+            b[u] = _mm512_fmadd_ps(k, q1, b[u]);
+        }
+    }
+    float *s = st + i0;
+    for (int u = 0; u < QK_KEYS; u++, s += sstride) {
+        _mm512_storeu_ps(s, a[u]);
+        _mm512_storeu_ps(s + 16, b[u]);
+    }
+}
+
+INLINE void pv_cols16(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd, float *ot, int i0,
+                      const float *alpha) {
+    __m512 a[PV_COLS], b[PV_COLS];
+    for (int u = 0; u < nd; u++) {
+        a[u] = _mm512_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0);
+        b[u] = _mm512_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 16);
+    }
+    if (alpha) {
+        const __m512 s0 = _mm512_loadu_ps(alpha + i0), s1 = _mm512_loadu_ps(alpha + i0 + 16);
+        for (int u = 0; u < nd; u++) {
+            a[u] = _mm512_mul_ps(a[u], s0);
+            b[u] = _mm512_mul_ps(b[u], s1);
+        }
+    }
+    const float *pp = pt + i0;
+    for (int j = 0; j < n; j++, pp += rbp) {
+        const __m512 p0 = _mm512_loadu_ps(pp), p1 = _mm512_loadu_ps(pp + 16);
+        const float *v = vrow[j] + x0;
+        for (int u = 0; u < nd; u++) {
+            const __m512 w = _mm512_set1_ps(v[u]);
+            a[u] = _mm512_fmadd_ps(w, p0, a[u]);
+            b[u] = _mm512_fmadd_ps(w, p1, b[u]);
+        }
+    }
+    for (int u = 0; u < nd; u++) {
+        _mm512_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);
+        _mm512_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 16, b[u]);
+    }
+}
+
+INLINE void pv_strips_cols16(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot,
+                             int i_end, const float *alpha) {
+    int x0 = 0;
+    for (; x0 + PV_COLS <= d; x0 += PV_COLS)
+        for (int i0 = 0; i0 < i_end; i0 += 32) pv_cols16(pt, rbp, vrow, n, x0, PV_COLS, ot, i0, alpha);
+    for (int i0 = 0; i0 < i_end && x0 < d; i0 += 32) {
+        switch (d - x0) { /* constant widths, so each inlined copy keeps its sums in registers */
+        case 1: pv_cols16(pt, rbp, vrow, n, x0, 1, ot, i0, alpha); break;
+        case 2: pv_cols16(pt, rbp, vrow, n, x0, 2, ot, i0, alpha); break;
+        case 3: pv_cols16(pt, rbp, vrow, n, x0, 3, ot, i0, alpha); break;
+        case 4: pv_cols16(pt, rbp, vrow, n, x0, 4, ot, i0, alpha); break;
+        case 5: pv_cols16(pt, rbp, vrow, n, x0, 5, ot, i0, alpha); break;
+        case 6: pv_cols16(pt, rbp, vrow, n, x0, 6, ot, i0, alpha); break;
+        case 7: pv_cols16(pt, rbp, vrow, n, x0, 7, ot, i0, alpha); break;
+        case 8: pv_cols16(pt, rbp, vrow, n, x0, 8, ot, i0, alpha); break;
+        case 9: pv_cols16(pt, rbp, vrow, n, x0, 9, ot, i0, alpha); break;
+        case 10: pv_cols16(pt, rbp, vrow, n, x0, 10, ot, i0, alpha); break;
+        default: pv_cols16(pt, rbp, vrow, n, x0, 11, ot, i0, alpha); break;
+        }
+    }
+}
+#endif
+
 /* The same two products for a last strip of 8 rows (a block whose rows are 8 mod 16). */
 INLINE void qk_6x8(const float *qt, int rbp, const float *const *krow, int d, float *st, int i0) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
@@ -301,13 +402,20 @@ INLINE void pv_strip8(const float *pt, int rbp, const float *const *vrow, int n,
 }
 #endif
 
-/* S^T[k][i] for the tile's keys (krow, n of them, rounded up to 6 with zero rows) and the
+/* S^T[k][i] for the tile's keys (krow, n of them, rounded up to 6 and to QK_KEYS with zero rows) and the
  * block's rbp rows. */
 static void tile_scores(const float *qt, int rbp, const float *const *krow, int n, int d, float *st) {
+#if defined(HAVE_AVX512) && WIDE_BLOCKS /* the 32-row strips QK_KEYS keys a pass, the rest below */
+    const int wide = rbp / 32 * 32;
+    for (int k0 = 0; k0 < n; k0 += QK_KEYS)
+        for (int i0 = 0; i0 < wide; i0 += 32) qk_keys16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
+#endif
     for (int k0 = 0; k0 < n; k0 += 6) {
 #ifdef HAVE_AVX2
         int i0 = 0;
-#ifdef HAVE_AVX512
+#if defined(HAVE_AVX512) && WIDE_BLOCKS
+        i0 = wide;
+#elif defined(HAVE_AVX512)
         for (; i0 + 32 <= rbp; i0 += 32) qk_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
 #endif
         for (; i0 + 16 <= rbp; i0 += 16) qk_8(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
@@ -333,7 +441,11 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
     int wide = 0; /* rows in 32-row strips (AVX-512), then 16-row strips; an 8-row strip may follow */
 #ifdef HAVE_AVX512
     wide = rbp / 32 * 32;
+#if WIDE_BLOCKS
+    pv_strips_cols16(pt, rbp, vrow, n, d, ot, wide, alpha);
+#else
     pv_strips_16(pt, rbp, vrow, n, d, ot, 0, wide, alpha);
+#endif
 #endif
     const int full = wide + (rbp - wide) / 16 * 16;
     pv_strips_8(pt, rbp, vrow, n, d, ot, wide, full, alpha);
@@ -1034,7 +1146,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         } else {
             tile_rows(a->k_cache, a->dtype, a->k_scale, a->blocks, a->block_size, base, n, a->num_kv, kvh, d,
                       s->kbuf, s->krow);
-            for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
+            for (int j = n; j < (n + 5) / 6 * 6 || j < (n + QK_KEYS - 1) / QK_KEYS * QK_KEYS; j++) s->krow[j] = s->zero;
             tile_scores(s->qt, rbp, s->krow, n, d, s->st);
         }
         if (a->softcap > 0.0f) /* in log2 units: cap = softcap * log2 e */

@@ -80,6 +80,36 @@ def test_matches_reference(name, splits, dtype):
     check_against_reference(kernel_impl(splits), make_batch(case), dtype)
 
 
+@pytest.mark.parametrize("vendor,flags", [("GenuineIntel", ("-DQK_KEYS=12", "-DPV_COLS=12")),
+                                          ("AuthenticAMD", ()), ("", ())])
+def test_wider_register_blocks_are_built_for_intel_cpus_only(vendor, flags):
+    assert cpu_build.vendor_flags(cpu_flash.VENDOR_FLAGS, vendor) == flags
+
+
+@needs_kernel
+@pytest.mark.parametrize("blocks", [("-DQK_KEYS=12", "-DPV_COLS=12"), ("-DQK_KEYS=8", "-DPV_COLS=7")])
+@pytest.mark.parametrize("name", ["prefill-gqa3", "chunk-gqa8", "block-size-5", "head-dim-80", "head-dim-17",
+                                  "head-dim-8", "long-context-two-blocks", "long-context-d128", "tree-7"])
+def test_wider_register_blocks_give_the_same_bits(monkeypatch, blocks, name):
+    """Builds whose AVX-512 float32 products take more keys (QK_KEYS) and head-dim columns
+    (PV_COLS) a pass give the default build's bits (each sum the same, in the same order) and
+    the reference's answer: keys past a tile's end padded to the pass (NaN fills every slot no
+    sequence owns), head dims that leave 1-11 columns after the whole passes, 32-, 16- and
+    8-row strips. Other levels compile the flags away."""
+    batch = make_batch(CASES[name])
+    answers = []
+    for flags in ((), blocks):  # the default build (what AMD CPUs run), then the wider one
+        lib = cpu_build.build(cpu_flash.SOURCE, flags)
+        cpu_flash._declare(lib)
+        monkeypatch.setattr(cpu_flash._LIBRARY, "_lib", lib)
+        monkeypatch.setattr(cpu_flash._LIBRARY, "_status", "ok")
+        assert cpu_flash._library_for(batch.k_cache) is lib
+        answers.append(kernel_impl(5).paged_attention(*batch.args(), tree_mask=batch.tree_mask))
+    (default_out, default_lse), (out, lse) = answers
+    assert torch.equal(out, default_out) and torch.equal(lse, default_lse)
+    check_against_reference(kernel_impl(None), batch, torch.float32)
+
+
 @pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
 @pytest.mark.parametrize("name", ["long-context-gqa4", "long-context-two-blocks", "long-context-d128",
                                   "long-context-d32", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5"])
