@@ -144,31 +144,41 @@ def keep_large_blocks() -> bool:
 MADV_NOHUGEPAGE = 15  # Linux's madvise advice
 
 
+@functools.lru_cache(maxsize=1)
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, or None where there is none."""
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
 def small_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back ``tensor``'s whole 4 KiB pages with 4 KiB pages, not transparent huge
-    pages (madvise MADV_NOHUGEPAGE), for a CPU tensor of 2 MiB or more whose pages nobody has
-    touched yet; the KV pool's (``longctx.kv.formats``). Why: torch puts such a block on huge
-    pages (``THP_MEM_ALLOC_ENABLE``, set by ``import longctx``), and the pool is touched for the
-    first time by the prefill that writes it. On the shared VMs this project runs on, a huge
-    page faulted in for the first time cost 2.5-5 ms (0.4-0.7 GB/s: freed 2 MiB runs seem to go
-    back to the host), against ~6 GB/s on 4 KiB pages, so the first 8K prefill of the default
-    model after start-up took 0.6-1.3 s longer than the next ones (2 processes each way, Intel
-    Xeon model 167), where the peers touch their pools while they start. Reading the pool is
-    not slower on 4 KiB pages: decode over 8K tokens of 30 layers 34.3-34.5 against
-    34.5-35.0 ms, a 512-row prefill chunk level (docs/kernels.md). Returns whether the advice
-    was given (False off Linux, for a small or non-CPU tensor, or where madvise fails)."""
+    """Ask Linux to back ``tensor``'s whole pages with base pages (4 KiB on x86), not transparent
+    huge pages (madvise MADV_NOHUGEPAGE), for a contiguous CPU tensor of 2 MiB or more that
+    nobody has written yet: the KV pool's (``longctx.kv.formats``). Why: torch puts such a block
+    on huge pages (``THP_MEM_ALLOC_ENABLE``, set by ``import longctx``), and the pool is touched
+    for the first time by the prefill that writes it. On the shared VMs this project runs on, a
+    huge page faulted in for the first time cost 2.5-5 ms (0.4-0.7 GB/s: freed 2 MiB runs seem
+    to go back to the host), against ~6 GB/s on 4 KiB pages, so the first 8K prefill of the
+    default model after start-up took 0.5-1.0 s longer than the next ones (2 processes each
+    way, Intel Xeon model 167), where the peers touch their pools while they start. Reading the
+    pool is not slower on 4 KiB pages: decode over 8K tokens of 30 layers 34.3-34.5 against
+    34.5-35.0 ms, a 512-row prefill chunk level (docs/kernels.md). A pool from glibc's heap
+    (``keep_large_blocks``) leaves the advice on its addresses when freed; torch advises every
+    later block of 2 MiB or more afresh. Returns whether the advice was given (False off
+    Linux, for a small, strided or non-CPU tensor, or where madvise fails)."""
     size = tensor.numel() * tensor.element_size()
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu" or size < (2 << 20):
+    if (not sys.platform.startswith("linux") or tensor.device.type != "cpu" or size < (2 << 20)
+            or not tensor.is_contiguous()):
         return False
+    madvise = _madvise()
     page = os.sysconf("SC_PAGE_SIZE")
     start = -(-tensor.data_ptr() // page) * page
     end = (tensor.data_ptr() + size) // page * page
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return end > start and madvise(start, end - start, MADV_NOHUGEPAGE) == 0
+    return madvise is not None and end > start and madvise(start, end - start, MADV_NOHUGEPAGE) == 0
 
 
 def c_compiler() -> str:

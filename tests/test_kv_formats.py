@@ -202,7 +202,8 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages here (Linux's, where the kernel has them)")
 def test_the_cpu_pool_asks_for_small_pages_where_torch_asks_for_huge_ones():
     """The CPU pool's caches are advised onto 4 KiB pages (the ``nh`` of their mapping's
     VmFlags; ``cpu_build.small_pages``), float and int8 alike, while a plain tensor as large,
