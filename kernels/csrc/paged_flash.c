@@ -693,8 +693,8 @@ static void mask_columns(const Args *a, int row0, int rows, int base, int n, int
  * sums differs (with QK_EXACT_EDGES, off by default, the first tile's and the diagonal tiles'
  * scores keep float32 q and the vector products, as in the vector build). Needs d % 32 == 0 and rbp % 16 == 0 (ROW_ALIGN). Tiles: C 0-3
  * the sums of up to four 16-row strips (S^T: 16 keys x 16 rows; O^T: 16 of d x 16 rows), A 4 (16
- * keys x 32 of d from the gathered K rows; 16 of d x 32 keys from V^T), B 5-7 (16 pairs x 16 rows
- * of qp or pp); in the 2 x 2 blocks of two 16-row strips (AMX_2X2), A 4-5 and B 6-7. Tile numbers
+ * keys x 32 of d from K's rows, in the pages or gathered: amx_k_groups; 16 of d x 32 keys from
+ * V^T), B 5-7 (16 pairs x 16 rows of qp or pp); in the 2 x 2 blocks of two 16-row strips (AMX_2X2), A 4-5 and B 6-7. Tile numbers
  * are immediates, hence the unrolled strips. */
 /* B operands (16 pairs x 16 rows each, of Q^T's or P^T's pairs at b, rows bstride bytes apart)
  * against A in tile 4, into the C tiles of up to four 16-row strips */

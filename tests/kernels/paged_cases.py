@@ -59,6 +59,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     trees: tuple | None = None
     seed: int = 0
+    ordered: bool = False  # the block table in pool order (pages that follow each other), not shuffled
 
 
 @dataclass
@@ -94,7 +95,7 @@ def make_batch(case: Case) -> PagedBatch:
     num_blocks = sum(blocks_per_seq) + num_spare
     k_cache = torch.full((num_blocks, bs, hkv, dim), float("nan"))
     v_cache = torch.full((num_blocks, bs, hkv, dim), float("nan"))
-    pool = torch.randperm(num_blocks, generator=gen)
+    pool = torch.arange(num_blocks) if case.ordered else torch.randperm(num_blocks, generator=gen)
     spare = pool[-1].item()
     block_table = torch.full((len(case.ctx_lens), max(blocks_per_seq) + 2), spare,
                              dtype=torch.int32)  # unused entries point at a NaN block

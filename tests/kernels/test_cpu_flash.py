@@ -68,6 +68,12 @@ CASES = {
     # eight and two 16-wide groups of O^T
     "long-context-d128": Case((30, 9), (300, 250), num_kv_heads=2, group=4, head_dim=128, seed=26),
     "long-context-d32": Case((50,), (400,), num_kv_heads=2, group=2, head_dim=32, seed=27),
+    # pages that follow each other (the AMX build reads a 16-key group of K in place when its rows
+    # lie one cache row apart, across a page's end too): block sizes 5, 16 and 64, contexts that
+    # end on a 16-key group and mid-group, NaN in the slots past them
+    "ordered-block-5": Case((40, 7), (403, 77), num_kv_heads=2, group=3, block_size=5, ordered=True, seed=30),
+    "ordered-block-16": Case((70,), (400,), num_kv_heads=2, group=3, block_size=16, ordered=True, seed=31),
+    "ordered-block-64": Case((33, 20), (704, 300), num_kv_heads=3, group=3, block_size=64, ordered=True, seed=32),
 }
 
 
@@ -121,7 +127,8 @@ def test_wider_register_blocks_give_the_same_bits(monkeypatch, blocks, name):
 
 @pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
 @pytest.mark.parametrize("name", ["long-context-gqa4", "long-context-two-blocks", "long-context-d128",
-                                  "long-context-d32", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5"])
+                                  "long-context-d32", "prefill-gqa3", "verify-8-gqa3", "tree-7", "block-size-5",
+                                  "ordered-block-5", "ordered-block-16", "ordered-block-64"])
 @pytest.mark.parametrize("splits", [1, 5])
 def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, name, splits):
     """bfloat16 pages go to the AMX build where it loads: the same roundings (q, P to bfloat16)
