@@ -22,7 +22,7 @@ from longctx.config import CacheConfig
 from longctx.kernels import kv_quant
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.kv.formats import FloatPages, Int8Pages, kv_format
-from tiny_models import make_engine_checkpoint
+from tiny_models import VM_FLAGS_SOURCE, make_engine_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
@@ -180,17 +180,8 @@ import longctx, torch
 from longctx.kv.device_pool import DeviceKVPool
 from longctx.kv.formats import FloatPages, Int8Pages
 
-def flags(t):
-    at = t.data_ptr() + t.numel() * t.element_size() // 2  # inside the block, whatever its alignment
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= at < hi
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError("the block is in no mapping")
+def flags(t):  # the VmFlags of a point inside the block, whatever its alignment
+    return vm_flags(t.data_ptr() + t.numel() * t.element_size() // 2)
 
 cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=64)
 plain = torch.empty(8 << 20, dtype=torch.uint8)  # a block as large, not a pool's
@@ -210,8 +201,8 @@ def test_the_cpu_pool_asks_for_small_pages_where_torch_asks_for_huge_ones():
     made after ``import longctx``, is advised onto huge pages (``hg``: what the pool's would be
     without the call). In a child process: torch reads its huge-page setting once."""
     clean = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE")}
-    proc = subprocess.run([sys.executable, "-c", _PAGE_FLAGS], env=clean, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT.parent)
+    proc = subprocess.run([sys.executable, "-c", VM_FLAGS_SOURCE + _PAGE_FLAGS], env=clean, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["plain"] == [True, False]

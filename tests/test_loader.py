@@ -16,7 +16,7 @@ import torch
 from longctx.kernels import cpu_linear
 from longctx.model import loader
 from longctx.model.llama import Linear, LlamaForCausalLM
-from tiny_models import make_checkpoint, write_char_tokenizer, write_gguf
+from tiny_models import VM_FLAGS_SOURCE, make_checkpoint, write_char_tokenizer, write_gguf
 
 
 @pytest.fixture()
@@ -186,16 +186,7 @@ def test_a_checkout_root_on_sys_path_does_not_shadow_pypi_kernels():
 _HUGE_CHECK = """
 import os, sys, longctx, torch
 big = torch.ones(64 << 20, dtype=torch.uint8)
-at = big.data_ptr() + (32 << 20)  # inside the block, whatever its alignment
-flags, inside = "", False
-for line in open("/proc/self/smaps"):
-    head = line.split()[0]
-    if "-" in head and not head.endswith(":"):
-        lo, hi = (int(v, 16) for v in head.split("-"))
-        inside = lo <= at < hi
-    elif inside and head == "VmFlags:":
-        flags = line.split()[1:]
-        break
+flags = vm_flags(big.data_ptr() + (32 << 20))  # inside the block, whatever its alignment
 print(os.environ.get("THP_MEM_ALLOC_ENABLE"), "hg" in flags)
 """
 
@@ -210,8 +201,8 @@ def test_import_asks_torch_for_huge_pages_unless_told_not_to(env, want, advised)
     lies in a mapping advised for huge pages (the ``hg`` of its VmFlags; whether the kernel
     grants them depends on its free memory) exactly when the setting is on."""
     clean = {k: v for k, v in os.environ.items() if k not in ("LONGCTX_HUGE_PAGES", "THP_MEM_ALLOC_ENABLE")}
-    proc = subprocess.run([sys.executable, "-c", _HUGE_CHECK], env={**clean, **env}, capture_output=True,
-                          text=True, timeout=600, cwd=ROOT.parent)
+    proc = subprocess.run([sys.executable, "-c", VM_FLAGS_SOURCE + _HUGE_CHECK], env={**clean, **env},
+                          capture_output=True, text=True, timeout=600, cwd=ROOT.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == [want, str(advised)]
 

@@ -34,6 +34,22 @@ ORIGINAL = 160  # phi3-longrope's original window: prompts longer than it use th
 EAGER = ("gemma2", "gemma3")  # HF's eager attention: the one that caps scores (Gemma 2)
 
 
+# For the tests' child scripts (prepended to their source): the VmFlags of the mapping that holds
+# address ``at`` in /proc/self/smaps (``hg``: advised for huge pages, ``nh``: advised against them).
+VM_FLAGS_SOURCE = """
+def vm_flags(at):
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= at < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError("the address is in no mapping")
+"""
+
+
 def hf_config(kind: str, **overrides):
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                               Qwen3Config)
