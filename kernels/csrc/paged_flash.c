@@ -103,7 +103,6 @@ _Static_assert(KT % 6 == 0, "key tiles in whole groups of 6 keys (the vector sco
 #if PV_COLS < 6 || PV_COLS > 12
 #error "PV_COLS must be 6..12 (the sums of a pass stay in 2 x PV_COLS registers)"
 #endif
-#define WIDE_BLOCKS (QK_KEYS != 6 || PV_COLS != 6)
 #define EXACT_ROWS 96
 #define MAX_D 256
 #define KT32 ((KT + 31) / 32 * 32)
@@ -140,15 +139,16 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
  *   rounding); 2^n in the exponent bits. x is first raised to -127, where 2^n's exponent bits
  *   are 0, so the result is exactly 0 from -126.5 down (and for -inf) with no compare and mask.
  * qk_W: S^T rows k0..k0+5 (6 keys), columns i0..i0+2W-1: sum over x of K[key][x] * Q^T[x][i].
- * pv_W: O^T rows x0..x0+nd-1 (nd <= 6, a constant after inlining), columns i0..i0+2W-1:
+ * pv_W: O^T rows x0..x0+nd-1 (nd <= 12, a constant after inlining), columns i0..i0+2W-1:
  *   alpha[i] * O^T + sum over the tile's n keys of V[key][x] * P^T[key][i]; alpha NULL: 1 (the
  *   online softmax's rescale of the old sums, done as they are loaded).
- * pv_strips_W: pv_W over the 2W-row strips of rows [i_begin, i_end) and every column of O^T.
+ * pv_strips_W: pv_W over the 2W-row strips of rows [i_begin, i_end) and every column of O^T, COLS
+ *   columns a pass (6; PV_COLS at AVX-512), the rest in one last pass.
  * softmax_W: the online-softmax step (tile_softmax) for rows i..i+W-1.
  *
  * With AVX-512 a 32-row strip is two 16-float registers: half the loads and instructions per
  * product of two 8-float ones (the FMA rate is the same on cores that split 512-bit FMAs). */
-#define FLASH_SIMD(W, VT, VI, P, ROUND, CAST)                                                         \
+#define FLASH_SIMD(W, VT, VI, P, ROUND, CAST, COLS)                                                   \
     INLINE VT exp2_##W(VT x) {                                                                        \
         const VT y = P##_max_ps(x, P##_set1_ps(-127.0f));                                             \
         const VT n = ROUND(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                         \
@@ -195,7 +195,7 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
     }                                                                                                 \
     INLINE void pv_##W(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd,      \
                        float *ot, int i0, const float *alpha) {                                       \
-        VT a[6], b[6];                                                                                \
+        VT a[12], b[12];                                                                              \
         for (int u = 0; u < nd; u++) {                                                                \
             a[u] = P##_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0);                                   \
             b[u] = P##_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + W);                               \
@@ -225,8 +225,8 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
     INLINE void pv_strips_##W(const float *pt, int rbp, const float *const *vrow, int n, int d,        \
                               float *ot, int i_begin, int i_end, const float *alpha) {                \
         int x0 = 0;                                                                                   \
-        for (; x0 + 6 <= d; x0 += 6)                                                                  \
-            for (int i0 = i_begin; i0 < i_end; i0 += 2 * W) pv_##W(pt, rbp, vrow, n, x0, 6, ot, i0, alpha); \
+        for (; x0 + COLS <= d; x0 += COLS)                                                            \
+            for (int i0 = i_begin; i0 < i_end; i0 += 2 * W) pv_##W(pt, rbp, vrow, n, x0, COLS, ot, i0, alpha); \
         const int rest = d - x0;                                                                      \
         for (int i0 = i_begin; i0 < i_end && rest > 0; i0 += 2 * W) {                                 \
             switch (rest) { /* constant widths, so each inlined copy keeps its sums in registers */    \
@@ -234,7 +234,13 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
             case 2: pv_##W(pt, rbp, vrow, n, x0, 2, ot, i0, alpha); break;                            \
             case 3: pv_##W(pt, rbp, vrow, n, x0, 3, ot, i0, alpha); break;                            \
             case 4: pv_##W(pt, rbp, vrow, n, x0, 4, ot, i0, alpha); break;                            \
-            default: pv_##W(pt, rbp, vrow, n, x0, 5, ot, i0, alpha); break;                           \
+            case 5: pv_##W(pt, rbp, vrow, n, x0, 5, ot, i0, alpha); break;                            \
+            case 6: pv_##W(pt, rbp, vrow, n, x0, 6, ot, i0, alpha); break;                            \
+            case 7: pv_##W(pt, rbp, vrow, n, x0, 7, ot, i0, alpha); break;                            \
+            case 8: pv_##W(pt, rbp, vrow, n, x0, 8, ot, i0, alpha); break;                            \
+            case 9: pv_##W(pt, rbp, vrow, n, x0, 9, ot, i0, alpha); break;                            \
+            case 10: pv_##W(pt, rbp, vrow, n, x0, 10, ot, i0, alpha); break;                          \
+            default: pv_##W(pt, rbp, vrow, n, x0, 11, ot, i0, alpha); break;                          \
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
@@ -267,14 +273,14 @@ static inline float exp2_scalar(float x) { return x < -126.0f ? 0.0f : exp2f(x);
         P##_storeu_ps(alpha + i, a);                                                                  \
     }
 
-FLASH_SIMD(8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
+FLASH_SIMD(8, __m256, __m256i, _mm256, _mm256_round_ps, _mm256_castsi256_ps, 6)
 #ifdef HAVE_AVX512
-FLASH_SIMD(16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
+FLASH_SIMD(16, __m512, __m512i, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps, PV_COLS)
 #endif
 
-#if defined(HAVE_AVX512) && WIDE_BLOCKS
-/* qk_16 and pv_16 over more keys / columns a pass (QK_KEYS, PV_COLS up to 12): per step, two
- * loads of the strip and one broadcast a key (column) feed two FMAs a key (column), so 12 keys
+#if defined(HAVE_AVX512) && QK_KEYS != 6
+/* qk_16 over QK_KEYS keys a pass (pv_16 takes PV_COLS columns a pass: FLASH_SIMD's COLS), up to
+ * 12 each: per step, two loads of the strip and one broadcast a key (column) feed two FMAs a key (column), so 12 keys
  * take 14 loads for 24 FMAs where 6 take 8 for 12. On an Intel core with two 512-bit FMA ports
  * the loads bind first (as in linear_rows.c's panels). Each sum is the same sum in the same
  * order: the same bits. Intel Xeon (family 6 model 167), 2 threads, 2026-12-07, float32 pages of
@@ -301,58 +307,6 @@ INLINE void qk_keys16(const float *qt, int rbp, const float *const *krow, int d,
     for (int u = 0; u < QK_KEYS; u++, s += sstride) {
         _mm512_storeu_ps(s, a[u]);
         _mm512_storeu_ps(s + 16, b[u]);
-    }
-}
-
-INLINE void pv_cols16(const float *pt, int rbp, const float *const *vrow, int n, int x0, int nd, float *ot, int i0,
-                      const float *alpha) {
-    __m512 a[PV_COLS], b[PV_COLS];
-    for (int u = 0; u < nd; u++) {
-        a[u] = _mm512_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0);
-        b[u] = _mm512_loadu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 16);
-    }
-    if (alpha) {
-        const __m512 s0 = _mm512_loadu_ps(alpha + i0), s1 = _mm512_loadu_ps(alpha + i0 + 16);
-        for (int u = 0; u < nd; u++) {
-            a[u] = _mm512_mul_ps(a[u], s0);
-            b[u] = _mm512_mul_ps(b[u], s1);
-        }
-    }
-    const float *pp = pt + i0;
-    for (int j = 0; j < n; j++, pp += rbp) {
-        const __m512 p0 = _mm512_loadu_ps(pp), p1 = _mm512_loadu_ps(pp + 16);
-        const float *v = vrow[j] + x0;
-        for (int u = 0; u < nd; u++) {
-            const __m512 w = _mm512_set1_ps(v[u]);
-            a[u] = _mm512_fmadd_ps(w, p0, a[u]);
-            b[u] = _mm512_fmadd_ps(w, p1, b[u]);
-        }
-    }
-    for (int u = 0; u < nd; u++) {
-        _mm512_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0, a[u]);
-        _mm512_storeu_ps(ot + (int64_t)(x0 + u) * rbp + i0 + 16, b[u]);
-    }
-}
-
-INLINE void pv_strips_cols16(const float *pt, int rbp, const float *const *vrow, int n, int d, float *ot,
-                             int i_end, const float *alpha) {
-    int x0 = 0;
-    for (; x0 + PV_COLS <= d; x0 += PV_COLS)
-        for (int i0 = 0; i0 < i_end; i0 += 32) pv_cols16(pt, rbp, vrow, n, x0, PV_COLS, ot, i0, alpha);
-    for (int i0 = 0; i0 < i_end && x0 < d; i0 += 32) {
-        switch (d - x0) { /* constant widths, so each inlined copy keeps its sums in registers */
-        case 1: pv_cols16(pt, rbp, vrow, n, x0, 1, ot, i0, alpha); break;
-        case 2: pv_cols16(pt, rbp, vrow, n, x0, 2, ot, i0, alpha); break;
-        case 3: pv_cols16(pt, rbp, vrow, n, x0, 3, ot, i0, alpha); break;
-        case 4: pv_cols16(pt, rbp, vrow, n, x0, 4, ot, i0, alpha); break;
-        case 5: pv_cols16(pt, rbp, vrow, n, x0, 5, ot, i0, alpha); break;
-        case 6: pv_cols16(pt, rbp, vrow, n, x0, 6, ot, i0, alpha); break;
-        case 7: pv_cols16(pt, rbp, vrow, n, x0, 7, ot, i0, alpha); break;
-        case 8: pv_cols16(pt, rbp, vrow, n, x0, 8, ot, i0, alpha); break;
-        case 9: pv_cols16(pt, rbp, vrow, n, x0, 9, ot, i0, alpha); break;
-        case 10: pv_cols16(pt, rbp, vrow, n, x0, 10, ot, i0, alpha); break;
-        default: pv_cols16(pt, rbp, vrow, n, x0, 11, ot, i0, alpha); break;
-        }
     }
 }
 #endif
@@ -406,7 +360,7 @@ INLINE void pv_strip8(const float *pt, int rbp, const float *const *vrow, int n,
 /* S^T[k][i] for the tile's keys (krow, n of them, rounded up to 6 and to QK_KEYS with zero rows) and the
  * block's rbp rows. */
 static void tile_scores(const float *qt, int rbp, const float *const *krow, int n, int d, float *st) {
-#if defined(HAVE_AVX512) && WIDE_BLOCKS /* the 32-row strips QK_KEYS keys a pass, the rest below */
+#if defined(HAVE_AVX512) && QK_KEYS != 6 /* the 32-row strips QK_KEYS keys a pass, the rest below */
     const int wide = rbp / 32 * 32;
     for (int k0 = 0; k0 < n; k0 += QK_KEYS)
         for (int i0 = 0; i0 < wide; i0 += 32) qk_keys16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
@@ -414,7 +368,7 @@ static void tile_scores(const float *qt, int rbp, const float *const *krow, int 
     for (int k0 = 0; k0 < n; k0 += 6) {
 #ifdef HAVE_AVX2
         int i0 = 0;
-#if defined(HAVE_AVX512) && WIDE_BLOCKS
+#if defined(HAVE_AVX512) && QK_KEYS != 6
         i0 = wide;
 #elif defined(HAVE_AVX512)
         for (; i0 + 32 <= rbp; i0 += 32) qk_16(qt, rbp, krow + k0, d, st + (int64_t)k0 * rbp, rbp, i0);
@@ -442,11 +396,7 @@ static void tile_accumulate(const float *pt, int rbp, const float *const *vrow, 
     int wide = 0; /* rows in 32-row strips (AVX-512), then 16-row strips; an 8-row strip may follow */
 #ifdef HAVE_AVX512
     wide = rbp / 32 * 32;
-#if WIDE_BLOCKS
-    pv_strips_cols16(pt, rbp, vrow, n, d, ot, wide, alpha);
-#else
     pv_strips_16(pt, rbp, vrow, n, d, ot, 0, wide, alpha);
-#endif
 #endif
     const int full = wide + (rbp - wide) / 16 * 16;
     pv_strips_8(pt, rbp, vrow, n, d, ot, wide, full, alpha);
