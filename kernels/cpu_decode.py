@@ -291,17 +291,26 @@ def _layout_ok(t: torch.Tensor, dtype: torch.dtype, dim: int) -> bool:
     return t.dtype == dtype and t.dim() == dim and t.is_cpu and t.is_contiguous()
 
 
+def q_rows_ok(q: torch.Tensor) -> bool:
+    """Whether q is a float32 [T, H, D] CPU tensor whose token rows may lie apart (a view of a
+    wider projection's rows: the flash kernel takes their stride) but whose heads and values are
+    packed within a row."""
+    return (q.dtype == torch.float32 and q.dim() == 3 and q.is_cpu and q.stride(2) == 1
+            and q.stride(1) == q.shape[2] and q.stride(0) >= q.shape[1] * q.shape[2])
+
+
 def check_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
                 ctx_lens: torch.Tensor, cu_q: torch.Tensor, seqs: torch.Tensor,
-                words: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+                words: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, strided_q: bool = False) -> None:
     """The checks a batch kernel's operator makes before handing pointers to C (shared with
     ``cpu_flash``): every tensor's dtype, shape and layout. What depends on the values (block
     ids, query offsets, lengths) the C side checks per sequence it reads. A first pass tests
-    everything at once (it runs once per layer); only a failure spells out what was wrong."""
+    everything at once (it runs once per layer); only a failure spells out what was wrong.
+    ``strided_q``: q's token rows may lie apart (``q_rows_ok``; the flash kernel)."""
     f32, i32 = torch.float32, torch.int32
     shape, kshape = q.shape, k_cache.shape
-    if (_layout_ok(q, f32, 3) and k_cache.dtype in DTYPES and k_cache.dim() == 4 and k_cache.is_cpu
+    if ((q_rows_ok(q) if strided_q else _layout_ok(q, f32, 3)) and k_cache.dtype in DTYPES and k_cache.dim() == 4 and k_cache.is_cpu
             and k_cache.is_contiguous() and v_cache.dtype == k_cache.dtype and v_cache.shape == kshape
             and v_cache.is_cpu and v_cache.is_contiguous() and kshape[3] == shape[2] and shape[1] % kshape[2] == 0
             and (k_cache.dtype == torch.int8) == (k_scale is not None) and (k_scale is None) == (v_scale is None)
@@ -313,14 +322,18 @@ def check_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if k_scale is not None:
             check_scales(k_cache, k_scale, v_scale)
         return
-    _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
+    _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse,
+                   strided_q)
     raise ValueError("the batch kernel's arguments are not as it takes them (see cpu_decode.check_batch)")
 
 
 def _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out,
-                   lse) -> None:
+                   lse, strided_q: bool = False) -> None:
     """check_batch's failure: raise ValueError saying which argument is wrong."""
-    if q.dtype != torch.float32 or q.dim() != 3 or not q.is_contiguous() or q.device.type != "cpu":
+    if strided_q and not q_rows_ok(q):
+        raise ValueError(f"q must be a float32 [T, H, D] CPU tensor with each token's heads packed (strides "
+                         f"(>= H * D, D, 1)), got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
+    if not strided_q and (q.dtype != torch.float32 or q.dim() != 3 or not q.is_contiguous() or q.device.type != "cpu"):
         raise ValueError(f"q must be a contiguous float32 [T, H, D] CPU tensor, got {q.dtype} {tuple(q.shape)}")
     total, num_heads, head_dim = q.shape
     if (k_cache.dim() != 4 or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype
@@ -360,13 +373,14 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     signature both share (see ``BATCH_HEAD``): ``splits`` for the flash kernel, ``split_tokens``
     for the decode kernel; ``window``/``softcap``: a sliding window and a score cap (0: none;
     see the C files). A code the C side returns becomes a ValueError naming ``kernel``."""
-    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse)
+    check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse,
+                strided_q=splits is not None)
     head = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
             DTYPES[k_cache.dtype], block_table.data_ptr(), block_table.shape[0], block_table.shape[1],
             k_cache.shape[0], ctx_lens.data_ptr(), cu_q.data_ptr(), q.shape[0], seqs.data_ptr()]
-    if splits is not None:
-        head.append(splits.data_ptr())
+    if splits is not None:  # the flash kernel: its splits, and q's row stride (its rows may lie apart)
+        head += [splits.data_ptr(), q.stride(0)]
     shape = [seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
              None if words is None else words.data_ptr(), window, softcap]
     tail = [num_threads, out.data_ptr(), lse.data_ptr()]

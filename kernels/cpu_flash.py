@@ -44,7 +44,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_flash_row_block.argtypes = []
     fn = lib.longctx_paged_flash_batch
     fn.restype = ctypes.c_int
-    fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, *BATCH_SHAPE, *BATCH_TAIL]
+    fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, ctypes.c_int64, *BATCH_SHAPE, *BATCH_TAIL]  # splits, q's row stride
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
@@ -158,8 +158,9 @@ def attend_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_threads: int | None = None, window: int | None = None,
                  softcap: float | None = None) -> None:
     """The sequences ``seqs`` (int32 indices into ``tables``) of a step in one call, as
-    ``cpu_decode.attend_batch`` (same q, out, lse, words, scales), any number of new tokens
-    each (at most 63 with ``words``). ``splits`` int32, one per entry of ``seqs``: its KV
+    ``cpu_decode.attend_batch`` (same out, lse, words, scales; q the same or with its token rows
+    apart, ``cpu_decode.q_rows_ok``: a view of the qkv product), any number of new tokens each
+    (at most 63 with ``words``). ``splits`` int32, one per entry of ``seqs``: its KV
     splits (``num_splits``). ``num_threads``: OpenMP threads (default torch's count).
     ``window``/``softcap``: as for ``cpu_decode.attend_batch``."""
     paged_flash(q, k_cache, v_cache, k_scale, v_scale, tables.block_table, tables.ctx_lens, tables.cu_q,

@@ -365,16 +365,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if decode is not None or flash is not None:
         direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernels write into it
         target = out if direct else torch.empty(q.shape, dtype=torch.float32)
-        qf = q.float().contiguous()
+        qf = q.float()
         words = None if tree_mask is None else tree_mask.to(torch.int64).contiguous()
         scales = {"k_scale": k_scale, "v_scale": v_scale} if quantized else {}
         scales.update(window=window, softcap=softcap)
         if decode is not None:
-            cpu_decode.attend_batch(qf, k_cache, v_cache, plan.kernel_tables, decode, scale, words,
+            cpu_decode.attend_batch(qf.contiguous(), k_cache, v_cache, plan.kernel_tables, decode, scale, words,
                                     out=target, lse=lse, **scales)
-        if flash is not None:
-            cpu_flash.attend_batch(qf, k_cache, v_cache, plan.kernel_tables, flash[0], scale, words,
-                                   out=target, lse=lse, splits=flash[1], **scales)
+        if flash is not None:  # q as it is where its heads are packed: a view of the qkv product, no copy
+            cpu_flash.attend_batch(qf if cpu_decode.q_rows_ok(qf) else qf.contiguous(), k_cache, v_cache,
+                                   plan.kernel_tables, flash[0], scale, words, out=target, lse=lse,
+                                   splits=flash[1], **scales)
         if not direct:
             for idx in (decode, None if flash is None else flash[0]):
                 if idx is not None:

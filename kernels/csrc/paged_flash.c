@@ -617,7 +617,8 @@ static void tile_accumulate_bf16(const uint32_t *pp, int rbp, const uint32_t *vp
 #endif
 
 typedef struct Args {
-    const float *q;
+    const float *q;   /* the sequence's first token's row */
+    int64_t q_stride; /* floats from one token's row of q to the next's (>= num_heads * d) */
     const void *k_cache, *v_cache;
     const float *k_scale, *v_scale; /* int8 caches only */
     int dtype;
@@ -1032,7 +1033,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
         float *dst = s->qt + r;
         if (r < rows) {
             const int row = r0 + r;
-            const float *src = a->q + ((int64_t)(row / group) * a->num_heads + kvh * group + row % group) * d;
+            const float *src = a->q + (int64_t)(row / group) * a->q_stride + (int64_t)(kvh * group + row % group) * d;
             for (int x = 0; x < d; x++) dst[(int64_t)x * rbp] = src[x] * qscale;
         } else
             for (int x = 0; x < d; x++) dst[(int64_t)x * rbp] = 0.0f;
@@ -1191,8 +1192,9 @@ int longctx_flash_row_block(void) { return RB; }
  * split) is one work item, shared out over `threads` OpenMP threads (the caller passes torch's
  * count); split sequences are merged at the end. words: per query row of the whole step
  * (indexed like q's rows), bit j lets the row see new token j of its sequence; NULL: causal
- * among each sequence's new tokens. out [T, H, D] / lse [T, H] rows of the chosen sequences are
- * written, others are left alone.
+ * among each sequence's new tokens. q's token rows are q_stride floats apart (>= H * D; a view
+ * of a wider [T, (H + 2 Hkv) D] projection needs no copy), each row's heads D apart. out [T, H, D]
+ * / lse [T, H] rows of the chosen sequences are written, others are left alone.
  *
  * Returns 0, or a negative code for arguments this kernel does not take (the caller checks them
  * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
@@ -1203,13 +1205,14 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
                               const int32_t *block_table, int table_rows, int64_t table_stride,
                               int num_blocks, const int32_t *ctx_lens, const int32_t *cu_q,
                               int total_q, const int32_t *seqs,
-                              const int32_t *splits, int num_seqs, int block_size, int num_heads,
+                              const int32_t *splits, int64_t q_stride, int num_seqs, int block_size, int num_heads,
                               int num_kv, int d, float scale, const uint64_t *words, int window, float softcap,
                               int threads, float *out, float *lse) {
     if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
     if (dtype == 2 && (!k_scale || !v_scale)) return -1;
     if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D) return -2;
     if (block_size < 1 || threads < 1 || num_seqs < 0 || window < 0 || softcap < 0.0f) return -3;
+    if (q_stride < (int64_t)num_heads * d) return -2;
     if (num_seqs == 0) return 0;
     const int group = num_heads / num_kv;
     /* per sequence: its arguments, where its split states start, and its first item */
@@ -1233,7 +1236,7 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
             rc = -3;
             break;
         }
-        const Args one = {q + (int64_t)cu_q[s] * num_heads * d, k_cache, v_cache, k_scale, v_scale, dtype,
+        const Args one = {q + (int64_t)cu_q[s] * q_stride, q_stride, k_cache, v_cache, k_scale, v_scale, dtype,
                           block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
                           num_kv, d, scale, words ? words + cu_q[s] : NULL, window, softcap,
                           key_start(ctx_len, q_len, window)};

@@ -227,6 +227,48 @@ def test_torch_paged_sends_long_steps_to_the_flash_kernel(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_rows_apart_are_read_in_place(monkeypatch, dtype):
+    """A q whose token rows lie apart (a view of the [T, (H + 2 Hkv) D] qkv product, as the model
+    passes it) reaches the flash kernel as it is, no copy, and gives the bits a contiguous q
+    gives; NaN in the columns between its rows shows a read past a row's heads. A q whose heads
+    are not packed within a row is refused with what was wrong."""
+    if not cpu_build.vectorized():
+        pytest.skip("without the kernels' vector paths the engine keeps the torch forms (cpu_build.vectorized)")
+    batch = make_batch(Case((40, 25), (90, 60), num_kv_heads=2, group=3, dtype=dtype, seed=33))
+    q = batch.q.float()  # the model's q is float32 over bfloat16 pages too
+    total, heads, dim = q.shape
+    wide = torch.full((total, heads + 4, dim), float("nan"))  # k's and v's heads' place: NaN
+    wide[:, :heads] = q
+    view = wide[:, :heads]
+    assert not view.is_contiguous()
+    seen = []
+    real = cpu_flash.attend_batch
+
+    def record(q, *a, **k):
+        seen.append(q.data_ptr() == view.data_ptr())
+        return real(q, *a, **k)
+
+    monkeypatch.setattr(cpu_flash, "attend_batch", record)
+    rest = batch.args()[1:]
+    want_out, want_lse = torch_paged.paged_attention(q, *rest)
+    got_out, got_lse = torch_paged.paged_attention(view, *rest)
+    assert seen == [False, True]  # the contiguous q's call, then the view itself
+    assert not got_out.isnan().any()
+    torch.testing.assert_close(got_out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=0)
+    if dtype == torch.float32:
+        check_against_reference(torch_paged, dataclasses.replace(batch, q=view), dtype)
+    # heads apart within a row (a [T, D, H] tensor's transpose): refused, before C reads a byte
+    tables = cpu_flash.prepare(batch.block_table[0].tolist(), 90, batch.k_cache)
+    loose = q[:40].transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = torch.empty(40, heads, dim), torch.empty(40, heads)
+    with pytest.raises(ValueError, match=r"each token's heads packed"):
+        real(loose, batch.k_cache, batch.v_cache, *cpu_flash.single(loose, tables, None, all_visible=False)[:2],
+             0.125, out=out, lse=lse, splits=torch.ones(1, dtype=torch.int32))
+
+
+@needs_kernel
 def test_float16_caches_stay_on_the_torch_path():
     batch = make_batch(Case((40,), (60,), num_kv_heads=2, group=3, dtype=torch.float16, seed=22))
     assert not cpu_flash.supports(batch.q, batch.k_cache)
