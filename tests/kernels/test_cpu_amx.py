@@ -253,11 +253,13 @@ def _bf16_linear(k: int, n: int, gen: torch.Generator, amx_from_rows: int, bias:
 
 @needs_amx
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows,k,f", [(1, 32, 32), (17, 64, 96), (33, 96, 64), (100, 576, 1536)])
+@pytest.mark.parametrize("rows,k,f", [(1, 32, 32), (17, 64, 96), (33, 96, 64), (100, 576, 1536), (208, 64, 320)])
 def test_the_gated_product_in_one_pass_is_the_two_passes_bit_for_bit(act, rows, k, f):
     """``gated_rounded``: an MLP's gate/up product and ``round_gated`` in one pass (each 16 gate
-    columns beside their 16 up columns, through the activation from L1) gives the bits of the
-    [rows, 2F] float32 product followed by ``round_gated`` on its halves, padding rows zero;
+    columns beside their 16 up columns, through the activation from L1, each block's activation
+    run between the next block's k steps) gives the bits of the [rows, 2F] float32 product
+    followed by ``round_gated`` on its halves, padding rows zero, at any thread count (slices of
+    F of several blocks, a last 16-row block, a slice's last block's activation after its loop);
     what does not fit is refused before the kernel writes a byte."""
     gen = torch.Generator().manual_seed(rows + k + f)
     x = torch.randn(rows, k, generator=gen)
@@ -269,6 +271,9 @@ def test_the_gated_product_in_one_pass_is_the_two_passes_bit_for_bit(act, rows, 
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == ((rows + 15) // 16 * 16, f)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.all(_tile_rows(got, got.shape[0])[rows:] == 0)  # (the padding rows)
+    for threads in (1, 3):
+        assert torch.equal(cpu_amx.gated_rounded(xb, rows, w, act, num_threads=threads).view(torch.int16),
+                           want.view(torch.int16))
     out = torch.empty_like(got)
     for bad in (dict(weight=w[:32]),  # F = 16: not a multiple of 32
                 dict(weight=w.float()), dict(out=torch.empty(out.shape[0] + 16, f, dtype=torch.bfloat16)),
