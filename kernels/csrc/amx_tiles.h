@@ -33,13 +33,14 @@ typedef struct {
 /* All 8 tiles as 16 rows of 64 bytes (16 float32 sums, or 32 bfloat16 as 16 pairs), for the
  * calling thread (each thread loads its own). */
 static inline void amx_load_config(void) {
-    AmxTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    /* a constant, not a stack struct filled in place: GCC 12 at -O3 dropped that struct's stores
+     * ahead of ldtilecfg in one caller (tiles_product's OpenMP body, 2026-12-07), which then
+     * faulted on the all-zero shape */
+    static const AmxTileConfig cfg = {
+        .palette_id = 1,
+        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+    };
     _tile_loadconfig(&cfg);
 }
 
