@@ -629,6 +629,7 @@ typedef struct Args {
     int window;    /* 0: none */
     float softcap; /* 0: none */
     int key_lo;    /* the first key any row may see (key_start) */
+    const uint32_t *vt_pre; /* the AMX build: V^T's pairs of every KT-key tile, made once (prepack_v), or NULL */
 } Args;
 
 static void mask_columns(const Args *a, int row0, int rows, int base, int n, int meets_window,
@@ -1105,8 +1106,13 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
             int kgs[KT / 16 + 1];
             amx_k_groups((const uint16_t *)a->k_cache, at, n, n16, d, (int64_t)a->num_kv * d, (uint16_t *)s->kbuf,
                          kg, kgs);
-            for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
-            amx_v_pairs_transposed(s->vrow16, n, n32, d, (const uint16_t *)s->zero, s->vt);
+            const uint32_t *vt = s->vt;
+            if (a->vt_pre && base % KT == 0) /* made once for the step (prepack_v) */
+                vt = a->vt_pre + ((int64_t)kvh * ((a->ctx_len + KT - 1) / KT) + base / KT) * d * VT_STRIDE;
+            else {
+                for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
+                amx_v_pairs_transposed(s->vrow16, n, n32, d, (const uint16_t *)s->zero, s->vt);
+            }
             int exact_bits = 0; /* exact_edge, per EXACT_ROWS part of the block */
             for (int h = 0; h < parts && QK_EXACT_EDGES; h++)
                 if (base < KT || tile_meets_mask(a, base, n, part_first[h], part_low[h])) exact_bits |= 1 << h;
@@ -1116,7 +1122,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
                 for (int j = n; j < (n + 5) / 6 * 6; j++) s->krow[j] = s->zero;
             }
             amx_tile(a, r0, rows, base, meets_window, meets_mask, s->qp, s->qt, s->krow, exact_bits,
-                     rbp, kg, kgs, n, n16, n32, d, s->vt, s->ot, s->m, s->l, s->alpha, s->st,
+                     rbp, kg, kgs, n, n16, n32, d, vt, s->ot, s->m, s->l, s->alpha, s->st,
                      a->softcap > 0.0f ? cap : 0.0f, inv_cap);
             continue;
         }
@@ -1183,6 +1189,64 @@ static void scratch_init(Scratch *s, float *base, int d) {
     s->kf = (float *)(s->vt + (size_t)d * VT_STRIDE);
 }
 
+#ifdef HAVE_AMX
+/* V^T's pairs (amx_v_pairs_transposed's operand) of every KT-key tile [t KT, t KT + KT) of the
+ * sequences whose work items all start their keys at 0 and take P.V on the tiles (bfloat16 pages,
+ * d % 32 == 0, no KV splits, no window) and span two row blocks or more, made once for the call
+ * into one buffer ([num_kv][tiles][d][VT_STRIDE] words a sequence, args[i].vt_pre), where each
+ * work item had made its tiles' own (the row blocks of a 2K chunk repacked every key ~16 times
+ * between them). A tile's words for keys past the context are zero; a work item whose causal
+ * end cuts a tile reads its first keys' words only, and past its own keys (up to the next 32) it
+ * multiplies V's real rows by P's zero pairs: the same sums. Returns the buffer to free (NULL:
+ * none made; every work item then packs its own). */
+static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int group, int threads) {
+    static const uint16_t zero[MAX_D];
+    int64_t words = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        const Args *a = &args[i];
+        if (a->dtype != 1 || a->d % 32 || !QK_BF16 || splits[i] != 1 || a->window > 0 || a->key_lo != 0
+            || (a->q_len * group + RB - 1) / RB < 2)
+            continue;
+        words += (int64_t)a->num_kv * ((a->ctx_len + KT - 1) / KT) * a->d * VT_STRIDE;
+    }
+    uint32_t *pool = words > 0 ? aligned_alloc(64, sizeof(uint32_t) * (size_t)((words + 15) / 16 * 16)) : NULL;
+    if (!pool) return NULL;
+    int64_t at = 0;
+    int jobs = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        Args *a = &args[i];
+        if (a->dtype != 1 || a->d % 32 || !QK_BF16 || splits[i] != 1 || a->window > 0 || a->key_lo != 0
+            || (a->q_len * group + RB - 1) / RB < 2)
+            continue;
+        a->vt_pre = pool + at;
+        const int tiles = (a->ctx_len + KT - 1) / KT;
+        at += (int64_t)a->num_kv * tiles * a->d * VT_STRIDE;
+        jobs += a->num_kv * tiles;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int job = 0; job < jobs; job++) {
+        int i = 0, first = 0; /* the job's sequence, KV head and tile */
+        for (;; i++) {
+            const Args *a = &args[i];
+            if (!a->vt_pre) continue;
+            const int here = a->num_kv * ((a->ctx_len + KT - 1) / KT);
+            if (job < first + here) break;
+            first += here;
+        }
+        const Args *a = &args[i];
+        const int tiles = (a->ctx_len + KT - 1) / KT, kvh = (job - first) / tiles, t = (job - first) % tiles;
+        const int base = t * KT, n = a->ctx_len - base < KT ? a->ctx_len - base : KT, d = a->d;
+        int64_t offsets[KT];
+        const uint16_t *vrow[KT];
+        tile_offsets(a->blocks, a->block_size, base, n, a->num_kv, kvh, d, offsets);
+        for (int j = 0; j < n; j++) vrow[j] = (const uint16_t *)a->v_cache + offsets[j];
+        uint32_t *vt = a->vt_pre + ((int64_t)kvh * tiles + t) * d * VT_STRIDE;
+        amx_v_pairs_transposed(vrow, n, KT32, d, zero, vt);
+    }
+    return pool;
+}
+#endif
+
 /* Query rows per work item in this build (kernels/cpu_flash.py counts work items with it). */
 int longctx_flash_row_block(void) { return RB; }
 
@@ -1239,7 +1303,7 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
         const Args one = {q + (int64_t)cu_q[s] * q_stride, q_stride, k_cache, v_cache, k_scale, v_scale, dtype,
                           block_table + (int64_t)s * table_stride, block_size, ctx_len, q_len, num_heads,
                           num_kv, d, scale, words ? words + cu_q[s] : NULL, window, softcap,
-                          key_start(ctx_len, q_len, window)};
+                          key_start(ctx_len, q_len, window), NULL};
         args[i] = one;
         const int num_rb = (q_len * group + RB - 1) / RB;
         state_at[i] = floats;
@@ -1256,6 +1320,9 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
     }
     const int items = first_item[num_seqs];
     const float ln2 = 0.693147180559945309f;
+#ifdef HAVE_AMX
+    uint32_t *vt_pool = prepack_v(args, splits, num_seqs, group, threads);
+#endif
 
 #pragma omp parallel num_threads(threads)
     {
@@ -1320,6 +1387,9 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
                      threads);
     }
     free(work);
+#ifdef HAVE_AMX
+    free(vt_pool);
+#endif
     free(args);
     free(state_at);
     free(first_item);

@@ -149,6 +149,26 @@ def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, n
     torch.testing.assert_close(amx_lse, vec_lse, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.skipif(cpu_flash.amx_status() != "ok", reason=f"AMX build {cpu_flash.amx_status()}")
+@pytest.mark.parametrize("ordered", [False, True])
+def test_amx_v_packed_once_per_call_gives_the_same_bits(ordered):
+    """The AMX build packs V^T's pairs of every 192-key tile once per call (prepack_v) for a
+    sequence of two row blocks or more, where each work item had packed its own tiles. A window
+    wider than every context leaves every key and tile as they were but turns that packing off:
+    the same bits. Two long prefills (one call: their packed tiles side by side in one buffer),
+    contexts that end mid-tile (zero words past them; NaN in the slots no sequence owns) and a
+    short sequence that packs its own."""
+    case = Case((70, 5, 90), (400, 37, 650), num_kv_heads=2, group=3, dtype=torch.bfloat16, ordered=ordered,
+                seed=35)
+    batch = make_batch(case)
+    out, lse = torch_paged.paged_attention(*batch.args())
+    ref_out, ref_lse = torch_paged.paged_attention(*batch.args(), window=1 << 20)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    check_against_reference(torch_paged, batch, torch.bfloat16)
+
+
 @needs_kernel
 def test_more_splits_than_keys_and_rows_that_see_nothing():
     """Splits longer than the context leave empty splits (m = -inf), and a tree row that sees
