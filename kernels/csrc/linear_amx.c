@@ -123,31 +123,29 @@ static void pack_slice(const uint16_t *w, int K, int n0, int nb, uint32_t *wp) {
     for (int b = 0; b < nb; b++) pack_block(w, K, n0 + 16 * b, b, nb, wp);
 }
 
-/* c[0 .. 16 mb, 0 .. 16 nb) (row stride ldc) = rows [m0, m0 + 16 mb) of x times the nb packed
- * 16-column blocks of w, over all of K (mb, nb in {1, 2}). */
-static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t *wp, int nb, float *c,
-                       int64_t ldc) {
-    const int kblocks = K / 32;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int kb = 0; kb < kblocks; kb++) {
-        const uint16_t *a = xb + ((int64_t)(m0 / 16) * kblocks + kb) * 512;
-        const uint32_t *b = wp + (int64_t)kb * nb * 256;
-        _tile_loadd(4, a, 64);
-        _tile_loadd(6, b, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nb == 2) {
-            _tile_loadd(7, b + 256, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (mb == 2) {
-            _tile_loadd(5, a + (int64_t)kblocks * 512, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            if (nb == 2) _tile_dpbf16ps(3, 5, 7);
-        }
+/* One k step (k block kb of kblocks) of a block of up to 2 x 2 tiles: C tiles 0-3 (C[mi][ni] =
+ * tile 2 mi + ni) += rows [m0, m0 + 16 mb) of xb's k block times the nb packed 16-column blocks
+ * of w's (mb, nb in {1, 2}). */
+static inline __attribute__((always_inline)) void tile_k_step(const uint16_t *xb, int kblocks, int m0, int mb,
+                                                              const uint32_t *wp, int nb, int kb) {
+    const uint16_t *a = xb + ((int64_t)(m0 / 16) * kblocks + kb) * 512;
+    const uint32_t *b = wp + (int64_t)kb * nb * 256;
+    _tile_loadd(4, a, 64);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nb == 2) {
+        _tile_loadd(7, b + 256, 64);
+        _tile_dpbf16ps(1, 4, 7);
     }
+    if (mb == 2) {
+        _tile_loadd(5, a + (int64_t)kblocks * 512, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+/* The block's C tiles to c[0 .. 16 mb, 0 .. 16 nb) (row stride ldc floats). */
+static inline __attribute__((always_inline)) void tile_store_c(float *c, int64_t ldc, int mb, int nb) {
     const int64_t cstride = ldc * 4;
     _tile_stored(0, c, cstride);
     if (nb == 2) _tile_stored(1, c + 16, cstride);
@@ -155,6 +153,23 @@ static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t
         _tile_stored(2, c + 16 * ldc, cstride);
         if (nb == 2) _tile_stored(3, c + 16 * ldc + 16, cstride);
     }
+}
+
+static inline __attribute__((always_inline)) void tile_zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* c[0 .. 16 mb, 0 .. 16 nb) (row stride ldc) = rows [m0, m0 + 16 mb) of x times the nb packed
+ * 16-column blocks of w, over all of K (mb, nb in {1, 2}). */
+static void tile_block(const uint16_t *xb, int K, int m0, int mb, const uint32_t *wp, int nb, float *c,
+                       int64_t ldc) {
+    const int kblocks = K / 32;
+    tile_zero_c();
+    for (int kb = 0; kb < kblocks; kb++) tile_k_step(xb, kblocks, m0, mb, wp, nb, kb);
+    tile_store_c(c, ldc, mb, nb);
 }
 
 /* A thread's slice of w, in groups of 32 rows (of `groups`): up to 8, as many as keep the packed
@@ -225,23 +240,9 @@ static void tile_block_gated(const uint16_t *xb, int K, int m0, int mb, const ui
     const int kblocks = K / 32;
     const int step = (prev->rows + kblocks - 1) / kblocks;  /* rows of prev's activation a k step */
     int done = 0;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    tile_zero_c();
     for (int kb = 0; kb < kblocks; kb++) {
-        const uint16_t *a = xb + ((int64_t)(m0 / 16) * kblocks + kb) * 512;
-        const uint32_t *b = wp + (int64_t)kb * 512;
-        _tile_loadd(4, a, 64);
-        _tile_loadd(6, b, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b + 256, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if (mb == 2) {
-            _tile_loadd(5, a + (int64_t)kblocks * 512, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        tile_k_step(xb, kblocks, m0, mb, wp, 2, kb);
         if (done < prev->rows) {
             const int end = done + step < prev->rows ? done + step : prev->rows;
             gated_out(prev->buf, prev->m0, prev->c, done, end, M, okb, act, xo);
@@ -249,12 +250,7 @@ static void tile_block_gated(const uint16_t *xb, int K, int m0, int mb, const ui
         }
     }
     if (done < prev->rows) gated_out(prev->buf, prev->m0, prev->c, done, prev->rows, M, okb, act, xo);
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    if (mb == 2) {
-        _tile_stored(2, c + 16 * 32, 128);
-        _tile_stored(3, c + 16 * 32 + 16, 128);
-    }
+    tile_store_c(c, 32, mb, 2);
 }
 
 /* xo [Mp, F] bfloat16, in round_rows' tile order (the down projection's rounded x) = act(x @
