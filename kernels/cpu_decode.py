@@ -47,7 +47,8 @@ _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 BATCH_HEAD = [_P, _P, _P, _P, _P, _I, _P, _I, _I64, _I, _P, _P, _I, _P]
 BATCH_SHAPE = [_I, _I, _I, _I, _I, ctypes.c_float, _P, _I, ctypes.c_float]
 BATCH_TAIL = [_I, _P, _P]
-ERRORS = {-1: "unknown cache dtype or missing int8 scales", -2: "bad head layout (num_heads, num_kv, head_dim)",
+ERRORS = {-1: "unknown cache dtype or missing int8 scales",
+          -2: "bad head layout (num_heads, num_kv, head_dim) or q's row stride below num_heads * head_dim",
           -3: "a sequence's query or context length is out of range", -4: "out of memory",
           -5: "a sequence outside the block table, q or the cache (block ids, query rows)"}
 
@@ -293,10 +294,20 @@ def _layout_ok(t: torch.Tensor, dtype: torch.dtype, dim: int) -> bool:
 
 def q_rows_ok(q: torch.Tensor) -> bool:
     """Whether q is a float32 [T, H, D] CPU tensor whose token rows may lie apart (a view of a
-    wider projection's rows: the flash kernel takes their stride) but whose heads and values are
-    packed within a row."""
-    return (q.dtype == torch.float32 and q.dim() == 3 and q.is_cpu and q.stride(2) == 1
-            and q.stride(1) == q.shape[2] and q.stride(0) >= q.shape[1] * q.shape[2])
+    wider projection's rows: the flash kernel takes their stride, ``q_row_stride``) but whose
+    heads and values are packed within a row. The stride of a dimension of size 1 does not
+    matter (as for ``is_contiguous``)."""
+    if not (q.dtype == torch.float32 and q.dim() == 3 and q.is_cpu):
+        return False
+    total, heads, dim = q.shape
+    return ((dim <= 1 or q.stride(2) == 1) and (heads <= 1 or q.stride(1) == dim)
+            and (total <= 1 or q.stride(0) >= heads * dim))
+
+
+def q_row_stride(q: torch.Tensor) -> int:
+    """The floats from one token's row of q to the next's as the flash kernel takes it (H * D
+    where q has one row, whatever torch says its stride is)."""
+    return q.stride(0) if q.shape[0] > 1 else q.shape[1] * q.shape[2]
 
 
 def check_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -380,7 +391,7 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             DTYPES[k_cache.dtype], block_table.data_ptr(), block_table.shape[0], block_table.shape[1],
             k_cache.shape[0], ctx_lens.data_ptr(), cu_q.data_ptr(), q.shape[0], seqs.data_ptr()]
     if splits is not None:  # the flash kernel: its splits, and q's row stride (its rows may lie apart)
-        head += [splits.data_ptr(), q.stride(0)]
+        head += [splits.data_ptr(), q_row_stride(q)]
     shape = [seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
              None if words is None else words.data_ptr(), window, softcap]
     tail = [num_threads, out.data_ptr(), lse.data_ptr()]

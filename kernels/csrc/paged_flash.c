@@ -59,10 +59,10 @@
 
 #ifndef RB
 #ifdef LONGCTX_AMX
-/* The AMX build packs each key tile's V (and K where its pages are not read in place,
- * amx_k_groups) for the tiles once per work item (amx_v_pairs_transposed): twice the rows share that
- * packing, while amx_tile keeps each strip
- * group's S^T in L1 whatever the block's rows (see amx_tile for the figures). */
+/* The AMX build gathers K where its pages are not read in place (amx_k_groups) once per work item
+ * and key tile, and V's pairs once per call for long sequences (prepack_v; else per work item):
+ * twice the rows share that work, while amx_tile keeps each strip group's S^T in L1 whatever the
+ * block's rows (see amx_tile for the figures). */
 #define RB 192
 #else
 #define RB 96 /* query rows per work item (a multiple of 16) */
@@ -1197,8 +1197,12 @@ static void scratch_init(Scratch *s, float *base, int d) {
  * work item had made its tiles' own (the row blocks of a 2K chunk repacked every key ~16 times
  * between them). A tile's words for keys past the context are zero; a work item whose causal
  * end cuts a tile reads its first keys' words only, and past its own keys (up to the next 32) it
- * multiplies V's real rows by P's zero pairs: the same sums. Returns the buffer to free (NULL:
- * none made; every work item then packs its own). */
+ * multiplies V's real rows by P's zero pairs: the same sums (a key it cannot see whose V holds
+ * Inf or NaN would now reach it as 0 * Inf). Returns the buffer to free (NULL: none made, or
+ * more than PREPACK_MAX_BYTES; every work item then packs its own). */
+#ifndef PREPACK_MAX_BYTES
+#define PREPACK_MAX_BYTES ((int64_t)64 << 20)
+#endif
 static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int group, int threads) {
     static const uint16_t zero[MAX_D];
     int64_t words = 0;
@@ -1209,6 +1213,9 @@ static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int 
             continue;
         words += (int64_t)a->num_kv * ((a->ctx_len + KT - 1) / KT) * a->d * VT_STRIDE;
     }
+    /* a call's packed V is one layer's V of its long sequences again (bfloat16 pairs): above
+     * PREPACK_MAX_BYTES (a very long context's chunk) every work item packs its own instead */
+    if (words > PREPACK_MAX_BYTES / (int64_t)sizeof(uint32_t)) return NULL;
     uint32_t *pool = words > 0 ? aligned_alloc(64, sizeof(uint32_t) * (size_t)((words + 15) / 16 * 16)) : NULL;
     if (!pool) return NULL;
     int64_t at = 0;

@@ -156,10 +156,11 @@ def test_amx_v_packed_once_per_call_gives_the_same_bits(ordered):
     sequence of two row blocks or more, where each work item had packed its own tiles. A window
     wider than every context leaves every key and tile as they were but turns that packing off:
     the same bits. Two long prefills (one call: their packed tiles side by side in one buffer),
-    contexts that end mid-tile (zero words past them; NaN in the slots no sequence owns) and a
-    short sequence that packs its own."""
-    case = Case((70, 5, 90), (400, 37, 650), num_kv_heads=2, group=3, dtype=torch.bfloat16, ordered=ordered,
-                seed=35)
+    contexts that end mid-tile (zero words past them; NaN in the slots no sequence owns), a
+    sequence of one row block in the same call that packs its own (the packing's jobs skip it)
+    and a decode-sized one (the decode kernel's)."""
+    case = Case((70, 10, 5, 90), (400, 47, 37, 650), num_kv_heads=2, group=3, dtype=torch.bfloat16,
+                ordered=ordered, seed=35)
     batch = make_batch(case)
     out, lse = torch_paged.paged_attention(*batch.args())
     ref_out, ref_lse = torch_paged.paged_attention(*batch.args(), window=1 << 20)
@@ -286,6 +287,26 @@ def test_q_rows_apart_are_read_in_place(monkeypatch, dtype):
     with pytest.raises(ValueError, match=r"each token's heads packed"):
         real(loose, batch.k_cache, batch.v_cache, *cpu_flash.single(loose, tables, None, all_visible=False)[:2],
              0.125, out=out, lse=lse, splits=torch.ones(1, dtype=torch.int32))
+
+
+@needs_kernel
+def test_one_token_q_with_any_row_stride():
+    """A one-token q's row stride is whatever torch gave its view (here D, from a [H, 1, D]
+    tensor's transpose, which torch calls contiguous): the flash kernel takes it as H * D, the
+    same bits as a fresh q, where a check of the raw stride had refused it."""
+    batch = make_batch(Case((1,), (75,), num_kv_heads=3, group=3, seed=36))
+    heads, dim = batch.q.shape[1:]
+    odd = batch.q.clone().as_strided((1, heads, dim), (dim, dim, 1))  # what [H, 1, D].transpose(0, 1) gives
+    assert odd.is_contiguous() and odd.stride(0) == dim and torch.equal(odd, batch.q)
+    tables = cpu_flash.prepare(batch.block_table[0].tolist(), 75, batch.k_cache)
+    got = []
+    for q in (batch.q.contiguous(), odd):
+        out, lse = torch.empty(1, heads, dim), torch.empty(1, heads)
+        cpu_flash.attend_batch(q, batch.k_cache, batch.v_cache, *cpu_flash.single(q, tables, None, all_visible=False)[:2],
+                               0.125, out=out, lse=lse, splits=torch.ones(1, dtype=torch.int32))
+        got.append((out, lse))
+    torch.testing.assert_close(got[1][0], got[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1][1], got[0][1], rtol=0, atol=0)
 
 
 @needs_kernel
