@@ -321,9 +321,9 @@ def check_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``strided_q``: q's token rows may lie apart (``q_rows_ok``; the flash kernel)."""
     f32, i32 = torch.float32, torch.int32
     shape, kshape = q.shape, k_cache.shape
-    if ((q_rows_ok(q) if strided_q else _layout_ok(q, f32, 3)) and k_cache.dtype in DTYPES and k_cache.dim() == 4 and k_cache.is_cpu
-            and k_cache.is_contiguous() and v_cache.dtype == k_cache.dtype and v_cache.shape == kshape
-            and v_cache.is_cpu and v_cache.is_contiguous() and kshape[3] == shape[2] and shape[1] % kshape[2] == 0
+    q_ok = q_rows_ok(q) if strided_q else _layout_ok(q, f32, 3)
+    if (q_ok and k_cache.dtype in DTYPES and k_cache.dim() == 4 and k_cache.is_cpu and k_cache.is_contiguous()
+            and v_cache.dtype == k_cache.dtype and v_cache.shape == kshape and v_cache.is_cpu and v_cache.is_contiguous() and kshape[3] == shape[2] and shape[1] % kshape[2] == 0
             and (k_cache.dtype == torch.int8) == (k_scale is not None) and (k_scale is None) == (v_scale is None)
             and _layout_ok(block_table, i32, 2) and _layout_ok(ctx_lens, i32, 1) and _layout_ok(cu_q, i32, 1)
             and _layout_ok(seqs, i32, 1) and block_table.shape[0] == ctx_lens.shape[0] == cu_q.shape[0] - 1
@@ -341,11 +341,10 @@ def check_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _explain_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out,
                    lse, strided_q: bool = False) -> None:
     """check_batch's failure: raise ValueError saying which argument is wrong."""
-    if strided_q and not q_rows_ok(q):
+    if not (q_rows_ok(q) if strided_q else _layout_ok(q, torch.float32, 3)):
         raise ValueError(f"q must be a float32 [T, H, D] CPU tensor with each token's heads packed (strides "
-                         f"(>= H * D, D, 1)), got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
-    if not strided_q and (q.dtype != torch.float32 or q.dim() != 3 or not q.is_contiguous() or q.device.type != "cpu"):
-        raise ValueError(f"q must be a contiguous float32 [T, H, D] CPU tensor, got {q.dtype} {tuple(q.shape)}")
+                         f"(>= H * D, D, 1)), got {q.dtype} {tuple(q.shape)} strides {q.stride()}" if strided_q else
+                         f"q must be a contiguous float32 [T, H, D] CPU tensor, got {q.dtype} {tuple(q.shape)}")
     total, num_heads, head_dim = q.shape
     if (k_cache.dim() != 4 or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype
             or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -635,6 +635,9 @@ typedef struct Args {
 static void mask_columns(const Args *a, int row0, int rows, int base, int n, int meets_window,
                          int meets_mask, float *st, int stride, int c0, int w);
 
+/* The KT-key tiles [t KT, t KT + KT) that cover a sequence's context (prepack_v's per KV head). */
+static inline int key_tiles(const Args *a) { return (a->ctx_len + KT - 1) / KT; }
+
 #if defined(LONGCTX_AMX) && defined(HAVE_BF16_DOT)
 #define HAVE_AMX 1
 #include "amx_tiles.h"
@@ -1108,7 +1111,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
                          kg, kgs);
             const uint32_t *vt = s->vt;
             if (a->vt_pre && base % KT == 0) /* made once for the step (prepack_v) */
-                vt = a->vt_pre + ((int64_t)kvh * ((a->ctx_len + KT - 1) / KT) + base / KT) * d * VT_STRIDE;
+                vt = a->vt_pre + ((int64_t)kvh * key_tiles(a) + base / KT) * d * VT_STRIDE;
             else {
                 for (int j = 0; j < n; j++) s->vrow16[j] = (const uint16_t *)a->v_cache + at[j];
                 amx_v_pairs_transposed(s->vrow16, n, n32, d, (const uint16_t *)s->zero, s->vt);
@@ -1203,16 +1206,18 @@ static void scratch_init(Scratch *s, float *base, int d) {
 #ifndef PREPACK_MAX_BYTES
 #define PREPACK_MAX_BYTES ((int64_t)64 << 20)
 #endif
+/* Whether prepack_v packs sequence a's tiles (its KV splits: `splits`). */
+static inline int prepacks(const Args *a, int splits, int group) {
+    return a->dtype == 1 && a->d % 32 == 0 && QK_BF16 && splits == 1 && a->window == 0 && a->key_lo == 0
+           && (a->q_len * group + RB - 1) / RB >= 2;
+}
+
 static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int group, int threads) {
     static const uint16_t zero[MAX_D];
     int64_t words = 0;
-    for (int i = 0; i < num_seqs; i++) {
-        const Args *a = &args[i];
-        if (a->dtype != 1 || a->d % 32 || !QK_BF16 || splits[i] != 1 || a->window > 0 || a->key_lo != 0
-            || (a->q_len * group + RB - 1) / RB < 2)
-            continue;
-        words += (int64_t)a->num_kv * ((a->ctx_len + KT - 1) / KT) * a->d * VT_STRIDE;
-    }
+    for (int i = 0; i < num_seqs; i++)
+        if (prepacks(&args[i], splits[i], group))
+            words += (int64_t)args[i].num_kv * key_tiles(&args[i]) * args[i].d * VT_STRIDE;
     /* a call's packed V is one layer's V of its long sequences again (bfloat16 pairs): above
      * PREPACK_MAX_BYTES (a very long context's chunk) every work item packs its own instead */
     if (words > PREPACK_MAX_BYTES / (int64_t)sizeof(uint32_t)) return NULL;
@@ -1222,13 +1227,10 @@ static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int 
     int jobs = 0;
     for (int i = 0; i < num_seqs; i++) {
         Args *a = &args[i];
-        if (a->dtype != 1 || a->d % 32 || !QK_BF16 || splits[i] != 1 || a->window > 0 || a->key_lo != 0
-            || (a->q_len * group + RB - 1) / RB < 2)
-            continue;
+        if (!prepacks(a, splits[i], group)) continue;
         a->vt_pre = pool + at;
-        const int tiles = (a->ctx_len + KT - 1) / KT;
-        at += (int64_t)a->num_kv * tiles * a->d * VT_STRIDE;
-        jobs += a->num_kv * tiles;
+        at += (int64_t)a->num_kv * key_tiles(a) * a->d * VT_STRIDE;
+        jobs += a->num_kv * key_tiles(a);
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int job = 0; job < jobs; job++) {
@@ -1236,12 +1238,12 @@ static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int 
         for (;; i++) {
             const Args *a = &args[i];
             if (!a->vt_pre) continue;
-            const int here = a->num_kv * ((a->ctx_len + KT - 1) / KT);
+            const int here = a->num_kv * key_tiles(a);
             if (job < first + here) break;
             first += here;
         }
         const Args *a = &args[i];
-        const int tiles = (a->ctx_len + KT - 1) / KT, kvh = (job - first) / tiles, t = (job - first) % tiles;
+        const int tiles = key_tiles(a), kvh = (job - first) / tiles, t = (job - first) % tiles;
         const int base = t * KT, n = a->ctx_len - base < KT ? a->ctx_len - base : KT, d = a->d;
         int64_t offsets[KT];
         const uint16_t *vrow[KT];
