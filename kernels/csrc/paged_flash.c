@@ -771,16 +771,25 @@ _Static_assert(EXACT_ROWS % AMX_SW == 0 && AMX_SW % 16 == 0 && AMX_SW <= 64, "st
  * above). Since QK_EXACT_EDGES went off (2026-12-06) every tile rounds q. */
 static void amx_tile(const Args *a, int row0, int rows, int base, int meets_window, int meets_mask,
                      const uint32_t *qp, const float *qt, const float *const *kf, int exact_bits, int rbp,
-                     const uint16_t *const *kg, const int *kgs, int n, int n16,
-                     int n32, int d, const uint32_t *vt, float *ot, float *m, float *l, float *alpha, float *sbuf,
+                     const uint16_t *const *kg, const int *kgs, int n_tile, int n16_tile,
+                     int n32_tile, int d, const uint32_t *vt, float *ot, float *m, float *l, float *alpha, float *sbuf,
                      float cap, float inv_cap) {
     const int group = a->num_heads / a->num_kv, first_new = a->ctx_len - a->q_len;
     for (int r0 = 0; r0 < rbp; r0 += AMX_SW) {
         const int w = rbp - r0 < AMX_SW ? rbp - r0 : AMX_SW, ns = w / 16;
-        /* causal: a group whose last token comes before every key of the tile sees none of it
-         * (a step over keys all masked changes no row's m, l or O^T) */
-        if (meets_mask && !a->tail_words && base - first_new > (row0 + (r0 + w < rows ? r0 + w : rows) - 1) / group)
-            continue;
+        /* causal: the group's last row sees keys up to first_new + its token; the tile's keys after
+         * that are masked for every row of the group, so the group's steps stop there (a group that
+         * sees none of the tile skips it): keys all masked change no row's m, l or O^T, the same bits */
+        int n = n_tile, n16 = n16_tile, n32 = n32_tile;
+        if (meets_mask && !a->tail_words) {
+            const int seen = first_new + (row0 + (r0 + w < rows ? r0 + w : rows) - 1) / group + 1 - base;
+            if (seen <= 0) continue;
+            if (seen < n) {
+                n = seen;
+                n16 = (n + 15) / 16 * 16;
+                n32 = (n + 31) / 32 * 32;
+            }
+        }
         if ((exact_bits >> (r0 / EXACT_ROWS)) & 1) { /* float32 q and K (kf), the vector products */
             for (int k0 = 0; k0 < n; k0 += 6) {
                 float *st = sbuf + (int64_t)k0 * w - r0;
