@@ -24,6 +24,7 @@ float32's. This keeps the result float32 (figures in docs/kernels.md).
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -78,6 +79,15 @@ def _declare(lib: ctypes.CDLL) -> None:
                    ctypes.c_void_p, ctypes.c_int]
     if lib.longctx_amx_enable() != 0:  # the process may not use the tiles: a fault at the first one
         raise RuntimeError("the OS refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
+class RoundedRows(NamedTuple):
+    """A product's input already rounded for the AMX tiles (``round_x``'s order): what an MLP's
+    gated product hands the down projection, or the flash kernel the o projection, where that
+    one takes it (``longctx.model.linear``'s ``takes_rounded``)."""
+
+    xb: torch.Tensor  # [rows rounded up to 16, K] bfloat16
+    rows: int
 
 
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=("-mamx-tile", "-mamx-bf16"),

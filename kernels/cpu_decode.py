@@ -50,7 +50,8 @@ BATCH_TAIL = [_I, _P, _P]
 ERRORS = {-1: "unknown cache dtype or missing int8 scales",
           -2: "bad head layout (num_heads, num_kv, head_dim) or q's row stride below num_heads * head_dim",
           -3: "a sequence's query or context length is out of range", -4: "out of memory",
-          -5: "a sequence outside the block table, q or the cache (block ids, query rows)"}
+          -5: "a sequence outside the block table, q or the cache (block ids, query rows)",
+          -6: "a rounded output where this build or head layout cannot write it, or a split sequence"}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -378,13 +379,20 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                ctx_lens: torch.Tensor, cu_q: torch.Tensor, seqs: torch.Tensor, words: torch.Tensor | None,
                scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor, *,
                splits: torch.Tensor | None = None, split_tokens: int | None = None,
-               window: int = 0, softcap: float = 0.0) -> None:
+               window: int = 0, softcap: float = 0.0, rounded: torch.Tensor | None = None) -> None:
     """Check a batch kernel's arguments (``check_batch``) and call its C entry ``fn`` with the
     signature both share (see ``BATCH_HEAD``): ``splits`` for the flash kernel, ``split_tokens``
     for the decode kernel; ``window``/``softcap``: a sliding window and a score cap (0: none;
-    see the C files). A code the C side returns becomes a ValueError naming ``kernel``."""
+    see the C files); ``rounded``: the flash kernel's rows rounded for the AMX products instead
+    of ``out`` (``cpu_flash.attend_batch``). A code the C side returns becomes a ValueError
+    naming ``kernel``."""
     check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse,
                 strided_q=splits is not None)
+    if rounded is not None and not (splits is not None and rounded.dtype == torch.bfloat16 and rounded.is_contiguous()
+                                    and tuple(rounded.shape) == ((q.shape[0] + 15) // 16 * 16, q.shape[1] * q.shape[2])):
+        raise ValueError(f"{kernel}: rounded must be a contiguous bfloat16 [{(q.shape[0] + 15) // 16 * 16}, "
+                         f"{q.shape[1] * q.shape[2]}] (the step's rows to a multiple of 16, H * D) for the flash "
+                         f"kernel, got {rounded.dtype} {tuple(rounded.shape)}")
     head = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
             DTYPES[k_cache.dtype], block_table.data_ptr(), block_table.shape[0], block_table.shape[1],
@@ -394,6 +402,8 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     shape = [seqs.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2], q.shape[2], scale,
              None if words is None else words.data_ptr(), window, softcap]
     tail = [num_threads, out.data_ptr(), lse.data_ptr()]
+    if splits is not None:
+        tail.append(None if rounded is None else rounded.data_ptr())
     rc = fn(*head, *shape, *([] if split_tokens is None else [split_tokens]), *tail)
     if rc != 0:
         raise ValueError(f"{kernel} rejected its arguments (code {rc}: {ERRORS.get(rc, 'unknown')}): "

@@ -30,7 +30,7 @@ from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, Blocks, Ta
                          prepare, single)
 
 __all__ = ["available", "status", "amx_status", "supports", "attend", "attend_batch", "num_splits", "Blocks",
-           "prepare"]
+           "prepare", "writes_rounded"]
 
 SOURCE = cpu_build.CSRC / "paged_flash.c"
 ROW_BLOCK = 96  # query rows per work item (the C file's RB; the AMX build's: row_block)
@@ -44,7 +44,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_flash_row_block.argtypes = []
     fn = lib.longctx_paged_flash_batch
     fn.restype = ctypes.c_int
-    fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, ctypes.c_int64, *BATCH_SHAPE, *BATCH_TAIL]  # splits, q's row stride
+    fn.argtypes = [*BATCH_HEAD, ctypes.c_void_p, ctypes.c_int64, *BATCH_SHAPE, *BATCH_TAIL,  # splits, q's row stride
+                   ctypes.c_void_p]  # out_rounded
+    lib.longctx_flash_rounds_out.restype = ctypes.c_int
+    lib.longctx_flash_rounds_out.argtypes = []
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
@@ -111,6 +114,15 @@ def row_block(k_cache: torch.Tensor) -> int:
     return ROW_BLOCK if lib is None else lib.longctx_flash_row_block()
 
 
+def writes_rounded(k_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether ``attend_batch`` can write its rows rounded for the AMX products (``rounded``): the
+    library that takes this cache built with AVX-512 BF16, a head dim that is a multiple of 16
+    and heads * head dim of 32."""
+    lib = _library_for(k_cache)
+    d = k_cache.shape[-1]
+    return lib is not None and d % 16 == 0 and (num_heads * d) % 32 == 0 and lib.longctx_flash_rounds_out() == 1
+
+
 def num_splits(q_len: int, group: int, num_kv: int, ctx_len: int, threads: int | None = None,
                rows_per_item: int = ROW_BLOCK) -> int:
     """KV splits for a sequence: enough work items to keep the threads (default torch's) busy
@@ -130,7 +142,7 @@ def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor | None, block_table: torch.Tensor, ctx_lens: torch.Tensor,
                  cu_q: torch.Tensor, seqs: torch.Tensor, splits: torch.Tensor, words: torch.Tensor | None,
                  scale: float, num_threads: int, out: torch.Tensor, lse: torch.Tensor,
-                 window: int = 0, softcap: float = 0.0) -> None:
+                 window: int = 0, softcap: float = 0.0, rounded: torch.Tensor | None = None) -> None:
     lib = _library_for(k_cache)
     if lib is None:
         raise RuntimeError(f"the CPU flash kernel is {status()}")
@@ -139,14 +151,14 @@ def _paged_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                          f"{splits.dtype} {tuple(splits.shape)}")
     call_batch("paged_flash", lib.longctx_paged_flash_batch, q, k_cache, v_cache, k_scale, v_scale, block_table,
                ctx_lens, cu_q, seqs, words, scale, num_threads, out, lse, splits=splits, window=window,
-               softcap=softcap)
+               softcap=softcap, rounded=rounded)
 
 
 paged_flash = cpu_build.define_op(
     "paged_flash(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
     "Tensor block_table, Tensor ctx_lens, Tensor cu_q, Tensor seqs, Tensor splits, Tensor? words, "
-    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse, int window=0, float softcap=0.0) -> ()",
-    _paged_flash)
+    "float scale, int num_threads, Tensor(a!) out, Tensor(b!) lse, int window=0, float softcap=0.0, "
+    "Tensor(c!)? rounded=None) -> ()", _paged_flash)
 paged_flash.__doc__ = """``torch.ops.longctx.paged_flash``: a step's varlen batch through the flash kernel,
 written into ``out``/``lse`` (the rows of the sequences ``seqs``). See ``attend_batch``."""
 
@@ -156,16 +168,20 @@ def attend_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  out: torch.Tensor, lse: torch.Tensor, splits: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  num_threads: int | None = None, window: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, rounded: torch.Tensor | None = None) -> None:
     """The sequences ``seqs`` (int32 indices into ``tables``) of a step in one call, as
     ``cpu_decode.attend_batch`` (same out, lse, words, scales; q the same or with its token rows
     apart, ``cpu_decode.q_rows_ok``: a view of the qkv product), any number of new tokens each
     (at most 63 with ``words``). ``splits`` int32, one per entry of ``seqs``: its KV
     splits (``num_splits``). ``num_threads``: OpenMP threads (default torch's count).
-    ``window``/``softcap``: as for ``cpu_decode.attend_batch``."""
+    ``window``/``softcap``: as for ``cpu_decode.attend_batch``. ``rounded`` (where
+    ``writes_rounded``; every row of the step in ``seqs``, none split): a contiguous bfloat16
+    [T rounded up to 16, H * D] that takes the rows instead of ``out``, rounded as
+    ``cpu_amx.round_x`` rounds them for the AMX products (the padding rows zero): the o
+    projection's input, the same bits, without ``out`` written and read back."""
     paged_flash(q, k_cache, v_cache, k_scale, v_scale, tables.block_table, tables.ctx_lens, tables.cu_q,
                 seqs, splits, words, scale, torch.get_num_threads() if num_threads is None else num_threads,
-                out, lse, window or 0, softcap or 0.0)
+                out, lse, window or 0, softcap or 0.0, rounded)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

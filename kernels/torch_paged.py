@@ -284,6 +284,14 @@ class _StepPlan:
         self.block_table = block_table
         self.kernel_tables: cpu_decode.Tables | None = None
         self.routes: dict[tuple, tuple] = {}
+        self.all_flash: dict[tuple, bool] = {}  # by route key: every row to the flash kernel, unsplit
+
+    def rounds(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool, window: int | None = None) -> bool:
+        """Whether this layout's rows can come out rounded for the AMX products
+        (``cpu_flash.attend_batch``'s ``rounded``): all of them to the flash kernel, none split,
+        its library writing them. After ``route`` with the same arguments."""
+        key = (q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree, window)
+        return self.all_flash.get(key, False) and cpu_flash.writes_rounded(k_cache, q.shape[1])
 
     def route(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool, window: int | None = None) -> tuple:
         """(decode seqs, flash seqs with their splits, torch seqs) for this layout: the decode
@@ -321,6 +329,8 @@ class _StepPlan:
         as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
         found = self.routes[key] = (as_int32(decode) if decode else None,
                                     (as_int32(flash), as_int32(splits)) if flash else None, rest)
+        # every row to the flash kernel, none split: it can write them rounded for the o projection
+        self.all_flash[key] = bool(flash) and not decode and not rest and max(splits) == 1
         if (decode or flash) and self.kernel_tables is None:
             self.kernel_tables = cpu_decode.batch_tables(
                 self.block_table if self.block_table.numel() else self.tables, self.ctx_lens, self.cu)
@@ -334,9 +344,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     step_cache: dict | None = None, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
                     extents: tuple[int, int] | None = None, window: int | None = None,
-                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float | None = None,
+                    rounded_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.paged_attention`` (``out`` may be given to fill; ``window``
-    and ``softcap`` as there).
+    and ``softcap`` as there). ``rounded_out``: a contiguous bfloat16 [T rounded up to 16, H * D]
+    that, where every row of the step goes to the flash kernel unsplit and its library writes
+    them (``_StepPlan.rounds``), takes the rows rounded for the AMX products instead
+    (``cpu_flash.attend_batch``'s ``rounded``); the result is then ``(rounded_out, lse)``, else
+    ``rounded_out`` is left alone.
     ``step_cache``: a dict that lives for one step (the same metadata in every call), where
     the per-step plan is kept between layers; ``extents`` unused (the host lists in the
     step cache give the same). int8 caches need ``k_scale``/``v_scale``
@@ -362,6 +377,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             step_cache["torch_paged.plan"] = plan
     tables, ctx_lens, cu = plan.tables, plan.ctx_lens, plan.cu
     decode, flash, rest = plan.route(q, k_cache, tree_mask is not None, window)
+    if rounded_out is not None and not plan.rounds(q, k_cache, tree_mask is not None, window):
+        rounded_out = None
     if decode is not None or flash is not None:
         direct = out.dtype == torch.float32 and out.is_contiguous()  # the kernels write into it
         target = out if direct else torch.empty(q.shape, dtype=torch.float32)
@@ -375,7 +392,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if flash is not None:  # q as it is where its heads are packed: a view of the qkv product, no copy
             cpu_flash.attend_batch(qf if cpu_decode.q_rows_ok(qf) else qf.contiguous(), k_cache, v_cache,
                                    plan.kernel_tables, flash[0], scale, words, out=target, lse=lse,
-                                   splits=flash[1], **scales)
+                                   splits=flash[1], rounded=rounded_out, **scales)
+            if rounded_out is not None:  # (every row of the step, rounded for the o projection)
+                return rounded_out, lse
         if not direct:
             for idx in (decode, None if flash is None else flash[0]):
                 if idx is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longctx.kernels import reference, torch_paged
+from longctx.kernels import cpu_amx, reference, torch_paged
 from longctx.kv.formats import FloatPages, KVStepPlan
 
 
@@ -128,10 +128,14 @@ class PagedAttentionBackend:
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             plan: AttentionPlan, scale: float | None = None, window: int | None = None,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, rounded: bool = False) -> torch.Tensor | cpu_amx.RoundedRows:
         """One layer's attention; ``scale``/``window``/``softcap``: the layer's own
         (``LayerAttention``). int8 pages' exact tail is not applied under a window or a cap
-        (its exchange assumes every first-page key is visible and uncapped scores)."""
+        (its exchange assumes every first-page key is visible and uncapped scores).
+        ``rounded``: the o projection takes its input rounded for the AMX tiles; where the CPU
+        kernels can write the result that way (float pages, every row to the flash kernel,
+        ``torch_paged.paged_attention``'s ``rounded_out``) it comes as ``cpu_amx.RoundedRows``
+        of [T, H * D], else as the tensor."""
         meta = plan.meta
         scale = self.scale if scale is None else scale
         masked = {} if window is None and softcap is None else {"window": window, "softcap": softcap}
@@ -141,10 +145,17 @@ class PagedAttentionBackend:
         table, slots, memo = plan.tables(window)
         q, k, v, pages, writing = meta.kv_format.enter(q, k, v, layer, plan.kv)
         self.kernels.write_kv(layer[0], layer[1], k, v, slots, step_cache=memo, **pages, **writing)
+        if rounded and self.kernels is torch_paged and type(meta.kv_format).leave is FloatPages.leave:
+            # (float pages leave the kernels' output as it is: the rows may come rounded; int8's do not)
+            masked["rounded_out"] = torch.empty((q.shape[0] + 15) // 16 * 16, q.shape[1] * q.shape[2],
+                                                dtype=torch.bfloat16)
         out, lse = self.kernels.paged_attention(
             q, layer[0], layer[1], table, meta.context_lens_t, meta.cu_seqlens_q,
             scale=scale, tree_mask=meta.tree_mask, step_cache=memo, extents=plan.extents,
             **pages, **masked)
+        if out is masked.get("rounded_out"):
+            return cpu_amx.RoundedRows(out, q.shape[0])
+        masked.pop("rounded_out", None)
         tail = None if masked else meta.tail
         return meta.kv_format.leave(layer_idx, out, lse, q, k, v, layer, scale, tail, plan.kv)
 
@@ -163,13 +174,14 @@ class FlashAttnBackend(PagedAttentionBackend):
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             plan: AttentionPlan, scale: float | None = None, window: int | None = None,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, rounded: bool = False) -> torch.Tensor | cpu_amx.RoundedRows:
         meta = plan.meta
         usable = (meta.kv_caches is not None and meta.tree_mask is None and q.dtype != torch.float32
                   and meta.kv_format.storage_dtype == q.dtype  # other page formats: the Triton kernels
                   and meta.kv_caches[layer_idx][0].shape[1] % 256 == 0)
         if not usable:
-            return super().run(layer_idx, q, k, v, plan, scale=scale, window=window, softcap=softcap)
+            return super().run(layer_idx, q, k, v, plan, scale=scale, window=window, softcap=softcap,
+                               rounded=rounded)
         k_cache, v_cache = meta.kv_caches[layer_idx]
         table, slots, _ = plan.tables(window)
         self.kernels.write_kv(k_cache, v_cache, k, v, slots)

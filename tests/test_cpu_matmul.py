@@ -284,9 +284,11 @@ def test_bfloat16_prefill_chunks_on_amx(tmp_path, monkeypatch):
     and across two sequence-parallel ranks (which get the choice with the model)."""
     monkeypatch.setenv("LONGCTX_CPU_TUNE", "65")
     prompt, params, expected, hf_logits = _bf16_rounded_reference(tmp_path, 200)
-    calls = []
-    real = cpu_amx.linear
+    calls = []  # the rows of each AMX product: x rounded by the product (linear) or before it (linear_rounded)
+    real, real_rounded = cpu_amx.linear, cpu_amx.linear_rounded
     monkeypatch.setattr(cpu_amx, "linear", lambda x, w, **kw: calls.append(x.shape[0]) or real(x, w, **kw))
+    monkeypatch.setattr(cpu_amx, "linear_rounded",
+                        lambda xb, rows, w, **kw: calls.append(rows) or real_rounded(xb, rows, w, **kw))
     with LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128, block_size=16, lookahead=False) as llm:
         model = llm.engine.model
         assert model.layers[0].mlp.down_proj.method.amx_from_rows == 65

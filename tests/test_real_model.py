@@ -228,6 +228,43 @@ def test_bfloat16_over_the_blocks_stays_near_float32(document_ids, hf_model, hf_
     _stays_near_float32(llm, document_ids, hf_model, hf_reference, "bf16 over the blocks,")
 
 
+@pytest.mark.parametrize("weights", ["float", "blocks"])
+def test_bfloat16_o_projection_takes_the_flash_kernels_rows_rounded(weights, document_ids, monkeypatch):
+    """Where a bf16 model's o projection runs on the AMX tiles, a prefill chunk's attention hands
+    it the flash kernel's rows already rounded for them (``cpu_amx.RoundedRows``) instead of
+    float32 rows it rounds itself: the same log-probs bit for bit, with the file expanded (the
+    row kernel's matrices) or over its blocks. Decode steps keep the float32 rows."""
+    from longctx.kernels import cpu_amx
+    from longctx.model import llama
+
+    if not cpu_amx.available():
+        pytest.skip(f"the AMX products are {cpu_amx.status()}")
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "128")  # long steps on the tiles from 128 rows, not as measured
+    llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights=weights, block_size=64, max_num_batched_tokens=1024,
+              enable_prefix_caching=False, lookahead=False)
+    handed, plain = [], {"on": False}
+    attend = llama.Attention.attend
+
+    def watched(self, qkv, cos, sin, backend, plan, rounded=False):
+        out = attend(self, qkv, cos, sin, backend, plan, rounded and not plain["on"])
+        handed.append((qkv.shape[0], isinstance(out, cpu_amx.RoundedRows)))
+        return out
+
+    monkeypatch.setattr(llama.Attention, "attend", watched)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
+    prompt = {"prompt_token_ids": document_ids[:1100]}
+    got = llm.generate(prompt, sp)[0].outputs[0]
+    layers = llm.engine.model.config.num_hidden_layers
+    # the first chunk's 1,024 rows in every layer; not the last 76 (their attention is split in
+    # two: a split row comes from the merge, in float32) nor the decode steps
+    assert handed[:layers] == [(1024, True)] * layers and not any(r for _, r in handed[layers:]), handed
+    handed.clear()
+    plain["on"] = True
+    want = llm.generate(prompt, sp)[0].outputs[0]
+    assert not any(r for _, r in handed)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+
+
 # ---------------------------------------------------------------------- fast block numerics
 
 FAST_DOCS = [("GPL-3",), ("GFDL-1.3", "Apache-2.0"), ("LGPL-2.1", "GPL-1"), ("MPL-1.1", "MPL-2.0"), ("GPL-2", "LGPL-2")]

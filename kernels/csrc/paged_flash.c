@@ -1268,6 +1268,40 @@ static uint32_t *prepack_v(Args *args, const int32_t *splits, int num_seqs, int 
 /* Query rows per work item in this build (kernels/cpu_flash.py counts work items with it). */
 int longctx_flash_row_block(void) { return RB; }
 
+/* out_rounded (longctx_paged_flash_batch's optional output): each row of the result, o = O^T's
+ * column times 1 / l in float32 as `out` gets it, rounded to bfloat16 (vcvtneps2bf16: to nearest
+ * even, subnormals to zero) into the A-tile order of the AMX products' rounded x (linear_amx.c's
+ * round_rows: [Mp / 16][K / 32][16 rows][32 k], K = num_heads * d, the padding rows past the
+ * step's tokens zero): the o projection's input as it would round `out`, the same bits, without
+ * `out` written in float32 and read back. Needs AVX-512 BF16 and d a multiple of 16. */
+static inline int rounds_out(int num_heads, int d) {
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+    return d % 16 == 0 && (num_heads * d) % 32 == 0;
+#else
+    (void)num_heads;
+    (void)d;
+    return 0;
+#endif
+}
+
+/* Row m of out_rounded, columns [k0, k0 + d): ot[x * rbp] * inv for x < d (kblocks = K / 32). */
+static void round_out_row(const float *ot, int rbp, int d, float inv, int m, int k0, int kblocks, uint16_t *xb) {
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+    float row[16] __attribute__((aligned(64)));
+    for (int x0 = 0; x0 < d; x0 += 16) {
+        for (int x = 0; x < 16; x++) row[x] = ot[(int64_t)(x0 + x) * rbp] * inv;
+        const int k = k0 + x0;
+        uint16_t *dst = xb + ((int64_t)(m / 16) * kblocks + k / 32) * 512 + (m % 16) * 32 + k % 32;
+        _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row)));
+    }
+#else
+    (void)ot, (void)rbp, (void)d, (void)inv, (void)m, (void)k0, (void)kblocks, (void)xb;
+#endif
+}
+
+/* 1 where this build writes out_rounded (rounds_out's build condition), else 0. */
+int longctx_flash_rounds_out(void) { return rounds_out(1, 32); }
+
 /* A varlen batch in one call: the sequences seqs[0..num_seqs) of a step whose query rows are
  * q[cu_q[s] .. cu_q[s + 1]), whose pages are block_table[s * table_stride ..] (ctx_lens[s]
  * tokens) and whose keys are cut into splits[i] KV splits. Every (sequence, KV head, row block,
@@ -1276,11 +1310,13 @@ int longctx_flash_row_block(void) { return RB; }
  * (indexed like q's rows), bit j lets the row see new token j of its sequence; NULL: causal
  * among each sequence's new tokens. q's token rows are q_stride floats apart (>= H * D; a view
  * of a wider [T, (H + 2 Hkv) D] projection needs no copy), each row's heads D apart. out [T, H, D]
- * / lse [T, H] rows of the chosen sequences are written, others are left alone.
+ * / lse [T, H] rows of the chosen sequences are written, others are left alone; with out_rounded
+ * (not NULL: every sequence of the step here, none split) the rows go there instead of to out
+ * (round_out_row; [T rounded up to 16, H * D] bfloat16).
  *
  * Returns 0, or a negative code for arguments this kernel does not take (the caller checks them
  * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
- * cache, see batch_seq_ok). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
+ * cache, see batch_seq_ok; -6: out_rounded where this build or head layout cannot write it). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
  * required, else ignored). */
 int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v_cache,
                               const float *k_scale, const float *v_scale, int dtype,
@@ -1289,8 +1325,9 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
                               int total_q, const int32_t *seqs,
                               const int32_t *splits, int64_t q_stride, int num_seqs, int block_size, int num_heads,
                               int num_kv, int d, float scale, const uint64_t *words, int window, float softcap,
-                              int threads, float *out, float *lse) {
+                              int threads, float *out, float *lse, uint16_t *out_rounded) {
     if (dtype != 0 && dtype != 1 && dtype != 2) return -1;
+    if (out_rounded && !rounds_out(num_heads, d)) return -6;
     if (dtype == 2 && (!k_scale || !v_scale)) return -1;
     if (num_kv <= 0 || num_heads % num_kv != 0 || d < 1 || d > MAX_D) return -2;
     if (block_size < 1 || threads < 1 || num_seqs < 0 || window < 0 || softcap < 0.0f) return -3;
@@ -1316,6 +1353,10 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
         const int s = seqs[i], q_len = cu_q[s + 1] - cu_q[s], ctx_len = ctx_lens[s];
         if (q_len < 1 || ctx_len < q_len || splits[i] < 1 || (words && q_len > 63)) {
             rc = -3;
+            break;
+        }
+        if (out_rounded && splits[i] != 1) { /* (a split row's result comes from the merge, in float32) */
+            rc = -6;
             break;
         }
         const Args one = {q + (int64_t)cu_q[s] * q_stride, q_stride, k_cache, v_cache, k_scale, v_scale, dtype,
@@ -1378,10 +1419,15 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
             for (int r = 0; r < r1 - r0; r++) {
                 const int row = r0 + r, t = row / group, hq = kvh * group + row % group;
                 if (num_splits == 1) {
-                    float *o = o_seq + ((int64_t)t * num_heads + hq) * d;
                     const float total = sc.l[r];
                     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                    for (int x = 0; x < d; x++) o[x] = sc.ot[(int64_t)x * rbp + r] * inv;
+                    if (out_rounded) /* the row as the o projection's tiles take it */
+                        round_out_row(sc.ot + r, rbp, d, inv, cu_q[seqs[i]] + t, hq * d, num_heads * d / 32,
+                                      out_rounded);
+                    else {
+                        float *o = o_seq + ((int64_t)t * num_heads + hq) * d;
+                        for (int x = 0; x < d; x++) o[x] = sc.ot[(int64_t)x * rbp + r] * inv;
+                    }
                     lse_seq[t * num_heads + hq] = total > 0.0f ? (sc.m[r] + log2f(total)) * ln2 : -INFINITY;
                 } else { /* partial state: m, l, unnormalised row */
                     float *state = work + state_at[i] + (int64_t)split * all_rows * (d + 2);
@@ -1397,6 +1443,10 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
         if (dtype == 1) _tile_release();
 #endif
     }
+    if (out_rounded) /* the padding rows of the last 16-row tile: zero, as the products' rounding leaves them */
+        for (int m = total_q; m < (total_q + 15) / 16 * 16; m++)
+            for (int kb = 0; kb < num_heads * d / 32; kb++)
+                memset(out_rounded + ((int64_t)(m / 16) * (num_heads * d / 32) + kb) * 512 + (m % 16) * 32, 0, 64);
     for (int i = 0; i < num_seqs; i++) {
         if (splits[i] == 1) continue;
         const int s = seqs[i], rows = (cu_q[s + 1] - cu_q[s]) * group;

@@ -21,13 +21,14 @@ bfloat16 matrix on the AMX tiles, whose result goes to the down projection alrea
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import nn
 
 from longctx.config import ConfigError
 from longctx.kernels import cpu_amx, cpu_blocks, cpu_build, cpu_linear
+from longctx.kernels.cpu_amx import RoundedRows  # noqa: F401 (what takes_rounded methods take)
 
 PACK_ROWS_HINT = 16  # oneDNN packs for this many rows: measured as fast as 4, faster than 1 at 2-2048 rows
 ROW_KERNEL_DTYPES = tuple(cpu_linear.WEIGHT_TYPES)  # the weight dtypes the row kernel reads
@@ -102,14 +103,6 @@ def rounded_swiglu(x: torch.Tensor) -> torch.Tensor | None:
         return None
     f = x.shape[1] // 2
     return cpu_amx.round_gated(x[:, :f], x[:, f:], "silu")
-
-
-class RoundedRows(NamedTuple):
-    """A product's input already rounded for the AMX tiles (``cpu_amx.round_x``'s order): what
-    ``gated`` hands the down projection where that one takes it (``takes_rounded``)."""
-
-    xb: torch.Tensor  # [rows rounded up to 16, K] bfloat16
-    rows: int
 
 
 def onednn_linear_available() -> bool:

@@ -43,7 +43,7 @@ from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
 from .linear import (BLAS, BLOCK_ROWS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, BlockMatrix, Linear,  # noqa: F401
-                     OneDNNWeights, activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
+                     OneDNNWeights, RoundedRows, activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary, unpermute_rope_rows
 
 
@@ -113,10 +113,12 @@ class Attention(nn.Module):
         return True
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any,
-               plan: Any) -> torch.Tensor:
+               plan: Any, rounded: bool = False) -> torch.Tensor | RoundedRows:
         """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]. With the row
         kernel (fp32 on the CPU) or GGUF blocks q and k are rotated in place in ``qkv``, which
-        is the fresh float32 output of ``qkv_proj``."""
+        is the fresh float32 output of ``qkv_proj``. ``rounded``: ``o_proj`` takes its input
+        rounded for the AMX tiles (``takes_rounded``); the backend may then hand it so
+        (``RoundedRows``)."""
         num_tokens = qkv.shape[0]
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
@@ -133,7 +135,12 @@ class Attention(nn.Module):
             qk = apply_rotary(qk, cos, sin)  # (T, H + Hkv, D)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = backend.run(self.layer_idx, q, k, v, plan, **self.options)  # (T, H, D)
+        if rounded:
+            out = backend.run(self.layer_idx, q, k, v, plan, rounded=True, **self.options)
+            if isinstance(out, RoundedRows):  # [T rounded up to 16, H D] bfloat16, for o_proj's tiles
+                return out
+        else:
+            out = backend.run(self.layer_idx, q, k, v, plan, **self.options)  # (T, H, D)
         return out.reshape(num_tokens, self.q_size)
 
 
@@ -184,7 +191,9 @@ class DecoderLayer(nn.Module):
         sequence parallelism has each rank compute a slice of every product's output features."""
         attn, mlp, product = self.self_attn, self.mlp, plan.split_linear
         qkv = attn.qkv_proj(x, norm=self.input_layernorm, product=product)  # (T, (H + 2 Hkv) D)
-        out = attn.attend(qkv, cos, sin, backend, plan)  # (T, H D)
+        o_proj = attn.o_proj  # (its input rounded for its tiles straight from attention, where it can be)
+        rounded = product is None and x.shape[0] > BLOCK_ROWS and o_proj.method.takes_rounded(o_proj, x.shape[0])
+        out = attn.attend(qkv, cos, sin, backend, plan, rounded)  # (T, H D)
         if self.sandwich:  # x + norm(attention), x + norm(MLP), each MLP input normed before
             x = x + self.post_attention_layernorm(attn.o_proj(out, product=product))
             return x + self.post_feedforward_layernorm(mlp(x, self.pre_feedforward_layernorm, None, product))

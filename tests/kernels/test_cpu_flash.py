@@ -309,6 +309,55 @@ def test_one_token_q_with_any_row_stride():
     torch.testing.assert_close(got[1][1], got[0][1], rtol=0, atol=0)
 
 
+def _tile_order_rows(xb: torch.Tensor) -> torch.Tensor:
+    """The AMX products' rounded x ([Mp / 16][K / 32][16][32] in memory, ``cpu_amx.round_x``'s
+    order) as plain rows [Mp, K]."""
+    mp, k = xb.shape
+    return xb.reshape(mp // 16, k // 32, 16, 32).permute(0, 2, 1, 3).reshape(mp, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_rounded_for_the_o_projection(dtype):
+    """With ``rounded_out`` (a bf16 o projection on the AMX tiles next) and every row of the step
+    on the flash kernel unsplit, the rows come rounded to bfloat16 in the tiles' order instead of
+    float32: the bits of ``out`` rounded to nearest even, the padding rows past the step's
+    tokens zero (the buffer starts as NaN), lse the same. A step with a row the decode kernel
+    takes leaves the buffer alone and gives ``out``; a split sequence or a buffer of the wrong
+    shape is refused."""
+    batch = make_batch(Case((70, 10, 37), (400, 47, 37), num_kv_heads=3, group=3, dtype=dtype, seed=40))
+    q = batch.q.float()
+    rest = batch.args()[1:]
+    if not cpu_flash.writes_rounded(batch.k_cache, q.shape[1]):
+        pytest.skip("this CPU's flash library has no AVX-512 BF16 rounding")
+    total, heads, dim = q.shape
+    want_out, want_lse = torch_paged.paged_attention(q, *rest)
+    buf = torch.full(((total + 15) // 16 * 16, heads * dim), float("nan"), dtype=torch.bfloat16)
+    got, lse = torch_paged.paged_attention(q, *rest, rounded_out=buf)
+    assert got is buf
+    rows = _tile_order_rows(buf)
+    assert torch.equal(rows[:total].view(torch.int16), want_out.reshape(total, -1).bfloat16().view(torch.int16))
+    assert torch.equal(rows[total:], torch.zeros_like(rows[total:]))
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    # a one-token sequence goes to the decode kernel: the float32 rows as before, the buffer untouched
+    mixed = make_batch(Case((70, 1), (400, 47), num_kv_heads=3, group=3, dtype=dtype, seed=41))
+    spare = torch.full(((71 + 15) // 16 * 16, heads * dim), float("nan"), dtype=torch.bfloat16)
+    out, _ = torch_paged.paged_attention(mixed.q.float(), *mixed.args()[1:], rounded_out=spare)
+    assert out is not spare and out.dtype == torch.float32 and spare.isnan().all()
+    # straight to attend_batch: a split sequence, a buffer of another shape
+    tables = cpu_flash.prepare(batch.block_table[0].tolist(), 400, batch.k_cache)
+    one = q[:70]
+    seqs, words = cpu_flash.single(one, tables, None, all_visible=False)[:2]
+    out, lse = torch.empty(70, heads, dim), torch.empty(70, heads)
+    padded = torch.empty(80, heads * dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"code -6"):
+        cpu_flash.attend_batch(one, batch.k_cache, batch.v_cache, seqs, words, 0.125, out=out, lse=lse,
+                               splits=torch.full((1,), 2, dtype=torch.int32), rounded=padded)
+    with pytest.raises(ValueError, match=r"rounded must be a contiguous bfloat16 \[80, 576\]"):
+        cpu_flash.attend_batch(one, batch.k_cache, batch.v_cache, seqs, words, 0.125, out=out, lse=lse,
+                               splits=torch.ones(1, dtype=torch.int32), rounded=padded[:70])
+
+
 @needs_kernel
 def test_float16_caches_stay_on_the_torch_path():
     batch = make_batch(Case((40,), (60,), num_kv_heads=2, group=3, dtype=torch.float16, seed=22))
