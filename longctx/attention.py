@@ -111,6 +111,9 @@ class PagedAttentionBackend:
     Both have the signatures of ``kernels/reference.py``, which every kernels module shares:
     each takes the step's ``step_cache`` and ``extents`` and uses what it needs of them."""
 
+    # ``run`` takes ``rounded`` (a backend without this attribute is never asked for it)
+    hands_rounded_rows = True
+
     def __init__(self, head_dim: int, kernels: Any, name: str) -> None:
         self.scale = 1.0 / math.sqrt(head_dim)
         self.kernels, self.name = kernels, name
@@ -135,7 +138,9 @@ class PagedAttentionBackend:
         ``rounded``: the o projection takes its input rounded for the AMX tiles; where the CPU
         kernels can write the result that way (float pages, every row to the flash kernel,
         ``torch_paged.paged_attention``'s ``rounded_out``) it comes as ``cpu_amx.RoundedRows``
-        of [T, H * D], else as the tensor."""
+        (``xb`` [T rounded up to 16, H * D] bfloat16 in the tiles' order, ``rows`` T), else as
+        the tensor. (The buffer is made before the kernels know whether the step's routing
+        lets them fill it: an unwritten allocation where it does not.)"""
         meta = plan.meta
         scale = self.scale if scale is None else scale
         masked = {} if window is None and softcap is None else {"window": window, "softcap": softcap}

@@ -352,9 +352,9 @@ class PagedSPAttention:
 
     def run(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             step: ShardedStep, scale: float | None = None, window: int | None = None,
-            softcap: float | None = None, rounded: bool = False) -> torch.Tensor:
+            softcap: float | None = None) -> torch.Tensor:
         """The backend's ``run`` (``longctx.attention``); a layer's own ``scale`` scales q
-        (the same scores); ``rounded`` is not taken (the result is the tensor). A sliding window or a score cap (``masked``) takes masked products
+        (the same scores). A sliding window or a score cap (``masked``) takes masked products
         over the keys each query can see, found by their positions in the sequence: a rank's
         pages hold every ``N``-th page, so the window is not a run of its local keys."""
         if scale is not None and scale != self.scale:

@@ -178,6 +178,28 @@ def test_int8_with_lookahead_and_the_padded_graph_path(tiny_engine_folder):
     assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 3e-5
 
 
+def test_a_bf16_model_on_the_tiles_refills_its_first_pages_after_an_int8_prefix_hit(tiny_engine_folder,
+                                                                                     monkeypatch):
+    """A bfloat16 model whose products run on the AMX tiles (from 65 rows here) asks the paged
+    backend for its attention rows rounded for the o projection; the first pages' refill after
+    a prefix hit on int8 pages runs the model through a backend of its own, which is never
+    asked (``hands_rounded_rows``): the hit gives the cold run's tokens."""
+    from longctx.kernels import cpu_amx
+
+    if not cpu_amx.available():
+        pytest.skip(f"the AMX products are {cpu_amx.status()}")
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "65")
+    llm = LLM(tiny_engine_folder, dtype="bfloat16", block_size=128, kv_cache_dtype="int8", lookahead=False,
+              max_num_batched_tokens=256)
+    o_proj = llm.engine.model.layers[0].self_attn.o_proj
+    assert o_proj.method.takes_rounded(o_proj, 128)  # a first page of 128 rows would be asked
+    prompt = random_tokens(300, seed=11)
+    cold = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids == cold
+    assert llm.cache_stats().hit_tokens["device"] >= 256
+    llm.close()
+
+
 def test_int8_prefix_hits_on_every_tier_give_the_cold_tokens(tiny_engine_folder, tmp_path):
     """A hit on each tier gives the cold run's tokens and log-probabilities (to 2e-5; seen
     ~1e-6): the int8 pages come back as written, and the first page's exact rows, which the

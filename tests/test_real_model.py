@@ -240,6 +240,7 @@ def test_bfloat16_o_projection_takes_the_flash_kernels_rows_rounded(weights, doc
     if not cpu_amx.available():
         pytest.skip(f"the AMX products are {cpu_amx.status()}")
     monkeypatch.setenv("LONGCTX_CPU_TUNE", "128")  # long steps on the tiles from 128 rows, not as measured
+    torch.set_num_threads(2)  # (the KV splits below follow the thread count: this module's)
     llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights=weights, block_size=64, max_num_batched_tokens=1024,
               enable_prefix_caching=False, lookahead=False)
     handed, plain = [], {"on": False}

@@ -1316,7 +1316,8 @@ int longctx_flash_rounds_out(void) { return rounds_out(1, 32); }
  *
  * Returns 0, or a negative code for arguments this kernel does not take (the caller checks them
  * first; this is a second line; -4: out of memory; -5: a sequence outside the table, q or the
- * cache, see batch_seq_ok; -6: out_rounded where this build or head layout cannot write it). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
+ * cache, see batch_seq_ok; -6: out_rounded where this build or head layout cannot write it, a
+ * split sequence, or sequences that leave some of q's rows out). dtype: 0 float32, 1 bfloat16, 2 int8 (k_scale and v_scale then
  * required, else ignored). */
 int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v_cache,
                               const float *k_scale, const float *v_scale, int dtype,
@@ -1368,6 +1369,11 @@ int longctx_paged_flash_batch(const float *q, const void *k_cache, const void *v
         state_at[i] = floats;
         if (splits[i] > 1) floats += (int64_t)splits[i] * num_kv * q_len * group * (d + 2);
         first_item[i + 1] = first_item[i] + num_kv * num_rb * splits[i];
+    }
+    if (rc == 0 && out_rounded) { /* every row of q here: out_rounded's rows are all written */
+        int64_t covered = 0;
+        for (int i = 0; i < num_seqs; i++) covered += cu_q[seqs[i] + 1] - cu_q[seqs[i]];
+        if (covered != total_q) rc = -6;
     }
     if (rc == 0 && floats > 0 && !(work = malloc(sizeof(float) * (size_t)floats))) rc = -4;
     if (rc != 0) {

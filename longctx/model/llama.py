@@ -117,8 +117,8 @@ class Attention(nn.Module):
         """qkv [T, (H + 2 Hkv) D] -> RoPE, KV write and attention -> [T, H D]. With the row
         kernel (fp32 on the CPU) or GGUF blocks q and k are rotated in place in ``qkv``, which
         is the fresh float32 output of ``qkv_proj``. ``rounded``: ``o_proj`` takes its input
-        rounded for the AMX tiles (``takes_rounded``); the backend may then hand it so
-        (``RoundedRows``)."""
+        rounded for the AMX tiles (``takes_rounded``) and the backend can be asked for it
+        (``hands_rounded_rows``); it may then hand it so (``RoundedRows``)."""
         num_tokens = qkv.shape[0]
         # q and k rotated together: one set of elementwise ops per layer instead of two
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
@@ -192,7 +192,8 @@ class DecoderLayer(nn.Module):
         attn, mlp, product = self.self_attn, self.mlp, plan.split_linear
         qkv = attn.qkv_proj(x, norm=self.input_layernorm, product=product)  # (T, (H + 2 Hkv) D)
         o_proj = attn.o_proj  # (its input rounded for its tiles straight from attention, where it can be)
-        rounded = product is None and x.shape[0] > BLOCK_ROWS and o_proj.method.takes_rounded(o_proj, x.shape[0])
+        rounded = (product is None and x.shape[0] > BLOCK_ROWS and getattr(backend, "hands_rounded_rows", False)
+                   and o_proj.method.takes_rounded(o_proj, x.shape[0]))
         out = attn.attend(qkv, cos, sin, backend, plan, rounded)  # (T, H D)
         if self.sandwich:  # x + norm(attention), x + norm(MLP), each MLP input normed before
             x = x + self.post_attention_layernorm(attn.o_proj(out, product=product))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
 
-from longctx.kernels import cpu_build, cpu_flash, reference, torch_paged
+from longctx.kernels import cpu_amx, cpu_build, cpu_decode, cpu_flash, reference, torch_paged
 
 needs_kernel = pytest.mark.skipif(not cpu_flash.available(), reason=f"kernel {cpu_flash.status()}")
 
@@ -338,6 +338,8 @@ def test_rows_rounded_for_the_o_projection(dtype):
     rows = _tile_order_rows(buf)
     assert torch.equal(rows[:total].view(torch.int16), want_out.reshape(total, -1).bfloat16().view(torch.int16))
     assert torch.equal(rows[total:], torch.zeros_like(rows[total:]))
+    if cpu_amx.available():  # what the o projection would have made of out itself, tile order and all
+        assert torch.equal(buf.view(torch.int16), cpu_amx.round_x(want_out.reshape(total, -1)).view(torch.int16))
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
     # a one-token sequence goes to the decode kernel: the float32 rows as before, the buffer untouched
     mixed = make_batch(Case((70, 1), (400, 47), num_kv_heads=3, group=3, dtype=dtype, seed=41))
@@ -356,6 +358,12 @@ def test_rows_rounded_for_the_o_projection(dtype):
     with pytest.raises(ValueError, match=r"rounded must be a contiguous bfloat16 \[80, 576\]"):
         cpu_flash.attend_batch(one, batch.k_cache, batch.v_cache, seqs, words, 0.125, out=out, lse=lse,
                                splits=torch.ones(1, dtype=torch.int32), rounded=padded[:70])
+    # a call that leaves some of the step's rows to another kernel cannot fill the buffer: refused
+    tables = cpu_decode.batch_tables(batch.block_table, batch.context_lens, batch.cu_seqlens_q)
+    out, lse = torch.empty(total, heads, dim), torch.empty(total, heads)
+    with pytest.raises(ValueError, match=r"code -6"):
+        cpu_flash.attend_batch(q, batch.k_cache, batch.v_cache, tables, torch.tensor([0, 2], dtype=torch.int32),
+                               0.125, out=out, lse=lse, splits=torch.ones(2, dtype=torch.int32), rounded=buf)
 
 
 @needs_kernel
