@@ -90,6 +90,22 @@ class RoundedRows(NamedTuple):
     rows: int
 
 
+def padded_rows(m: int) -> int:
+    """Rows of x rounded for the tiles, and of a product's output, for ``m`` rows: whole 16-row tiles."""
+    return (m + 15) // 16 * 16
+
+
+def empty_rounded(rows: int, k: int) -> torch.Tensor:
+    """A buffer for ``rows`` rows of x rounded for the tiles: bfloat16 [padded_rows(rows), k]."""
+    return torch.empty(padded_rows(rows), k, dtype=torch.bfloat16)
+
+
+def is_rounded_buffer(xb: torch.Tensor, rows: int, k: int) -> bool:
+    """Whether ``xb`` is what ``empty_rounded(rows, k)`` gives: a contiguous CPU bfloat16 of that shape."""
+    return (xb.dim() == 2 and xb.dtype == torch.bfloat16 and xb.device.type == "cpu" and xb.is_contiguous()
+            and tuple(xb.shape) == (padded_rows(rows), k))
+
+
 _LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=("-mamx-tile", "-mamx-bf16"),
                                    unsupported=unsupported)
 available = _LIBRARY.available
@@ -114,7 +130,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _amx_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
     """The operator: ``out`` [M rounded up to 16, N] float32 with contiguous rows (the kernel
     writes whole 16-row tiles); anything else is refused before the C code writes a byte."""
-    rows, padded = x.shape[0] if x.dim() == 2 else 0, (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
+    rows = x.shape[0] if x.dim() == 2 else 0
+    padded = padded_rows(rows)
     if not (supports(x, weight) and out.dtype == torch.float32 and out.dim() == 2 and out.stride(1) == 1
             and out.shape[0] >= padded and out.shape[1] >= weight.shape[0] and threads >= 1 and rows > 0):
         raise ValueError(f"amx_linear needs what cpu_amx.supports takes and a float32 out of at least "
@@ -135,9 +152,10 @@ amx_linear = cpu_build.define_op("amx_linear(Tensor x, Tensor weight, Tensor(a!)
 def _check_round(x: torch.Tensor, xb: torch.Tensor, threads: int) -> None:
     """What the rounding operators take: the kernel, a float32 x [M, K] (K % 32, contiguous rows)
     and a contiguous bfloat16 xb [M rounded up to 16, K]; ValueError otherwise."""
-    padded = (x.shape[0] + 15) // 16 * 16 if x.dim() == 2 else 0
+    rows = x.shape[0] if x.dim() == 2 else 0
+    padded = padded_rows(rows)
     if not (available() and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
-            and x.stride(1) == 1 and x.shape[1] % K_MULTIPLE == 0 and _takes_rounded(xb, padded, x.shape[1])
+            and x.stride(1) == 1 and x.shape[1] % K_MULTIPLE == 0 and is_rounded_buffer(xb, rows, x.shape[1])
             and threads >= 1):
         raise ValueError(f"amx_round needs the kernel ({status()}), a float32 x [M, K] (K % {K_MULTIPLE} == 0, "
                          f"contiguous rows) and a contiguous bfloat16 xb [{padded}, K], got x {tuple(x.shape)} {x.dtype}, "
@@ -194,11 +212,11 @@ def _amx_round_gated(gate: torch.Tensor, up: torch.Tensor, act: int, col0: int, 
     stride (two halves of one [M, 2F] product, or two slices of a pair buffer); act 0: SiLU,
     1: GELU's tanh form. w and col0 multiples of 32."""
     m, w = (gate.shape[0], gate.shape[1]) if gate.dim() == 2 else (0, 0)
-    padded, k = (m + 15) // 16 * 16, xb.shape[1] if xb.dim() == 2 else 0
+    padded, k = padded_rows(m), xb.shape[1] if xb.dim() == 2 else 0
     if not (available() and m > 0 and gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu"
             and up.device.type == "cpu" and up.shape == gate.shape and gate.stride(1) == up.stride(1) == 1
             and gate.stride(0) == up.stride(0) and w % K_MULTIPLE == 0 and col0 % K_MULTIPLE == 0 and col0 >= 0
-            and k % K_MULTIPLE == 0 and col0 + w <= k and _takes_rounded(xb, padded, k) and act in (0, 1)
+            and k % K_MULTIPLE == 0 and col0 + w <= k and is_rounded_buffer(xb, m, k) and act in (0, 1)
             and threads >= 1):
         raise ValueError(f"amx_round_gated needs the kernel ({status()}), float32 gate and up of one shape [M, w] "
                          f"with contiguous rows and one row stride, w and col0 multiples of {K_MULTIPLE}, a "
@@ -210,16 +228,11 @@ def _amx_round_gated(gate: torch.Tensor, up: torch.Tensor, act: int, col0: int, 
         raise RuntimeError(f"amx_round_gated refused gate {tuple(gate.shape)}")
 
 
-def _takes_rounded(xb: torch.Tensor, padded: int, k: int) -> bool:
-    return (xb.dim() == 2 and xb.dtype == torch.bfloat16 and xb.device.type == "cpu" and xb.is_contiguous()
-            and tuple(xb.shape) == (padded, k))
-
-
 def _amx_linear_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, out: torch.Tensor, threads: int) -> None:
     """The operator: ``amx_linear`` on x rounded by ``amx_round_scaled`` (``rows`` of it), the same
     numbers; ``out`` as there."""
-    padded = (rows + 15) // 16 * 16
-    if not (rows > 0 and takes_weight(weight) and _takes_rounded(xb, padded, weight.shape[1])
+    padded = padded_rows(rows)
+    if not (rows > 0 and takes_weight(weight) and is_rounded_buffer(xb, rows, weight.shape[1])
             and out.dtype == torch.float32 and out.dim() == 2 and out.stride(1) == 1 and out.shape[0] >= padded
             and out.shape[1] >= weight.shape[0] and threads >= 1):
         raise ValueError(f"amx_linear_rounded needs amx_round's xb [{padded}, K] for {rows} rows, a weight "
@@ -239,10 +252,10 @@ def _amx_gated_rounded(xb: torch.Tensor, rows: int, weight: torch.Tensor, act: i
     act(gate) * up rounded, gate and up the two halves of ``amx_linear_rounded(xb, rows, weight)``
     for a gate/up ``weight`` [2F, K] (gate's rows first, F a multiple of 32); act as
     ``amx_round_gated``'s. The same bits as that product followed by ``amx_round_gated``."""
-    padded = (rows + 15) // 16 * 16
+    padded = padded_rows(rows)
     f = weight.shape[0] // 2 if weight.dim() == 2 else 0
     if not (rows > 0 and takes_weight(weight) and f % K_MULTIPLE == 0 and weight.shape[0] == 2 * f
-            and _takes_rounded(xb, padded, weight.shape[1]) and _takes_rounded(out, padded, f) and act in (0, 1)
+            and is_rounded_buffer(xb, rows, weight.shape[1]) and is_rounded_buffer(out, rows, f) and act in (0, 1)
             and threads >= 1):
         raise ValueError(f"amx_gated_rounded needs amx_round's xb [{padded}, K] for {rows} rows, a gate/up weight "
                          f"[2F, K] takes_weight takes with F a multiple of {K_MULTIPLE}, a contiguous bfloat16 out "
@@ -283,7 +296,7 @@ def round_x(x: torch.Tensor, num_threads: int | None = None, row_scale: torch.Te
         raise RuntimeError(f"the AMX linear kernel is {status()}")
     if x.dim() != 2:
         raise ValueError(f"round_x takes x [M, K], got shape {tuple(x.shape)}")
-    xb = torch.empty((x.shape[0] + 15) // 16 * 16, x.shape[1], dtype=torch.bfloat16)
+    xb = empty_rounded(x.shape[0], x.shape[1])
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if rms_eps is None:
         amx_round_scaled(x, row_scale, col_scale, xb, threads)
@@ -308,7 +321,7 @@ def round_gated(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", xb: tor
     if xb is None:
         if gate.dim() != 2:
             raise ValueError(f"round_gated takes gate [M, w], got shape {tuple(gate.shape)}")
-        xb = torch.empty((gate.shape[0] + 15) // 16 * 16, gate.shape[1], dtype=torch.bfloat16)
+        xb = empty_rounded(gate.shape[0], gate.shape[1])
     amx_round_gated(gate, up, ACTIVATIONS[act], col0, xb, torch.get_num_threads() if num_threads is None else num_threads)
     return xb
 
@@ -349,7 +362,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, num_threads: int | None = None
                          f"K % {K_MULTIPLE} == 0 and N % {N_MULTIPLE} == 0, got x {x.dtype} {tuple(x.shape)}, "
                          f"weight {weight.dtype} {tuple(weight.shape)}")
     rows = x.shape[0]
-    padded = (rows + 15) // 16 * 16  # the kernel writes whole 16-row tiles
+    padded = padded_rows(rows)  # the kernel writes whole 16-row tiles
     out = torch.empty(padded, weight.shape[0], dtype=torch.float32)
     amx_linear(x, weight, out, torch.get_num_threads() if num_threads is None else num_threads)
     return out[:rows]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cpu_build
+from . import cpu_amx, cpu_build
 
 __all__ = ["available", "status", "attend", "attend_batch", "prepare", "checked_arguments", "check_scales",
            "check_batch", "batch_tables", "Blocks", "Tables", "MAX_ROWS", "SPLIT_TOKENS"]
@@ -388,9 +388,9 @@ def call_batch(kernel: str, fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     naming ``kernel``."""
     check_batch(q, k_cache, v_cache, k_scale, v_scale, block_table, ctx_lens, cu_q, seqs, words, out, lse,
                 strided_q=splits is not None)
-    if rounded is not None and not (splits is not None and rounded.dtype == torch.bfloat16 and rounded.is_contiguous()
-                                    and tuple(rounded.shape) == ((q.shape[0] + 15) // 16 * 16, q.shape[1] * q.shape[2])):
-        raise ValueError(f"{kernel}: rounded must be a contiguous bfloat16 [{(q.shape[0] + 15) // 16 * 16}, "
+    if rounded is not None and not (splits is not None
+                                    and cpu_amx.is_rounded_buffer(rounded, q.shape[0], q.shape[1] * q.shape[2])):
+        raise ValueError(f"{kernel}: rounded must be a contiguous bfloat16 [{cpu_amx.padded_rows(q.shape[0])}, "
                          f"{q.shape[1] * q.shape[2]}] (the step's rows to a multiple of 16, H * D) for the flash "
                          f"kernel, got {rounded.dtype} {tuple(rounded.shape)}")
     head = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

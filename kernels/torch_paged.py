@@ -286,12 +286,15 @@ class _StepPlan:
         self.routes: dict[tuple, tuple] = {}
         self.all_flash: dict[tuple, bool] = {}  # by route key: every row to the flash kernel, unsplit
 
+    @staticmethod
+    def _key(q: torch.Tensor, k_cache: torch.Tensor, tree: bool, window: int | None) -> tuple:
+        return (q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree, window)
+
     def rounds(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool, window: int | None = None) -> bool:
         """Whether this layout's rows can come out rounded for the AMX products
         (``cpu_flash.attend_batch``'s ``rounded``): all of them to the flash kernel, none split,
         its library writing them. After ``route`` with the same arguments."""
-        key = (q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree, window)
-        return self.all_flash.get(key, False) and cpu_flash.writes_rounded(k_cache, q.shape[1])
+        return self.all_flash.get(self._key(q, k_cache, tree, window), False)
 
     def route(self, q: torch.Tensor, k_cache: torch.Tensor, tree: bool, window: int | None = None) -> tuple:
         """(decode seqs, flash seqs with their splits, torch seqs) for this layout: the decode
@@ -301,7 +304,7 @@ class _StepPlan:
         step with more than 63 new tokens in a sequence is refused (ValueError) here, once per
         step."""
         group = q.shape[1] // k_cache.shape[2]
-        key = (group, q.shape[2], k_cache.dtype, tuple(k_cache.shape[:3]), tree, window)
+        key = self._key(q, k_cache, tree, window)
         found = self.routes.get(key)
         if found is not None:
             return found
@@ -329,8 +332,10 @@ class _StepPlan:
         as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
         found = self.routes[key] = (as_int32(decode) if decode else None,
                                     (as_int32(flash), as_int32(splits)) if flash else None, rest)
-        # every row to the flash kernel, none split: it can write them rounded for the o projection
-        self.all_flash[key] = bool(flash) and not decode and not rest and max(splits) == 1
+        # every row to the flash kernel, none split, its library writing them: the rows can come
+        # rounded for the o projection (found once a step, as the route is)
+        self.all_flash[key] = (bool(flash) and not decode and not rest and max(splits) == 1
+                               and cpu_flash.writes_rounded(k_cache, q.shape[1]))
         if (decode or flash) and self.kernel_tables is None:
             self.kernel_tables = cpu_decode.batch_tables(
                 self.block_table if self.block_table.numel() else self.tables, self.ctx_lens, self.cu)

@@ -150,17 +150,15 @@ class PagedAttentionBackend:
         table, slots, memo = plan.tables(window)
         q, k, v, pages, writing = meta.kv_format.enter(q, k, v, layer, plan.kv)
         self.kernels.write_kv(layer[0], layer[1], k, v, slots, step_cache=memo, **pages, **writing)
+        extra = {}  # (float pages leave the kernels' output as it is: the rows may come rounded; int8's do not)
         if rounded and self.kernels is torch_paged and type(meta.kv_format).leave is FloatPages.leave:
-            # (float pages leave the kernels' output as it is: the rows may come rounded; int8's do not)
-            masked["rounded_out"] = torch.empty((q.shape[0] + 15) // 16 * 16, q.shape[1] * q.shape[2],
-                                                dtype=torch.bfloat16)
+            extra["rounded_out"] = cpu_amx.empty_rounded(q.shape[0], q.shape[1] * q.shape[2])
         out, lse = self.kernels.paged_attention(
             q, layer[0], layer[1], table, meta.context_lens_t, meta.cu_seqlens_q,
             scale=scale, tree_mask=meta.tree_mask, step_cache=memo, extents=plan.extents,
-            **pages, **masked)
-        if out is masked.get("rounded_out"):
+            **pages, **masked, **extra)
+        if extra and out is extra["rounded_out"]:
             return cpu_amx.RoundedRows(out, q.shape[0])
-        masked.pop("rounded_out", None)
         tail = None if masked else meta.tail
         return meta.kv_format.leave(layer_idx, out, lse, q, k, v, layer, scale, tail, plan.kv)
 

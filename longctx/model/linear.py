@@ -465,7 +465,7 @@ class BlockWeights(LinearMethod):
         if m <= BLOCK_ROWS:  # every part in one call (fast: integer products where the format has them)
             return blocks.prepared()(x, out, bias, residual, num_threads=torch.get_num_threads(), fast=self.fast)
         if self._on_tiles(blocks):
-            out = torch.empty(_tile_rows(m), blocks.shape[0], dtype=torch.float32)
+            out = torch.empty(cpu_amx.padded_rows(m), blocks.shape[0], dtype=torch.float32)
             self._tile_product(blocks, cpu_amx.round_x(x) if rounded is None else rounded, m, 0, blocks.shape[0], out)
             out = out[:m]
             if bias is not None:
@@ -563,10 +563,10 @@ class BlockWeights(LinearMethod):
         # on the tiles, for a down projection on them: act(gate) * up straight into its rounded
         # input (cpu_amx.round_gated: the kernel's exponential, not torch's), no [T, F] floats
         to_tiles = rounded and tiles and f % cpu_amx.K_MULTIPLE == 0
-        out = (torch.empty(_tile_rows(m), f, dtype=torch.bfloat16) if to_tiles
+        out = (cpu_amx.empty_rounded(m, f) if to_tiles
                else torch.empty(m, f, dtype=torch.float32))
         step = _slice_rows(k)
-        pair = torch.empty(_tile_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
+        pair = torch.empty(cpu_amx.padded_rows(m) if tiles else m, 2 * min(step, f), dtype=torch.float32)
         half = pair.shape[1] // 2
         for r0 in range(0, f, step):
             w = min(r0 + step, f) - r0
@@ -634,9 +634,6 @@ def _as_stored(layer: "Linear") -> bool:
     return layer.rows_as_stored
 
 
-def _tile_rows(m: int) -> int:
-    """Rows of an AMX product's output for ``m`` rows of x: whole 16-row tiles."""
-    return (m + 15) // 16 * 16
 
 
 def _slice_rows(k: int) -> int:

@@ -144,6 +144,13 @@ class Attention(nn.Module):
         return out.reshape(num_tokens, self.q_size)
 
 
+def _takes_rounded_rows(layer: Linear, rows: int, product: Any) -> bool:
+    """Whether the product before ``layer`` may hand it its input rounded for the AMX tiles
+    (``RoundedRows``): a long step (not a decode step), no split product (sequence parallelism's
+    column split keeps its own), and ``layer``'s method taking such rows (``takes_rounded``)."""
+    return product is None and rows > BLOCK_ROWS and layer.method.takes_rounded(layer, rows)
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -159,8 +166,7 @@ class MLP(nn.Module):
         the AMX tiles) does."""
         down = self.down_proj
         h = self.gate_up_proj.method.gated(self.gate_up_proj, x, norm, "gelu_tanh" if self.gelu else "silu",
-                                           rounded=(product is None and x.shape[0] > BLOCK_ROWS  # (not on decode steps)
-                                                    and down.method.takes_rounded(down, x.shape[0])))
+                                           rounded=_takes_rounded_rows(down, x.shape[0], product))
         if h is not None:
             return self.down_proj(h, residual=residual, product=product)
         gate_up = self.gate_up_proj(x, norm=norm, product=product)  # (T, 2F)
@@ -192,8 +198,7 @@ class DecoderLayer(nn.Module):
         attn, mlp, product = self.self_attn, self.mlp, plan.split_linear
         qkv = attn.qkv_proj(x, norm=self.input_layernorm, product=product)  # (T, (H + 2 Hkv) D)
         o_proj = attn.o_proj  # (its input rounded for its tiles straight from attention, where it can be)
-        rounded = (product is None and x.shape[0] > BLOCK_ROWS and getattr(backend, "hands_rounded_rows", False)
-                   and o_proj.method.takes_rounded(o_proj, x.shape[0]))
+        rounded = getattr(backend, "hands_rounded_rows", False) and _takes_rounded_rows(o_proj, x.shape[0], product)
         out = attn.attend(qkv, cos, sin, backend, plan, rounded)  # (T, H D)
         if self.sandwich:  # x + norm(attention), x + norm(MLP), each MLP input normed before
             x = x + self.post_attention_layernorm(attn.o_proj(out, product=product))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amx_layout import tile_order_rows
 
 from longctx.kernels import cpu_amx, cpu_build, cpu_linear, cpu_tune
 
@@ -194,12 +195,6 @@ def test_an_rmsnorm_folded_into_the_rounding(rows, k):
             cpu_amx.round_x(x, row_scale=row_scale, col_scale=col_scale)
 
 
-def _tile_rows(xb: torch.Tensor, rows: int) -> torch.Tensor:
-    """``round_x``'s A-tile order [Mp / 16][K / 32][16][32] back to rows [rows, K]."""
-    mp, k = xb.shape
-    return xb.view(mp // 16, k // 32, 16, 32).permute(0, 2, 1, 3).reshape(mp, k)[:rows]
-
-
 @needs_amx
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows,f", [(1, 32), (17, 64), (100, 576), (33, 1536)])
@@ -220,17 +215,17 @@ def test_the_gated_product_rounded_for_the_tiles(act, rows, f):
     z = g64 if act == "silu" else (2 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64 ** 3) * 2
     want = g64 / (1 + torch.exp(-z)) * u64
     xb = cpu_amx.round_gated(gate, up, act)
-    got = _tile_rows(xb, rows).double()
+    got = tile_order_rows(xb, rows).double()
     assert torch.all((got - want).abs() <= 2 ** -8 * want.abs() + 1e-30)
-    assert torch.all(_tile_rows(xb, xb.shape[0])[rows:] == 0)  # (the padding rows)
+    assert torch.all(tile_order_rows(xb, xb.shape[0])[rows:] == 0)  # (the padding rows)
     if act == "silu":
-        torch_rounded = _tile_rows(cpu_amx.round_x(activation(gate.contiguous(), act).mul_(up)), rows).double()
+        torch_rounded = tile_order_rows(cpu_amx.round_x(activation(gate.contiguous(), act).mul_(up)), rows).double()
         assert float((got == torch_rounded).double().mean()) > 0.999
         assert torch.equal(rounded_swiglu(gu), xb)
     wide = torch.full(((rows + 15) // 16 * 16, f + 64), 7.0, dtype=torch.bfloat16)
     cpu_amx.round_gated(gate, up, act, xb=wide, col0=32)
-    assert torch.equal(_tile_rows(wide, rows)[:, 32:32 + f], got.to(torch.bfloat16))
-    assert torch.all(_tile_rows(wide, rows)[:, :32] == 7) and torch.all(_tile_rows(wide, rows)[:, 32 + f:] == 7)
+    assert torch.equal(tile_order_rows(wide, rows)[:, 32:32 + f], got.to(torch.bfloat16))
+    assert torch.all(tile_order_rows(wide, rows)[:, :32] == 7) and torch.all(tile_order_rows(wide, rows)[:, 32 + f:] == 7)
     assert rounded_swiglu(gu.double()) is None and rounded_swiglu(torch.randn(rows, 2 * f + 32)) is None
     with pytest.raises(ValueError, match="amx_round_gated needs"):
         cpu_amx.round_gated(gate, up[:, :16], act)  # (another shape)
@@ -270,7 +265,7 @@ def test_the_gated_product_in_one_pass_is_the_two_passes_bit_for_bit(act, rows, 
     got = cpu_amx.gated_rounded(xb, rows, w, act)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == ((rows + 15) // 16 * 16, f)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert torch.all(_tile_rows(got, got.shape[0])[rows:] == 0)  # (the padding rows)
+    assert torch.all(tile_order_rows(got, got.shape[0])[rows:] == 0)  # (the padding rows)
     for threads in (1, 3):
         assert torch.equal(cpu_amx.gated_rounded(xb, rows, w, act, num_threads=threads).view(torch.int16),
                            want.view(torch.int16))

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from amx_layout import tile_order_rows
 from paged_cases import TWO_BRANCH_TREE, Case, check_against_reference, make_batch
 
 from longctx.kernels import cpu_amx, cpu_build, cpu_decode, cpu_flash, reference, torch_paged
@@ -309,13 +310,6 @@ def test_one_token_q_with_any_row_stride():
     torch.testing.assert_close(got[1][1], got[0][1], rtol=0, atol=0)
 
 
-def _tile_order_rows(xb: torch.Tensor) -> torch.Tensor:
-    """The AMX products' rounded x ([Mp / 16][K / 32][16][32] in memory, ``cpu_amx.round_x``'s
-    order) as plain rows [Mp, K]."""
-    mp, k = xb.shape
-    return xb.reshape(mp // 16, k // 32, 16, 32).permute(0, 2, 1, 3).reshape(mp, k)
-
-
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_rounded_for_the_o_projection(dtype):
@@ -335,7 +329,7 @@ def test_rows_rounded_for_the_o_projection(dtype):
     buf = torch.full(((total + 15) // 16 * 16, heads * dim), float("nan"), dtype=torch.bfloat16)
     got, lse = torch_paged.paged_attention(q, *rest, rounded_out=buf)
     assert got is buf
-    rows = _tile_order_rows(buf)
+    rows = tile_order_rows(buf)
     assert torch.equal(rows[:total].view(torch.int16), want_out.reshape(total, -1).bfloat16().view(torch.int16))
     assert torch.equal(rows[total:], torch.zeros_like(rows[total:]))
     if cpu_amx.available():  # what the o projection would have made of out itself, tile order and all
