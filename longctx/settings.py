@@ -29,6 +29,9 @@ ENV_VARS: dict[str, str] = {
                         "every step) or a row count (BLAS or AMX from that many rows)",
     "LONGCTX_FLASH_AMX": "0: bfloat16 KV pages' prefill attention keeps the flash kernel's vector build where the "
                          "CPU has AMX-BF16 (default: its AMX build there)",
+    "LONGCTX_DECODE_LAYERS": "0: run every step's decoder layers through the modules (default: a CPU decode or "
+                             "verification step that qualifies runs them as one loop of C calls, the same bits; "
+                             "longctx/model/decode_layers.py)",
     "LONGCTX_MALLOC_TUNE": "0: leave glibc's malloc thresholds as they are (default: once a CPU engine's weights are "
                            "loaded, before its first-use tuning, blocks under 256 MiB come from the heap and 512 MiB "
                            "stay at its top, mallopt)",

@@ -42,6 +42,7 @@ from longctx.attention import LayerAttention
 from longctx.kernels import cpu_linear
 
 from .config import ModelConfig
+from .decode_layers import MAX_ROWS as DECODE_LAYERS_MAX_ROWS, DecodeLayers
 from .linear import (BLAS, BLOCK_ROWS, BLOCKS, PACK_ROWS_HINT, ROW_KERNEL, ROW_KERNEL_DTYPES, BlockMatrix, Linear,  # noqa: F401
                      OneDNNWeights, RoundedRows, activation, choose_cpu_matmul, onednn_linear_available)  # (the last two: re-exported)
 from .rope import RotaryEmbedding, apply_rotary, unpermute_rope_rows
@@ -354,12 +355,25 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self.act_dtype is not None and x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)  # bf16 weights on the row kernel: fp32 activations
+        fast = self._decode_layers() if local is None and x.shape[0] <= DECODE_LAYERS_MAX_ROWS else None
+        if fast is not None:  # a decode step's layers as one loop of C calls, where the step qualifies
+            x = x.contiguous().clone()  # (the loop updates it in place)
+            if fast.step(x, cos, sin, backend, plan):
+                return self.norm(x)
         for layer in self.layers:
             if local is not None and layer.self_attn.spec.window is not None:
                 x = layer(x, *local, backend, plan)
             else:
                 x = layer(x, cos, sin, backend, plan)
         return self.norm(x)
+
+    def _decode_layers(self) -> DecodeLayers | None:
+        """The layers as ``decode_layers`` runs them (built at the first small step, again where
+        the model's products were re-held since), or None where it does not take this model."""
+        found = self.__dict__.get("_decode_layers_built")
+        if found is None or (found[0] is not None and not found[0].current()):
+            found = self.__dict__["_decode_layers_built"] = (DecodeLayers.build(self),)
+        return found[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

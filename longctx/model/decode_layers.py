@@ -1,0 +1,255 @@
+"""A decode step's decoder layers as one loop of C calls (CPU, the row kernel).
+
+Why: at one to a few rows per step the C kernels take ~0.75 ms a layer of the default model
+(bf16, 8K tokens of context) and the Python around them (modules, methods, the operators'
+dispatch and checks, the attention backend's routing) took another ~0.3 ms warm and ~0.45 ms
+as it runs, between kernels that have just streamed megabytes through the caches: a third of
+the step. Here a step checks once what every layer shares (the model's layers, the step's
+route, the caches' layout, the tables), then calls the same C entries with the same arguments
+the modules would, layer after layer:
+
+    qkv   = linear_rows(x, W_qkv, prologue RMSNorm(input_layernorm))
+            rope_inplace(q and k of qkv)
+            write_kv(k, v of qkv -> the layer's pages at the step's slots)
+    attn  = paged_decode_batch(q, the layer's pages, the step's tables)
+    x     = linear_rows(attn, W_o) + x                       (in place)
+    gu    = linear_rows(x, W_gate_up, prologue RMSNorm(post_attention_layernorm))
+    x     = linear_rows(gu, W_down, prologue SwiGLU) + x     (in place)
+
+The same kernels in the same order on the same inputs: the same bits as the modules' path
+(``tests/model/test_decode_layers.py`` compares them). What it takes (``DecodeLayers.build``
+for the model, ``DecodeLayers.step`` for the step); anything else runs the modules:
+
+- the model: Llama-shaped layers (no sandwich norms, SwiGLU, no q/k norms, RoPE over the whole
+  head in rotate-half order, no sliding window or score cap, one RoPE table), every product on
+  the row kernel (``RowKernelWeights``: float32 or bfloat16 matrices) with float32 norms;
+- the step: on the CPU with the C libraries loaded, the plain paged backend over float32 or
+  bfloat16 pages (``FloatPages``: no int8 pages, no exact tail, no window ring, no sequence
+  parallelism's split products, no LongRoPE), every sequence routed to the decode kernel (decode
+  and lookahead verification: a few rows per sequence, causal or a draft tree's words), each
+  product on the row kernel at the step's rows (not the AMX tiles, not BLAS).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from longctx.kernels import cpu_decode, cpu_linear, torch_paged
+
+ENV = "LONGCTX_DECODE_LAYERS"  # "0": every step through the modules
+MAX_ROWS = 64  # steps of more rows run the modules (prefill chunks: the kernels' time dwarfs the Python)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer's pointers and widths, as the C entries take them."""
+
+    norm1: int
+    eps1: float
+    qkv: tuple[int, int, int]  # weight, its type (cpu_linear.WEIGHT_TYPES), bias or 0
+    o: tuple[int, int, int]
+    norm2: int
+    eps2: float
+    gate_up: tuple[int, int, int]
+    down: tuple[int, int, int]
+    scale: float | None  # the layer's own score scale (None: the backend's)
+
+
+class DecodeLayers:
+    """The model's layers as pointers (``build``), run for a step that qualifies (``step``)."""
+
+    def __init__(self, model: Any, layers: list[_Layer], keep: list[torch.Tensor]) -> None:
+        cfg = model.config
+        attn = model.layers[0].self_attn
+        self.layers = layers
+        self.keep = keep  # the tensors behind the pointers (the modules' own: kept alive with them)
+        self.hidden = cfg.hidden_size
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.qkv_width = self.q_size + 2 * self.kv_size
+        self.ffn = model.layers[0].mlp.intermediate_size
+        self.products = _products(model.layers[0])
+        self.signature = [(lin, lin.weight.data_ptr(), lin.method)
+                          for lay in (model.layers[0], model.layers[-1]) for lin in _products(lay)]
+
+    @classmethod
+    def build(cls, model: Any) -> "DecodeLayers | None":
+        """The model's layers as this loop takes them, or None where any of them is not (see the
+        module's docstring)."""
+        from longctx.model.linear import RowKernelWeights  # (imported here: llama.py imports this module)
+        from longctx.model.llama import RMSNorm
+
+        if not (enabled() and cpu_linear.available() and cpu_decode.available()):
+            return None
+        cfg = model.config
+        if cfg.local_rope_theta is not None or cfg.sandwich_norms:
+            return None
+        layers, keep = [], []
+        for idx, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if (attn.q_norm is not None or attn.rope_pairs or mlp.gelu
+                    or (attn.rotary_dim is not None and attn.rotary_dim < attn.head_dim)
+                    or attn.spec.window is not None or attn.spec.softcap is not None
+                    or cfg.layer_window(idx) is not None):
+                return None
+            products = []
+            for lin in _products(layer):
+                w, b = lin.weight, lin.bias
+                if (not isinstance(lin.method, RowKernelWeights) or not isinstance(w, torch.Tensor)
+                        or w.dtype not in cpu_linear.WEIGHT_TYPES or w.device.type != "cpu" or w.dim() != 2
+                        or not w.is_contiguous()
+                        or (b is not None and (b.dtype != torch.float32 or b.dim() != 1 or not b.is_contiguous()
+                                               or b.shape[0] != w.shape[0]))):
+                    return None
+                keep += [w] + ([] if b is None else [b])
+                products.append((w.data_ptr(), cpu_linear.WEIGHT_TYPES[w.dtype], 0 if b is None else b.data_ptr()))
+            norms = []
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                nw = norm.weight
+                if (type(norm) is not RMSNorm or nw.dtype != torch.float32 or not nw.is_contiguous()
+                        or nw.shape != (cfg.hidden_size,)):
+                    return None
+                keep.append(nw)
+                norms.append((nw.data_ptr(), float(norm.eps)))
+            qkv, o, gate_up, down = products
+            d, h, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+            e, f = cfg.hidden_size, mlp.intermediate_size
+            if (attn.qkv_proj.weight.shape != (h * d + 2 * hkv * d, e) or attn.o_proj.weight.shape != (e, h * d)
+                    or mlp.gate_up_proj.weight.shape != (2 * f, e) or mlp.down_proj.weight.shape != (e, f)):
+                return None
+            layers.append(_Layer(norms[0][0], norms[0][1], qkv, o, norms[1][0], norms[1][1], gate_up, down,
+                                 attn.spec.scale))
+        first = model.layers[0]
+        shape = lambda lay: (lay.self_attn.num_heads, lay.self_attn.num_kv_heads, lay.self_attn.head_dim,  # noqa: E731
+                             lay.mlp.intermediate_size)
+        methods = lambda lay: tuple(lin.method for lin in _products(lay))  # noqa: E731
+        if any(shape(lay) != shape(first) or any(a is not b for a, b in zip(methods(lay), methods(first)))
+               for lay in model.layers):  # one shape, and the same method objects (``step`` asks the first's)
+            return None
+        return cls(model, layers, keep)
+
+    def current(self) -> bool:
+        """Whether the model still holds what ``build`` read (its first and last layers' matrices
+        and methods): a model whose products were re-held since is built again."""
+        return all(lin.weight is not None and lin.weight.data_ptr() == ptr and lin.method is method
+                   for lin, ptr, method in self.signature)
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any, plan: Any) -> bool:
+        """Run every layer on x [T, E] (float32, contiguous, the step's own: updated in place) and
+        return True, where this step qualifies; else False, with nothing touched."""
+        from longctx.attention import AttentionPlan, PagedAttentionBackend  # (it imports the model's package)
+        from longctx.kv.formats import FloatPages
+
+        if (type(backend) is not PagedAttentionBackend or backend.kernels is not torch_paged
+                or type(plan) is not AttentionPlan):
+            return False  # (sequence parallelism's backend and step, CUDA's kernels)
+        meta = plan.meta
+        rows, fmt = x.shape[0], type(meta.kv_format)
+        if (meta.kv_caches is None or len(meta.kv_caches) != len(self.layers)
+                or not issubclass(fmt, FloatPages) or fmt.enter is not FloatPages.enter
+                or fmt.leave is not FloatPages.leave or meta.tail is not None
+                or meta.ring is not None or plan.split_linear is not None
+                or getattr(meta, "rope_long", None) is not None
+                or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2
+                or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+                or tuple(cos.shape) != (rows, self.head_dim // 2) or sin.shape != cos.shape):
+            return False
+        if not all(lin.method.kernel_takes(rows) and not lin.method.amx_takes(lin, rows)
+                   for lin in self.products):  # (every layer holds the same method objects)
+            return False
+        k0, v0 = meta.kv_caches[0][:2]
+        d, h, hkv = self.head_dim, self.heads, self.kv_heads
+        qkv = torch.empty(rows, self.qkv_width, dtype=torch.float32)
+        q = qkv[:, :self.q_size].view(rows, h, d)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(rows, hkv, d)
+        v = qkv[:, self.q_size + self.kv_size:].view(rows, hkv, d)
+        if not cpu_decode.takes_float_write(k0, v0, k, v) or any(
+                len(c) != 2 or c[0].shape != k0.shape or c[0].dtype != k0.dtype or c[1].shape != k0.shape
+                or c[1].dtype != k0.dtype or not (c[0].is_contiguous() and c[1].is_contiguous())
+                for c in meta.kv_caches):
+            return False
+        table, slots, memo = plan.tables(None)
+        sp = memo.get("torch_paged.plan")
+        if sp is None:
+            sp = memo["torch_paged.plan"] = torch_paged._StepPlan(table, meta.context_lens_t, meta.cu_seqlens_q,
+                                                                  memo.get("host"))
+        tree = meta.tree_mask is not None
+        decode, flash, rest = sp.route(q, k0, tree, None)
+        if decode is None or flash is not None or rest:
+            return False
+        slots64 = memo.get("torch_paged.slots64")
+        if slots64 is None:
+            slots64 = memo["torch_paged.slots64"] = slots.long()
+        slots64 = slots64.contiguous()
+        words = None if not tree else meta.tree_mask.to(torch.int64).contiguous()
+        tables = sp.kernel_tables
+        qc = q if rows == 1 else torch.empty(rows, h, d, dtype=torch.float32)  # the kernel's q: contiguous
+        attn = torch.empty(rows, h, d, dtype=torch.float32)
+        lse = torch.empty(rows, h, dtype=torch.float32)
+        if slots64.shape != (rows,):
+            return False
+        cpu_decode.check_batch(qc, k0, v0, None, None, tables.block_table, tables.ctx_lens, tables.cu_q, decode,
+                               words, attn, lse)
+        gu = torch.empty(rows, 2 * self.ffn, dtype=torch.float32)
+        self._run(x, qkv, q, qc, attn, lse, gu, cos, sin, slots64, tables, decode, words, meta.kv_caches,
+                  backend.scale)
+        return True
+
+    def _run(self, x, qkv, q, qc, attn, lse, gu, cos, sin, slots, tables, seqs, words, caches, scale) -> None:
+        lin = cpu_linear._load().longctx_linear_rows
+        rope = cpu_linear._load().longctx_rope_inplace
+        dec = cpu_decode._load()
+        write, attend = dec.longctx_write_kv, dec.longctx_paged_decode_batch
+        threads = torch.get_num_threads()
+        rows, e, f, w = x.shape[0], self.hidden, self.ffn, self.qkv_width
+        d, h, hkv = self.head_dim, self.heads, self.kv_heads
+        hd = h * d
+        xp, qkvp, attnp, lsep, gup = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), lse.data_ptr(), gu.data_ptr()
+        kp, vp = qkvp + 4 * self.q_size, qkvp + 4 * (self.q_size + self.kv_size)
+        qcp, cosp, sinp, slotp = qc.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        bt = tables.block_table
+        k0 = caches[0][0]
+        dtype = cpu_decode.FLOAT_PAGES[k0.dtype]
+        nb, bs = k0.shape[0], k0.shape[1]
+        head = (dtype, bt.data_ptr(), bt.shape[0], bt.shape[1], nb, tables.ctx_lens.data_ptr(), tables.cu_q.data_ptr(),
+                rows, seqs.data_ptr(), seqs.shape[0], bs, h, hkv, d)
+        wordp = None if words is None else words.data_ptr()
+        copy_q = qc is not q
+        for layer, cache in zip(self.layers, caches):
+            kc, vc = cache[0].data_ptr(), cache[1].data_ptr()
+            wq, tq, bq = layer.qkv
+            _ok(lin(xp, e, rows, wq, tq, w, e, bq or None, qkvp, w, 1, layer.norm1, layer.eps1, None, 0, threads),
+                "qkv")
+            _ok(rope(qkvp, rows, w, h + hkv, d, cosp, sinp, 0, threads), "rope")
+            _ok(write(kc, vc, dtype, kp, w, vp, w, slotp, rows, nb, bs, hkv, d, threads), "write_kv")
+            if copy_q:
+                qc.copy_(q)
+            dt, btp, brows, bw, nbk, ctxp, cup, total, seqp, nseq, bsz, nh, nkv, hdim = head
+            _ok(attend(qcp, kc, vc, None, None, dt, btp, brows, bw, nbk, ctxp, cup, total, seqp, nseq, bsz, nh, nkv,
+                       hdim, scale if layer.scale is None else layer.scale, wordp, 0, 0.0, cpu_decode.SPLIT_TOKENS,
+                       threads, attnp, lsep), "paged_decode")
+            wo, to, bo = layer.o
+            _ok(lin(attnp, hd, rows, wo, to, e, hd, bo or None, xp, e, 0, None, 0.0, xp, e, threads), "o_proj")
+            wg, tg, bg = layer.gate_up
+            _ok(lin(xp, e, rows, wg, tg, 2 * f, e, bg or None, gup, 2 * f, 1, layer.norm2, layer.eps2, None, 0,
+                    threads), "gate_up")
+            wd, td, bd = layer.down
+            _ok(lin(gup, 2 * f, rows, wd, td, e, f, bd or None, xp, e, 2, None, 0.0, xp, e, threads), "down")
+
+
+def _products(layer: Any) -> tuple:
+    """A decoder layer's four products, in the order they run."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _ok(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"decode layers: the C {what} call returned {rc} after the step's checks passed")
