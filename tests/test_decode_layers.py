@@ -76,17 +76,21 @@ def _document(llm: LLM, n: int, skip: int = 0) -> list[int]:
     return ids[skip:skip + n]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_real_model_decodes_the_same_through_the_loop(monkeypatch, counted, dtype):
-    """The GGUF expanded (the row kernel's matrices), a batch of three documents: every decode
-    step through the loop gives the tokens and log-probs of the modules' path, exactly."""
+@pytest.mark.parametrize("dtype,weights", [("bfloat16", "float"), ("float32", "float"), ("float32", "blocks"),
+                                           ("float32", "blocks-fast"), ("bfloat16", "blocks")])
+def test_the_real_model_decodes_the_same_through_the_loop(monkeypatch, counted, dtype, weights):
+    """The GGUF expanded (the row kernel's matrices) or kept as its blocks (exact or fast numerics;
+    its q/k rows as stored), a batch of three documents: every decode step through the loop gives
+    the tokens, log-probs and output rows of the modules' path, exactly."""
     if not LICENSE.exists():
         pytest.skip("no GPL-3 text on this machine")
     gguf = _gguf()
+    options = {"gguf_weights": "float"} if weights == "float" else {
+        "block_numerics": "fast" if weights == "blocks-fast" else "exact"}
 
     def make():
-        return LLM(str(gguf), dtype=dtype, gguf_weights="float", block_size=16, max_num_batched_tokens=512,
-                   enable_prefix_caching=False, lookahead=False)
+        return LLM(str(gguf), dtype=dtype, block_size=16, max_num_batched_tokens=512,
+                   enable_prefix_caching=False, lookahead=False, **options)
 
     probe = make()
     prompts = [{"prompt_token_ids": _document(probe, n, skip)} for n, skip in ((900, 0), (300, 1000), (40, 2000))]
@@ -119,15 +123,19 @@ def test_lookahead_verification_steps_take_the_loop(monkeypatch, counted):
     _same(on, off)
 
 
-@pytest.mark.parametrize("kind", ["llama-default", "llama-bias", "qwen2"])
-def test_tiny_checkpoints_decode_the_same_through_the_loop(tmp_path, monkeypatch, counted, kind):
-    """Tiny random checkpoints (q/k/v, o and MLP biases; Qwen2's q/k/v biases): the same tokens
-    and log-probs with and without the loop, which takes their decode steps."""
+@pytest.mark.parametrize("kind,quantization", [("llama-default", None), ("llama-bias", None), ("qwen2", None),
+                                               ("llama-bias", "int8"), ("qwen2", "int4")])
+def test_tiny_checkpoints_decode_the_same_through_the_loop(tmp_path, monkeypatch, counted, kind, quantization):
+    """Tiny random checkpoints (q/k/v, o and MLP biases; Qwen2's q/k/v biases), as loaded or
+    quantized at load: the same tokens, log-probs and output rows with and without the loop,
+    which takes their decode steps."""
     make_checkpoint(tmp_path, kind, seed=3, max_position_embeddings=1024)
     write_char_tokenizer(tmp_path)
+    options = {} if quantization is None else {"quantization": quantization}
 
     def make():
-        return LLM(str(tmp_path), dtype="float32", block_size=16, enable_prefix_caching=False, lookahead=False)
+        return LLM(str(tmp_path), dtype="float32", block_size=16, enable_prefix_caching=False, lookahead=False,
+                   **options)
 
     prompts = [{"prompt_token_ids": random_tokens(n, seed)} for n, seed in ((70, 1), (33, 2))]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)

@@ -8,7 +8,7 @@ the step. Here a step checks once what every layer shares (the model's layers, t
 route, the caches' layout, the tables), then calls the same C entries with the same arguments
 the modules would, layer after layer:
 
-    qkv   = linear_rows(x, W_qkv, prologue RMSNorm(input_layernorm))
+    qkv   = linear_rows(x, W_qkv, prologue RMSNorm(input_layernorm))   (or the block kernel's call)
             rope_inplace(q and k of qkv)
             write_kv(k, v of qkv -> the layer's pages at the step's slots)
     attn  = paged_decode_batch(q, the layer's pages, the step's tables)
@@ -21,24 +21,27 @@ The same kernels in the same order on the same inputs: the same bits as the modu
 for the model, ``DecodeLayers.step`` for the step); anything else runs the modules:
 
 - the model: Llama-shaped layers (no sandwich norms, SwiGLU, no q/k norms, RoPE over the whole
-  head in rotate-half order, no sliding window or score cap, one RoPE table), every product on
-  the row kernel (``RowKernelWeights``: float32 or bfloat16 matrices) with float32 norms;
+  head, no sliding window or score cap, one RoPE table) with float32 norms, every product on the
+  row kernel (``RowKernelWeights``: float32 or bfloat16 matrices) or on GGUF blocks
+  (``BlockWeights``, exact or fast numerics; a Llama file's q/k rows as stored, put in order by
+  the RoPE pass as the modules do);
 - the step: on the CPU with the C libraries loaded, the plain paged backend over float32 or
   bfloat16 pages (``FloatPages``: no int8 pages, no exact tail, no window ring, no sequence
   parallelism's split products, no LongRoPE), every sequence routed to the decode kernel (decode
   and lookahead verification: a few rows per sequence, causal or a draft tree's words), each
-  product on the row kernel at the step's rows (not the AMX tiles, not BLAS).
+  product in one call at the step's rows (the row kernel's, not the AMX tiles or BLAS; the block
+  kernel's, up to ``BLOCK_ROWS``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from longctx.kernels import cpu_decode, cpu_linear, torch_paged
+from longctx.kernels import cpu_blocks, cpu_decode, cpu_linear, torch_paged
 
 ENV = "LONGCTX_DECODE_LAYERS"  # "0": every step through the modules
 MAX_ROWS = 64  # steps of more rows run the modules (prefill chunks: the kernels' time dwarfs the Python)
@@ -50,17 +53,53 @@ def enabled() -> bool:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One layer's pointers and widths, as the C entries take them."""
+    """One layer's norms (weight pointers, eps), products (``_product``'s callables) and attention
+    (its own score scale, None: the backend's; RoPE over llama.cpp's stored pairs)."""
 
     norm1: int
     eps1: float
-    qkv: tuple[int, int, int]  # weight, its type (cpu_linear.WEIGHT_TYPES), bias or 0
-    o: tuple[int, int, int]
+    qkv: Callable
+    o: Callable
     norm2: int
     eps2: float
-    gate_up: tuple[int, int, int]
-    down: tuple[int, int, int]
-    scale: float | None  # the layer's own score scale (None: the backend's)
+    gate_up: Callable
+    down: Callable
+    scale: float | None
+    pairs: int
+
+
+def _product(lin: Any, keep: list) -> Callable | None:
+    """``lin``'s product as one C call, ``call(x, ldx, rows, out, ldo, prologue, norm, eps, res,
+    ldr, threads) -> rc`` with the arguments its method passes (pointers; prologue 1 RMSNorm, 2
+    SwiGLU), or None where the loop does not take it: the row kernel's float32 or bfloat16
+    matrix (``cpu_linear.linear``), or GGUF blocks whose rows are in order or kept as stored
+    (``BlockWeights``' short steps, ``PreparedParts``). ``keep`` gets the tensors behind the
+    pointers."""
+    from longctx.model.linear import BlockMatrix, BlockWeights, RowKernelWeights, _as_stored
+
+    w, b = lin.weight, lin.bias
+    if b is not None and (b.dtype != torch.float32 or b.dim() != 1 or not b.is_contiguous() or b.device.type != "cpu"):
+        return None
+    bias = None if b is None else b.data_ptr()
+    if isinstance(lin.method, RowKernelWeights):
+        if (not isinstance(w, torch.Tensor) or w.dtype not in cpu_linear.WEIGHT_TYPES or w.device.type != "cpu"
+                or w.dim() != 2 or not w.is_contiguous() or (b is not None and b.shape[0] != w.shape[0])):
+            return None
+        keep += [w, b]
+        fn, wp, wt = cpu_linear._load().longctx_linear_rows, w.data_ptr(), cpu_linear.WEIGHT_TYPES[w.dtype]
+        n, k = w.shape
+        return lambda x, ldx, m, out, ldo, pro, norm, eps, res, ldr, th: fn(
+            x, ldx, m, wp, wt, n, k, bias, out, ldo, pro, norm, eps, res, ldr, th)
+    if isinstance(lin.method, BlockWeights) and isinstance(w, BlockMatrix) and cpu_blocks.available():
+        if (w.order is not None and not _as_stored(lin)) or (b is not None and b.shape[0] != w.shape[0]):
+            return None
+        prepared = w.prepared()
+        keep += [prepared, b]
+        fn, arrays, parts, k, terms = (cpu_blocks._load().longctx_blocks_linear_parts, prepared.arrays, prepared.n,
+                                       prepared.k, cpu_blocks._terms(lin.method.fast))
+        return lambda x, ldx, m, out, ldo, pro, norm, eps, res, ldr, th: fn(
+            x, ldx, m, parts, *arrays, k, bias, out, ldo, res, ldr, th, pro, norm, eps, terms)
+    return None
 
 
 class DecodeLayers:
@@ -77,15 +116,14 @@ class DecodeLayers:
         self.qkv_width = self.q_size + 2 * self.kv_size
         self.ffn = model.layers[0].mlp.intermediate_size
         self.products = _products(model.layers[0])
-        self.signature = [(lin, lin.weight.data_ptr(), lin.method)
+        self.signature = [(lin, lin.weight, lin.method)
                           for lay in (model.layers[0], model.layers[-1]) for lin in _products(lay)]
 
     @classmethod
     def build(cls, model: Any) -> "DecodeLayers | None":
         """The model's layers as this loop takes them, or None where any of them is not (see the
         module's docstring)."""
-        from longctx.model.linear import RowKernelWeights  # (imported here: llama.py imports this module)
-        from longctx.model.llama import RMSNorm
+        from longctx.model.llama import RMSNorm  # (imported here: llama.py imports this module)
 
         if not (enabled() and cpu_linear.available() and cpu_decode.available()):
             return None
@@ -95,22 +133,14 @@ class DecodeLayers:
         layers, keep = [], []
         for idx, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if (attn.q_norm is not None or attn.rope_pairs or mlp.gelu
+            if (attn.q_norm is not None or mlp.gelu
                     or (attn.rotary_dim is not None and attn.rotary_dim < attn.head_dim)
                     or attn.spec.window is not None or attn.spec.softcap is not None
                     or cfg.layer_window(idx) is not None):
                 return None
-            products = []
-            for lin in _products(layer):
-                w, b = lin.weight, lin.bias
-                if (not isinstance(lin.method, RowKernelWeights) or not isinstance(w, torch.Tensor)
-                        or w.dtype not in cpu_linear.WEIGHT_TYPES or w.device.type != "cpu" or w.dim() != 2
-                        or not w.is_contiguous()
-                        or (b is not None and (b.dtype != torch.float32 or b.dim() != 1 or not b.is_contiguous()
-                                               or b.shape[0] != w.shape[0]))):
-                    return None
-                keep += [w] + ([] if b is None else [b])
-                products.append((w.data_ptr(), cpu_linear.WEIGHT_TYPES[w.dtype], 0 if b is None else b.data_ptr()))
+            products = [_product(lin, keep) for lin in _products(layer)]
+            if any(p is None for p in products):
+                return None
             norms = []
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 nw = norm.weight
@@ -122,11 +152,13 @@ class DecodeLayers:
             qkv, o, gate_up, down = products
             d, h, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
             e, f = cfg.hidden_size, mlp.intermediate_size
-            if (attn.qkv_proj.weight.shape != (h * d + 2 * hkv * d, e) or attn.o_proj.weight.shape != (e, h * d)
-                    or mlp.gate_up_proj.weight.shape != (2 * f, e) or mlp.down_proj.weight.shape != (e, f)):
+            if (tuple(attn.qkv_proj.weight.shape) != (h * d + 2 * hkv * d, e)
+                    or tuple(attn.o_proj.weight.shape) != (e, h * d)
+                    or tuple(mlp.gate_up_proj.weight.shape) != (2 * f, e)
+                    or tuple(mlp.down_proj.weight.shape) != (e, f)):
                 return None
             layers.append(_Layer(norms[0][0], norms[0][1], qkv, o, norms[1][0], norms[1][1], gate_up, down,
-                                 attn.spec.scale))
+                                 attn.spec.scale, int(attn.rope_pairs)))
         first = model.layers[0]
         shape = lambda lay: (lay.self_attn.num_heads, lay.self_attn.num_kv_heads, lay.self_attn.head_dim,  # noqa: E731
                              lay.mlp.intermediate_size)
@@ -139,8 +171,7 @@ class DecodeLayers:
     def current(self) -> bool:
         """Whether the model still holds what ``build`` read (its first and last layers' matrices
         and methods): a model whose products were re-held since is built again."""
-        return all(lin.weight is not None and lin.weight.data_ptr() == ptr and lin.method is method
-                   for lin, ptr, method in self.signature)
+        return all(lin.weight is weight and lin.method is method for lin, weight, method in self.signature)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Any, plan: Any) -> bool:
         """Run every layer on x [T, E] (float32, contiguous, the step's own: updated in place) and
@@ -162,8 +193,7 @@ class DecodeLayers:
                 or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
                 or tuple(cos.shape) != (rows, self.head_dim // 2) or sin.shape != cos.shape):
             return False
-        if not all(lin.method.kernel_takes(rows) and not lin.method.amx_takes(lin, rows)
-                   for lin in self.products):  # (every layer holds the same method objects)
+        if not all(_takes(lin, rows) for lin in self.products):  # (every layer holds the same method objects)
             return False
         k0, v0 = meta.kv_caches[0][:2]
         d, h, hkv = self.head_dim, self.heads, self.kv_heads
@@ -204,7 +234,6 @@ class DecodeLayers:
         return True
 
     def _run(self, x, qkv, q, qc, attn, lse, gu, cos, sin, slots, tables, seqs, words, caches, scale) -> None:
-        lin = cpu_linear._load().longctx_linear_rows
         rope = cpu_linear._load().longctx_rope_inplace
         dec = cpu_decode._load()
         write, attend = dec.longctx_write_kv, dec.longctx_paged_decode_batch
@@ -219,30 +248,34 @@ class DecodeLayers:
         k0 = caches[0][0]
         dtype = cpu_decode.FLOAT_PAGES[k0.dtype]
         nb, bs = k0.shape[0], k0.shape[1]
-        head = (dtype, bt.data_ptr(), bt.shape[0], bt.shape[1], nb, tables.ctx_lens.data_ptr(), tables.cu_q.data_ptr(),
-                rows, seqs.data_ptr(), seqs.shape[0], bs, h, hkv, d)
+        btp, brows, bw = bt.data_ptr(), bt.shape[0], bt.shape[1]
+        ctxp, cup = tables.ctx_lens.data_ptr(), tables.cu_q.data_ptr()
+        seqp, nseq = seqs.data_ptr(), seqs.shape[0]
         wordp = None if words is None else words.data_ptr()
         copy_q = qc is not q
         for layer, cache in zip(self.layers, caches):
             kc, vc = cache[0].data_ptr(), cache[1].data_ptr()
-            wq, tq, bq = layer.qkv
-            _ok(lin(xp, e, rows, wq, tq, w, e, bq or None, qkvp, w, 1, layer.norm1, layer.eps1, None, 0, threads),
-                "qkv")
-            _ok(rope(qkvp, rows, w, h + hkv, d, cosp, sinp, 0, threads), "rope")
+            _ok(layer.qkv(xp, e, rows, qkvp, w, 1, layer.norm1, layer.eps1, None, 0, threads), "qkv")
+            _ok(rope(qkvp, rows, w, h + hkv, d, cosp, sinp, layer.pairs, threads), "rope")
             _ok(write(kc, vc, dtype, kp, w, vp, w, slotp, rows, nb, bs, hkv, d, threads), "write_kv")
             if copy_q:
                 qc.copy_(q)
-            dt, btp, brows, bw, nbk, ctxp, cup, total, seqp, nseq, bsz, nh, nkv, hdim = head
-            _ok(attend(qcp, kc, vc, None, None, dt, btp, brows, bw, nbk, ctxp, cup, total, seqp, nseq, bsz, nh, nkv,
-                       hdim, scale if layer.scale is None else layer.scale, wordp, 0, 0.0, cpu_decode.SPLIT_TOKENS,
+            _ok(attend(qcp, kc, vc, None, None, dtype, btp, brows, bw, nb, ctxp, cup, rows, seqp, nseq, bs, h, hkv, d,
+                       scale if layer.scale is None else layer.scale, wordp, 0, 0.0, cpu_decode.SPLIT_TOKENS,
                        threads, attnp, lsep), "paged_decode")
-            wo, to, bo = layer.o
-            _ok(lin(attnp, hd, rows, wo, to, e, hd, bo or None, xp, e, 0, None, 0.0, xp, e, threads), "o_proj")
-            wg, tg, bg = layer.gate_up
-            _ok(lin(xp, e, rows, wg, tg, 2 * f, e, bg or None, gup, 2 * f, 1, layer.norm2, layer.eps2, None, 0,
-                    threads), "gate_up")
-            wd, td, bd = layer.down
-            _ok(lin(gup, 2 * f, rows, wd, td, e, f, bd or None, xp, e, 2, None, 0.0, xp, e, threads), "down")
+            _ok(layer.o(attnp, hd, rows, xp, e, 0, None, 0.0, xp, e, threads), "o_proj")
+            _ok(layer.gate_up(xp, e, rows, gup, 2 * f, 1, layer.norm2, layer.eps2, None, 0, threads), "gate_up")
+            _ok(layer.down(gup, 2 * f, rows, xp, e, 2, None, 0.0, xp, e, threads), "down")
+
+
+def _takes(lin: Any, rows: int) -> bool:
+    """Whether ``lin``'s method runs a step of ``rows`` rows as ``_product``'s one call: the row
+    kernel's (not the AMX tiles, not BLAS) or the block kernel's (up to ``BLOCK_ROWS``)."""
+    from longctx.model.linear import BLOCK_ROWS, RowKernelWeights
+
+    if isinstance(lin.method, RowKernelWeights):
+        return lin.method.kernel_takes(rows) and not lin.method.amx_takes(lin, rows)
+    return 0 < rows <= BLOCK_ROWS
 
 
 def _products(layer: Any) -> tuple:
