@@ -183,3 +183,19 @@ def test_a_llama_is_built_and_the_switch_turns_it_off(tmp_path, monkeypatch):
     assert decode_layers.DecodeLayers.build(llm.engine.runner.model) is not None
     monkeypatch.setenv(decode_layers.ENV, "0")
     assert decode_layers.DecodeLayers.build(llm.engine.runner.model) is None
+
+
+def test_the_model_stays_picklable_after_the_loop_ran(tmp_path, monkeypatch, counted):
+    """Sequence parallelism sends the model to its ranks pickled: the loop's C function pointers
+    are kept beside the model, not in it."""
+    import pickle
+
+    make_checkpoint(tmp_path, "llama-default", seed=7, max_position_embeddings=1024)
+    write_char_tokenizer(tmp_path)
+    monkeypatch.setenv(decode_layers.ENV, "1")
+    llm = LLM(str(tmp_path), dtype="float32", block_size=16, enable_prefix_caching=False, lookahead=False)
+    llm.generate([{"prompt_token_ids": random_tokens(20, 8)}], SamplingParams(temperature=0.0, max_tokens=4))
+    model = llm.engine.runner.model
+    assert counted["took"] > 0 and decode_layers.DecodeLayers.of(model) is not None
+    copy = pickle.loads(pickle.dumps(model))
+    assert decode_layers.DecodeLayers.of(copy) is not None  # (built afresh for the copy)

@@ -36,6 +36,7 @@ for the model, ``DecodeLayers.step`` for the step); anything else runs the modul
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,6 +46,7 @@ from longctx.kernels import cpu_blocks, cpu_decode, cpu_linear, torch_paged
 
 ENV = "LONGCTX_DECODE_LAYERS"  # "0": every step through the modules
 MAX_ROWS = 64  # steps of more rows run the modules (prefill chunks: the kernels' time dwarfs the Python)
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (DecodeLayers or None,)
 
 
 def enabled() -> bool:
@@ -167,6 +169,16 @@ class DecodeLayers:
                for lay in model.layers):  # one shape, and the same method objects (``step`` asks the first's)
             return None
         return cls(model, layers, keep)
+
+    @classmethod
+    def of(cls, model: Any) -> "DecodeLayers | None":
+        """``build``'s result for ``model``, kept beside it (not in it: the model may be pickled for
+        sequence-parallel ranks, and this holds C function pointers) and built again where the
+        model's products were re-held since."""
+        found = _BUILT.get(model)
+        if found is None or (found[0] is not None and not found[0].current()):
+            found = _BUILT[model] = (cls.build(model),)
+        return found[0]
 
     def current(self) -> bool:
         """Whether the model still holds what ``build`` read (its first and last layers' matrices

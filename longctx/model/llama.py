@@ -355,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self.act_dtype is not None and x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)  # bf16 weights on the row kernel: fp32 activations
-        fast = self._decode_layers() if local is None and x.shape[0] <= DECODE_LAYERS_MAX_ROWS else None
+        fast = DecodeLayers.of(self) if local is None and x.shape[0] <= DECODE_LAYERS_MAX_ROWS else None
         if fast is not None:  # a decode step's layers as one loop of C calls, where the step qualifies
             x = x.contiguous().clone()  # (the loop updates it in place)
             if fast.step(x, cos, sin, backend, plan):
@@ -366,14 +366,6 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x = layer(x, cos, sin, backend, plan)
         return self.norm(x)
-
-    def _decode_layers(self) -> DecodeLayers | None:
-        """The layers as ``decode_layers`` runs them (built at the first small step, again where
-        the model's products were re-held since), or None where it does not take this model."""
-        found = self.__dict__.get("_decode_layers_built")
-        if found is None or (found[0] is not None and not found[0].current()):
-            found = self.__dict__["_decode_layers_built"] = (DecodeLayers.build(self),)
-        return found[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
