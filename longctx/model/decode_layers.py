@@ -127,7 +127,10 @@ class DecodeLayers:
         module's docstring)."""
         from longctx.model.llama import RMSNorm  # (imported here: llama.py imports this module)
 
-        if not (enabled() and cpu_linear.available() and cpu_decode.available()):
+        norm = getattr(model.layers[0], "input_layernorm", None) if len(model.layers) else None
+        if not (enabled() and isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.is_cpu):
+            return None  # (a model on CUDA: its C libraries are never loaded for this)
+        if not (cpu_linear.available() and cpu_decode.available()):
             return None
         cfg = model.config
         if cfg.local_rope_theta is not None or cfg.sandwich_norms:
