@@ -11,7 +11,7 @@ the modules would, layer after layer:
     qkv   = linear_rows(x, W_qkv, prologue RMSNorm(input_layernorm))   (or the block kernel's call)
             rope_inplace(q and k of qkv)
             write_kv(k, v of qkv -> the layer's pages at the step's slots)
-    attn  = paged_decode_batch(q, the layer's pages, the step's tables)
+    attn  = paged_decode_batch(q, the layer's pages, the step's tables)  (and/or paged_flash_batch)
     x     = linear_rows(attn, W_o) + x                       (in place)
     gu    = linear_rows(x, W_gate_up, prologue RMSNorm(post_attention_layernorm))
     x     = linear_rows(gu, W_down, prologue SwiGLU) + x     (in place)
@@ -27,8 +27,9 @@ for the model, ``DecodeLayers.step`` for the step); anything else runs the modul
   the RoPE pass as the modules do);
 - the step: on the CPU with the C libraries loaded, the plain paged backend over float32 or
   bfloat16 pages (``FloatPages``: no int8 pages, no exact tail, no window ring, no sequence
-  parallelism's split products, no LongRoPE), every sequence routed to the decode kernel (decode
-  and lookahead verification: a few rows per sequence, causal or a draft tree's words), each
+  parallelism's split products, no LongRoPE), every sequence routed to a compiled kernel (the
+  decode kernel, or the flash kernel for a verification step of more rows per KV head, as
+  ``torch_paged.paged_attention`` routes them: causal or a draft tree's words), each
   product in one call at the step's rows (the row kernel's, not the AMX tiles or BLAS; the block
   kernel's, up to ``BLOCK_ROWS``).
 """
@@ -42,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from longctx.kernels import cpu_blocks, cpu_decode, cpu_linear, torch_paged
+from longctx.kernels import cpu_blocks, cpu_decode, cpu_flash, cpu_linear, torch_paged
 
 ENV = "LONGCTX_DECODE_LAYERS"  # "0": every step through the modules
 MAX_ROWS = 64  # steps of more rows run the modules (prefill chunks: the kernels' time dwarfs the Python)
@@ -228,27 +229,42 @@ class DecodeLayers:
                                                                   memo.get("host"))
         tree = meta.tree_mask is not None
         decode, flash, rest = sp.route(q, k0, tree, None)
-        if decode is None or flash is not None or rest:
+        if rest or (decode is None and flash is None):
             return False
+        flash_fn = None
+        if flash is not None:  # (verification steps of more rows per KV head: the flash kernel)
+            lib = cpu_flash._library_for(k0)
+            if lib is None:
+                return False
+            flash_fn = lib.longctx_paged_flash_batch
         slots64 = memo.get("torch_paged.slots64")
         if slots64 is None:
             slots64 = memo["torch_paged.slots64"] = slots.long()
         slots64 = slots64.contiguous()
         words = None if not tree else meta.tree_mask.to(torch.int64).contiguous()
         tables = sp.kernel_tables
-        qc = q if rows == 1 else torch.empty(rows, h, d, dtype=torch.float32)  # the kernel's q: contiguous
+        # the decode kernel's q: contiguous (a copy of q's rows where the step has several); the
+        # flash kernel's: the view of qkv, its rows apart
+        qc = q if rows == 1 or decode is None else torch.empty(rows, h, d, dtype=torch.float32)
         attn = torch.empty(rows, h, d, dtype=torch.float32)
         lse = torch.empty(rows, h, dtype=torch.float32)
         if slots64.shape != (rows,):
             return False
-        cpu_decode.check_batch(qc, k0, v0, None, None, tables.block_table, tables.ctx_lens, tables.cu_q, decode,
-                               words, attn, lse)
+        if decode is not None:
+            cpu_decode.check_batch(qc, k0, v0, None, None, tables.block_table, tables.ctx_lens, tables.cu_q, decode,
+                                   words, attn, lse)
+        if flash is not None:
+            cpu_decode.check_batch(q, k0, v0, None, None, tables.block_table, tables.ctx_lens, tables.cu_q, flash[0],
+                                   words, attn, lse, strided_q=True)
+            if flash[1].dtype != torch.int32 or flash[1].shape != flash[0].shape or not flash[1].is_contiguous():
+                return False
         gu = torch.empty(rows, 2 * self.ffn, dtype=torch.float32)
-        self._run(x, qkv, q, qc, attn, lse, gu, cos, sin, slots64, tables, decode, words, meta.kv_caches,
-                  backend.scale)
+        self._run(x, qkv, q, qc, attn, lse, gu, cos, sin, slots64, tables, decode, flash, flash_fn, words,
+                  meta.kv_caches, backend.scale)
         return True
 
-    def _run(self, x, qkv, q, qc, attn, lse, gu, cos, sin, slots, tables, seqs, words, caches, scale) -> None:
+    def _run(self, x, qkv, q, qc, attn, lse, gu, cos, sin, slots, tables, seqs, flash, flash_fn, words, caches,
+             scale) -> None:
         rope = cpu_linear._load().longctx_rope_inplace
         dec = cpu_decode._load()
         write, attend = dec.longctx_write_kv, dec.longctx_paged_decode_batch
@@ -265,19 +281,27 @@ class DecodeLayers:
         nb, bs = k0.shape[0], k0.shape[1]
         btp, brows, bw = bt.data_ptr(), bt.shape[0], bt.shape[1]
         ctxp, cup = tables.ctx_lens.data_ptr(), tables.cu_q.data_ptr()
-        seqp, nseq = seqs.data_ptr(), seqs.shape[0]
+        seqp, nseq = (None, 0) if seqs is None else (seqs.data_ptr(), seqs.shape[0])
+        fseqp, fsplitp, fnseq = (None, None, 0) if flash is None else (flash[0].data_ptr(), flash[1].data_ptr(),
+                                                                     flash[0].shape[0])
+        qstride = cpu_decode.q_row_stride(q)
         wordp = None if words is None else words.data_ptr()
-        copy_q = qc is not q
+        copy_q = seqs is not None and qc is not q
         for layer, cache in zip(self.layers, caches):
             kc, vc = cache[0].data_ptr(), cache[1].data_ptr()
             _ok(layer.qkv(xp, e, rows, qkvp, w, 1, layer.norm1, layer.eps1, None, 0, threads), "qkv")
             _ok(rope(qkvp, rows, w, h + hkv, d, cosp, sinp, layer.pairs, threads), "rope")
             _ok(write(kc, vc, dtype, kp, w, vp, w, slotp, rows, nb, bs, hkv, d, threads), "write_kv")
-            if copy_q:
-                qc.copy_(q)
-            _ok(attend(qcp, kc, vc, None, None, dtype, btp, brows, bw, nb, ctxp, cup, rows, seqp, nseq, bs, h, hkv, d,
-                       scale if layer.scale is None else layer.scale, wordp, 0, 0.0, cpu_decode.SPLIT_TOKENS,
-                       threads, attnp, lsep), "paged_decode")
+            sc = scale if layer.scale is None else layer.scale
+            if seqs is not None:
+                if copy_q:
+                    qc.copy_(q)
+                _ok(attend(qcp, kc, vc, None, None, dtype, btp, brows, bw, nb, ctxp, cup, rows, seqp, nseq, bs, h, hkv,
+                           d, sc, wordp, 0, 0.0, cpu_decode.SPLIT_TOKENS, threads, attnp, lsep), "paged_decode")
+            if flash is not None:
+                _ok(flash_fn(qkvp, kc, vc, None, None, dtype, btp, brows, bw, nb, ctxp, cup, rows, fseqp, fsplitp,
+                             qstride, fnseq, bs, h, hkv, d, sc, wordp, 0, 0.0, threads, attnp, lsep, None),
+                    "paged_flash")
             _ok(layer.o(attnp, hd, rows, xp, e, 0, None, 0.0, xp, e, threads), "o_proj")
             _ok(layer.gate_up(xp, e, rows, gup, 2 * f, 1, layer.norm2, layer.eps2, None, 0, threads), "gate_up")
             _ok(layer.down(gup, 2 * f, rows, xp, e, 2, None, 0.0, xp, e, threads), "down")
