@@ -202,3 +202,23 @@ def test_the_model_stays_picklable_after_the_loop_ran(tmp_path, monkeypatch, cou
     assert counted["took"] > 0 and decode_layers.DecodeLayers.of(model) is not None
     copy = pickle.loads(pickle.dumps(model))
     assert decode_layers.DecodeLayers.of(copy) is not None  # (built afresh for the copy)
+
+
+def test_a_batch_of_many_rows_over_a_wide_mlp_decodes_the_same(tmp_path, monkeypatch, counted):
+    """18 sequences decoding together (18 rows: the row kernel's panels) on a model whose MLP is
+    wider than the panels' K block (2,048): the down product's partial sums over K blocks must
+    not land on its residual (the loop keeps the residual and the output apart)."""
+    make_checkpoint(tmp_path, "llama-default", seed=9, max_position_embeddings=1024, intermediate_size=2176)
+    write_char_tokenizer(tmp_path)
+
+    def make():
+        return LLM(str(tmp_path), dtype="float32", block_size=16, enable_prefix_caching=False, lookahead=False,
+                   max_num_seqs=32)
+
+    prompts = [{"prompt_token_ids": random_tokens(12 + i, 20 + i)} for i in range(18)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    on = _outputs(monkeypatch, True, make, prompts, params)
+    rows = counted["rows"]
+    off = _outputs(monkeypatch, False, make, prompts, params)
+    assert rows >= 17
+    _same(on, off)

@@ -12,12 +12,12 @@ the modules would, layer after layer:
             rope_inplace(q and k of qkv)
             write_kv(k, v of qkv -> the layer's pages at the step's slots)
     attn  = paged_decode_batch(q, the layer's pages, the step's tables)  (and/or paged_flash_batch)
-    x     = linear_rows(attn, W_o) + x                       (in place)
-    gu    = linear_rows(x, W_gate_up, prologue RMSNorm(post_attention_layernorm))
-    x     = linear_rows(gu, W_down, prologue SwiGLU) + x     (in place)
+    mid   = linear_rows(attn, W_o) + x
+    gu    = linear_rows(mid, W_gate_up, prologue RMSNorm(post_attention_layernorm))
+    x     = linear_rows(gu, W_down, prologue SwiGLU) + mid   (x's buffer again)
 
 The same kernels in the same order on the same inputs: the same bits as the modules' path
-(``tests/model/test_decode_layers.py`` compares them). What it takes (``DecodeLayers.build``
+(``tests/test_decode_layers.py`` compares them). What it takes (``DecodeLayers.build``
 for the model, ``DecodeLayers.step`` for the step); anything else runs the modules:
 
 - the model: Llama-shaped layers (no sandwich norms, SwiGLU, no q/k norms, RoPE over the whole
@@ -259,12 +259,17 @@ class DecodeLayers:
             if flash[1].dtype != torch.int32 or flash[1].shape != flash[0].shape or not flash[1].is_contiguous():
                 return False
         gu = torch.empty(rows, 2 * self.ffn, dtype=torch.float32)
-        self._run(x, qkv, q, qc, attn, lse, gu, cos, sin, slots64, tables, decode, flash, flash_fn, words,
+        mid = torch.empty_like(x)  # the hidden state between attention and the MLP (see _run)
+        self._run(x, mid, qkv, q, qc, attn, lse, gu, cos, sin, slots64, tables, decode, flash, flash_fn, words,
                   meta.kv_caches, backend.scale)
         return True
 
-    def _run(self, x, qkv, q, qc, attn, lse, gu, cos, sin, slots, tables, seqs, flash, flash_fn, words, caches,
+    def _run(self, x, mid, qkv, q, qc, attn, lse, gu, cos, sin, slots, tables, seqs, flash, flash_fn, words, caches,
              scale) -> None:
+        """Each layer: x -> (attention) mid = o(attn) + x -> x = down(swiglu(gate_up(norm(mid)))) + mid.
+        A product's output is never its residual: the row kernel's panels (17 rows and more) sum
+        K in blocks of PANEL_K and store the first block's partial sums before the last adds
+        the residual, so an output that was also the residual would lose it (K > 2,048)."""
         rope = cpu_linear._load().longctx_rope_inplace
         dec = cpu_decode._load()
         write, attend = dec.longctx_write_kv, dec.longctx_paged_decode_batch
@@ -272,7 +277,8 @@ class DecodeLayers:
         rows, e, f, w = x.shape[0], self.hidden, self.ffn, self.qkv_width
         d, h, hkv = self.head_dim, self.heads, self.kv_heads
         hd = h * d
-        xp, qkvp, attnp, lsep, gup = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), lse.data_ptr(), gu.data_ptr()
+        xp, midp, qkvp, attnp = x.data_ptr(), mid.data_ptr(), qkv.data_ptr(), attn.data_ptr()
+        lsep, gup = lse.data_ptr(), gu.data_ptr()
         kp, vp = qkvp + 4 * self.q_size, qkvp + 4 * (self.q_size + self.kv_size)
         qcp, cosp, sinp, slotp = qc.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
         bt = tables.block_table
@@ -302,9 +308,9 @@ class DecodeLayers:
                 _ok(flash_fn(qkvp, kc, vc, None, None, dtype, btp, brows, bw, nb, ctxp, cup, rows, fseqp, fsplitp,
                              qstride, fnseq, bs, h, hkv, d, sc, wordp, 0, 0.0, threads, attnp, lsep, None),
                     "paged_flash")
-            _ok(layer.o(attnp, hd, rows, xp, e, 0, None, 0.0, xp, e, threads), "o_proj")
-            _ok(layer.gate_up(xp, e, rows, gup, 2 * f, 1, layer.norm2, layer.eps2, None, 0, threads), "gate_up")
-            _ok(layer.down(gup, 2 * f, rows, xp, e, 2, None, 0.0, xp, e, threads), "down")
+            _ok(layer.o(attnp, hd, rows, midp, e, 0, None, 0.0, xp, e, threads), "o_proj")
+            _ok(layer.gate_up(midp, e, rows, gup, 2 * f, 1, layer.norm2, layer.eps2, None, 0, threads), "gate_up")
+            _ok(layer.down(gup, 2 * f, rows, xp, e, 2, None, 0.0, midp, e, threads), "down")
 
 
 def _takes(lin: Any, rows: int) -> bool:
