@@ -221,6 +221,9 @@ def machine_name(rec: Record) -> str:
     if re.search(r"-avx2-\d+c$", rec.folder):  # the harness's folder of an AVX2-only x86 CPU
         notes.append("AVX2 only")
     cpu_id = m.get("cpu_id") if isinstance(m.get("cpu_id"), dict) else {}
+    isa = cpu_id.get("isa") if isinstance(cpu_id.get("isa"), list) else []
+    if cpu_id.get("vendor") == "GenuineIntel" and "avx512_fp16" in isa and "amx_tile" not in isa:
+        notes.append("no AMX")  # a Xeon whose cores have AMX, in a VM that does not pass it on
     if cpu_id.get("model"):
         notes.append(f"family {cpu_id.get('family', '?')} model {cpu_id['model']}")
     if notes:

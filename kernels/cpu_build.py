@@ -353,12 +353,17 @@ class KernelLibrary:
     no compiler, a failed build, a CPU without what it needs). ``declare`` sets the ctypes
     signatures after loading (and may raise RuntimeError: the library is then not used);
     ``extra_flags`` go to the compiler after the level's; ``unsupported()``, when given, says why
-    this machine cannot run the source (None: it can), before anything is built."""
+    this machine cannot run the source (None: it can), before anything is built. ``settle(lib)``,
+    when given, runs once after ``declare`` and before any caller gets the library (settings a
+    process keeps, chosen by measuring: ``cpu_tune.settle_bf16_dot``); it must use ``lib`` itself,
+    not ``load()``. A ValueError it raises (a bad setting) reaches the caller, and the next
+    ``load()`` tries again; anything else is logged and the build's defaults stand."""
 
     def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None], extra_flags: tuple[str, ...] = (),
-                 unsupported: Callable[[], str | None] | None = None) -> None:
+                 unsupported: Callable[[], str | None] | None = None,
+                 settle: Callable[[ctypes.CDLL], None] | None = None) -> None:
         self.source, self.declare = source, declare
-        self.extra_flags, self.unsupported = tuple(extra_flags), unsupported
+        self.extra_flags, self.unsupported, self.settle = tuple(extra_flags), unsupported, settle
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._status: str | None = None  # None: not tried yet
@@ -379,6 +384,14 @@ class KernelLibrary:
                             raise RuntimeError(why_not)
                         lib = build(self.source, self.extra_flags)
                         self.declare(lib)
+                        if self.settle is not None:
+                            try:
+                                self.settle(lib)
+                            except ValueError:
+                                raise
+                            except Exception as exc:  # noqa: BLE001 - a setting left at its default, said
+                                log.warning("C kernel %s: its settings were not chosen (%r): the build's "
+                                            "defaults stand", self.source.name, exc)
                         self._lib, self._status = lib, "ok"
                     except BUILD_ERRORS as exc:
                         self._status = f"unavailable: {exc}"

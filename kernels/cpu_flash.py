@@ -30,7 +30,7 @@ from .cpu_decode import (BATCH_HEAD, BATCH_SHAPE, BATCH_TAIL, DTYPES, Blocks, Ta
                          prepare, single)
 
 __all__ = ["available", "status", "amx_status", "supports", "attend", "attend_batch", "num_splits", "Blocks",
-           "prepare", "writes_rounded"]
+           "prepare", "writes_rounded", "rounds_bf16"]
 
 SOURCE = cpu_build.CSRC / "paged_flash.c"
 ROW_BLOCK = 96  # query rows per work item (the C file's RB; the AMX build's: row_block)
@@ -48,6 +48,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                    ctypes.c_void_p]  # out_rounded
     lib.longctx_flash_rounds_out.restype = ctypes.c_int
     lib.longctx_flash_rounds_out.argtypes = []
+    lib.longctx_flash_set_bf16_dot.restype = ctypes.c_int
+    lib.longctx_flash_set_bf16_dot.argtypes = [ctypes.c_int]
+    lib.longctx_flash_bf16_dot.restype = ctypes.c_int
+    lib.longctx_flash_bf16_dot.argtypes = []
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
@@ -68,7 +72,16 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
 # blocks it was tuned with.
 VENDOR_FLAGS = {"GenuineIntel": ("-DQK_KEYS=12", "-DPV_COLS=12")}
 
-_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=cpu_build.vendor_flags(VENDOR_FLAGS))
+def _settle(lib: ctypes.CDLL) -> None:
+    from . import cpu_tune  # (it imports cpu_linear, which this module's imports reach)
+
+    cpu_tune.settle_bf16_dot("flash", lib)
+
+
+# _settle: whether bfloat16 pages take vdpbf16ps (q and p rounded to bfloat16) or are widened to
+# float32 for the float32 products, measured on this machine at first use (rounds_bf16 says which)
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=cpu_build.vendor_flags(VENDOR_FLAGS),
+                                   settle=_settle)
 _load = _LIBRARY.load
 available = _LIBRARY.available  # whether the kernel runs here
 status = _LIBRARY.status  # 'ok', or why the kernel is not used
@@ -77,6 +90,19 @@ status = _LIBRARY.status  # 'ok', or why the kernel is not used
 # for bfloat16 pages wherever it loads, unless LONGCTX_FLASH_AMX=0 (docs/kernels.md has the figures).
 _AMX_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare_amx, unsupported=cpu_amx.unsupported,
                                        extra_flags=("-mamx-tile", "-mamx-bf16", "-DLONGCTX_AMX"))
+
+
+def rounds_bf16(k_cache: torch.Tensor) -> bool:
+    """Whether bfloat16 pages like ``k_cache`` run by vdpbf16ps here (q and the softmax weights
+    rounded to bfloat16, sums float32: the AMX build, or the vector build where ``cpu_tune``
+    measured it faster than widening the pages to float32), rather than widened (float32
+    products). False for other pages and where the kernel does not run."""
+    if k_cache.dtype != torch.bfloat16:
+        return False
+    lib = _library_for(k_cache)
+    if lib is None:
+        return False
+    return bool(lib.longctx_flash_bf16_dot())
 
 
 def _amx_switched_off() -> bool:

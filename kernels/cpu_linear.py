@@ -65,6 +65,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.longctx_linear_has_panels.argtypes = []
     lib.longctx_linear_bf16_panels.restype = ctypes.c_int
     lib.longctx_linear_bf16_panels.argtypes = []
+    lib.longctx_linear_set_bf16_dot.restype = ctypes.c_int
+    lib.longctx_linear_set_bf16_dot.argtypes = [ctypes.c_int]
 
 
 # By CPU vendor: the bytes ahead that the one-to-three-row products (decode) ask their weight rows
@@ -75,7 +77,16 @@ def _declare(lib: ctypes.CDLL) -> None:
 # 36.0 -> 33.3 s), 6 elsewhere (on the Zen 4 more rows measured the same; panel_rows_z).
 VENDOR_FLAGS = {"GenuineIntel": ("-DROW_PREFETCH=8192", "-DPANEL_ROWS_Z=10")}
 
-_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=cpu_build.vendor_flags(VENDOR_FLAGS))
+def _settle(lib: ctypes.CDLL) -> None:
+    from . import cpu_tune  # (it imports this module)
+
+    cpu_tune.settle_bf16_dot("linear", lib)
+
+
+# _settle: whether a bfloat16 matrix's panels take vdpbf16ps (x rounded to bfloat16) or widen it to
+# float32, measured on this machine at first use (rounds_bf16_rows says which)
+_LIBRARY = cpu_build.KernelLibrary(SOURCE, _declare, extra_flags=cpu_build.vendor_flags(VENDOR_FLAGS),
+                                   settle=_settle)
 _load = _LIBRARY.load
 available = _LIBRARY.available  # whether the kernel runs here
 status = _LIBRARY.status  # 'ok', or why the kernel is not used
@@ -94,8 +105,9 @@ def max_rows() -> int:
 
 def rounds_bf16_rows() -> int:
     """Rows from which a bfloat16 weight's product takes x rounded to bfloat16 (vdpbf16ps, on
-    CPUs with AVX-512 BF16: twice float32's multiply-adds per instruction; sums stay float32);
-    0 where it never does (the weights are then widened and x stays float32)."""
+    CPUs with AVX-512 BF16 where ``cpu_tune`` measured it faster than widening: twice float32's
+    multiply-adds per instruction on some, as many on others; sums stay float32); 0 where it never
+    does (the weights are then widened and x stays float32)."""
     lib = _load()
     return BF16_PANEL_ROWS if lib is not None and lib.longctx_linear_bf16_panels() else 0
 

@@ -35,6 +35,7 @@ tie keeps the kernel, whose rows do not depend on the step's other rows.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ import torch
 from . import cpu_amx, cpu_build, cpu_linear
 
 __all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "slices_from_rows", "amx_from_rows", "setting", "measure",
-           "cache_file", "key"]
+           "cache_file", "key", "bf16_dot", "bf16_dot_setting", "settle_bf16_dot", "measure_bf16_dot"]
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,8 @@ def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str)
                 record["load_before"] = busy[1]
                 if not busy[0]:  # a busy machine's timings hold for this process only
                     # (entries of an earlier VERSION are never read again: dropped)
-                    data = {old: v for old, v in _read(path).items() if old.startswith(f"v{VERSION}|")}
+                    data = {old: v for old, v in _read(path).items()
+                            if old.startswith((f"v{VERSION}|", f"bf16dot{BF16_DOT_VERSION}|"))}
                     data[k] = record
                     _write(path, data)
                 other = {"blas": "BLAS", "slices": "BLAS (bare slices)", "amx": "the AMX tiles"}[way]
@@ -316,3 +318,160 @@ def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str)
     value = record["blas_from_rows"]
     _MEMO[k] = NEVER if value is None else max(int(value), MIN_ROWS)
     return _MEMO[k]
+
+
+# --- bfloat16 products: vdpbf16ps or widened to float32 -----------------------------------------
+
+BF16_DOT_ENV = "LONGCTX_BF16_DOT"
+BF16_DOT_KINDS = ("linear", "flash")
+BF16_DOT_VERSION = 1  # of this measurement: a change here re-measures
+_BF16_DOT: dict[str, bool] = {}  # kind -> the process's choice, once its library loaded
+
+
+def bf16_dot_setting() -> str:
+    """``LONGCTX_BF16_DOT``: 'auto' (unset: measured at first use), 'on' or 'off'. Raises
+    ValueError for anything else."""
+    raw = os.environ.get(BF16_DOT_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in ("on", "1"):
+        return "on"
+    if raw in ("off", "0"):
+        return "off"
+    raise ValueError(f"{BF16_DOT_ENV} must be 'auto', 'on' or 'off', got {os.environ[BF16_DOT_ENV]!r}")
+
+
+def bf16_dot(kind: str) -> bool | None:
+    """The process's choice for ``kind`` ('linear': a bfloat16 matrix's products of 17 rows and
+    more in the row kernel; 'flash': bfloat16 pages in the flash kernel's vector build): True
+    where they run by vdpbf16ps (x, or q and the softmax weights, rounded to bfloat16), False
+    where they are widened to float32, None before that kernel's library loaded."""
+    if kind not in BF16_DOT_KINDS:
+        raise ValueError(f"kind must be one of {BF16_DOT_KINDS}, got {kind!r}")
+    return _BF16_DOT.get(kind)
+
+
+def _linear_ways(lib, threads: int) -> tuple[Callable[[], None], Callable[[int], int]]:
+    """A bfloat16 matrix's product of 192 rows (the panel path) through ``lib``'s row kernel."""
+    gen = torch.Generator().manual_seed(0)
+    rows, k, n = 192, 1024, 1536
+    x = torch.randn(rows, k, generator=gen)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+    y = torch.empty(rows, n)
+
+    def run() -> None:
+        rc = lib.longctx_linear_rows(x.data_ptr(), k, rows, w.data_ptr(), 1, n, k, None, y.data_ptr(), n, 0,
+                                     None, 0.0, None, 0, threads)
+        if rc != 0:
+            raise RuntimeError(f"linear_rows returned {rc}")
+
+    return run, lib.longctx_linear_set_bf16_dot
+
+
+def _flash_ways(lib, threads: int) -> tuple[Callable[[], None], Callable[[int], int]]:
+    """A prefill chunk's attention over bfloat16 pages through ``lib``'s flash kernel: 512 new
+    tokens after 512, 6 query heads on 2 KV heads, head dims 64 and 128 (two calls)."""
+    from .cpu_decode import call_batch  # (imports cpu_linear: not at this module's import)
+
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+    for d in (64, 128):
+        ctx, new, heads, kv, bs = 1024, 512, 6, 2, 16
+        k = torch.randn(ctx // bs, bs, kv, d, generator=gen).to(torch.bfloat16)
+        v = torch.randn(ctx // bs, bs, kv, d, generator=gen).to(torch.bfloat16)
+        q = torch.randn(new, heads, d, generator=gen)
+        table = torch.arange(ctx // bs, dtype=torch.int32)[None].contiguous()
+        ints = [torch.tensor(vals, dtype=torch.int32) for vals in ([ctx], [0, new], [0], [1])]
+        out, lse = torch.empty(new, heads, d), torch.empty(new, heads)
+        calls.append((q, k, v, table, ints, out, lse, d))
+
+    def run() -> None:
+        for q, k, v, table, (ctx_lens, cu_q, seqs, splits), out, lse, d in calls:
+            call_batch("paged_flash", lib.longctx_paged_flash_batch, q, k, v, None, None, table, ctx_lens, cu_q,
+                       seqs, None, d ** -0.5, threads, out, lse, splits=splits)
+
+    return run, lib.longctx_flash_set_bf16_dot
+
+
+def measure_bf16_dot(run: Callable[[], None], set_dot: Callable[[int], int],
+                     clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Time ``run`` with the vdpbf16ps products (``set_dot(1)``) and widened (``set_dot(0)``),
+    alternating, ``REPEATS`` each after a warm-up of both. Returns ``{"dot_ms", "widen_ms",
+    "dot": bool}``: the dot products are kept unless widening wins by ``MARGIN`` (a near tie keeps
+    them, the build's default). Leaves ``set_dot`` at the choice."""
+    times: dict[int, list[float]] = {1: [], 0: []}
+    try:
+        for on in (1, 0):
+            set_dot(on)
+            run()
+        for _ in range(REPEATS):
+            for on in (1, 0):
+                set_dot(on)
+                times[on].append(_elapsed_ms(run, clock))
+    finally:
+        set_dot(1)
+    dot_ms, widen_ms = statistics.median(times[1]), statistics.median(times[0])
+    dot = not widen_ms < (1.0 - MARGIN) * dot_ms
+    set_dot(int(dot))
+    return {"dot_ms": round(dot_ms, 3), "widen_ms": round(widen_ms, 3), "dot": dot}
+
+
+def settle_bf16_dot(kind: str, lib, threads: int | None = None) -> bool:
+    """Choose, once a process, whether ``lib`` (the row kernel's library for ``kind='linear'``, the
+    flash kernel's vector build for 'flash') runs bfloat16 products by vdpbf16ps or widened to
+    float32, and set it there (``KernelLibrary``'s ``settle`` hook, before any caller gets the
+    library). Builds without AVX-512 BF16 always widen. ``LONGCTX_BF16_DOT`` on/off forces the
+    choice, ``LONGCTX_CPU_TUNE=off`` keeps the dot products (measuring nothing); else this machine's
+    cached measurement, else a new one (cached as ``blas_from_rows``'s are: not while the machine
+    is busy). Returns the choice (True: vdpbf16ps). A bad setting raises ValueError; a failed
+    measurement keeps the dot products and says why in the log."""
+    if kind not in BF16_DOT_KINDS:
+        raise ValueError(f"kind must be one of {BF16_DOT_KINDS}, got {kind!r}")
+    run_setter = {"linear": "longctx_linear_set_bf16_dot", "flash": "longctx_flash_set_bf16_dot"}[kind]
+    set_dot = getattr(lib, run_setter)
+    set_dot.restype, set_dot.argtypes = ctypes.c_int, [ctypes.c_int]
+    forced = bf16_dot_setting()
+    if not set_dot(1):  # no vdpbf16ps in this build: nothing to choose
+        _BF16_DOT[kind] = False
+        return False
+    if forced != "auto" or setting() == "off":
+        dot = forced != "off"
+        set_dot(int(dot))
+        _BF16_DOT[kind] = dot
+        return dot
+    threads = threads or torch.get_num_threads()
+    k = "|".join([f"bf16dot{BF16_DOT_VERSION}", kind, _cpu_model(),
+                  hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12], _build_name(lib),
+                  f"threads={threads}"])
+    path = cache_file()
+    dot = True
+    try:
+        with cpu_build.flocked(path.with_name(path.name + ".lock")):
+            record = _read(path).get(k)
+            if not (isinstance(record, dict) and isinstance(record.get("dot"), bool)):
+                busy = _busy()
+                run, _ = (_linear_ways if kind == "linear" else _flash_ways)(lib, threads)
+                prev = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    t0 = time.perf_counter()
+                    record = measure_bf16_dot(run, set_dot)
+                finally:
+                    torch.set_num_threads(prev)
+                record["seconds"], record["load_before"] = round(time.perf_counter() - t0, 2), busy[1]
+                if not busy[0]:
+                    data = _read(path)
+                    data[k] = record
+                    _write(path, data)
+                log.info("CPU tune (%s, %d threads): bfloat16 %s products %s (vdpbf16ps %.2f ms, widened %.2f ms); %s",
+                         _cpu_model(), threads, kind, "by vdpbf16ps" if record["dot"] else "widened to float32",
+                         record["dot_ms"], record["widen_ms"],
+                         f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
+                         if busy[0] else f"cached in {path}")
+            dot = record["dot"]
+    except (OSError, RuntimeError, ValueError) as err:
+        log.warning("CPU tune could not measure or cache the bfloat16 %s products (%s): vdpbf16ps kept", kind, err)
+        dot = True
+    set_dot(int(dot))
+    _BF16_DOT[kind] = dot
+    return dot

@@ -613,6 +613,20 @@ static void slice_panels_bf16(const uint32_t *xb, int M, const uint16_t *w, int 
 
 #include "prologue.h"
 
+/* Whether bfloat16 weights take the vdpbf16ps panels (x rounded to bfloat16) from PANEL_MIN_ROWS
+ * rows on, where the build has them, or are widened to float32 in the float32 panels (x stays
+ * float32, as below PANEL_MIN_ROWS and in builds without AVX-512 BF16). Set for the process by
+ * longctx_linear_set_bf16_dot (kernels/cpu_tune.py measures which is faster at first use): on an
+ * Intel Xeon (family 6 model 207) whose VM passes no AMX, the vdpbf16ps panels ran 130-150
+ * GFLOP/s against 180-270 widened, on the default and a 1B model's shapes. */
+static int bf16_dot = 1;
+
+/* Returns whether this build has the vdpbf16ps panels (the setting then applies). */
+int longctx_linear_set_bf16_dot(int on) {
+    bf16_dot = on != 0;
+    return HAVE_BF16_PANELS;
+}
+
 /* Returns 0, or a negative code for arguments it does not take (-2: out of memory). threads:
  * the OpenMP threads to use (the caller passes torch's count: OpenMP's own setting is per
  * calling thread, and a server's worker thread would otherwise get every core). */
@@ -649,7 +663,7 @@ int longctx_linear_rows(const float *x, int64_t ldx, int M, const void *w, int w
 #if HAVE_AVX2
     if (M >= PANEL_MIN_ROWS) { /* every thread's panels in one allocation, before the parallel region */
         /* bf16 weights at AVX-512 BF16: x's rows rounded to bf16 pairs once, [M, (K + 1) / 2] */
-        const int bf16 = HAVE_BF16_PANELS && wt == WT_BF16;
+        const int bf16 = HAVE_BF16_PANELS && bf16_dot && wt == WT_BF16;
         const int64_t pairs = (K + 1) / 2;
         const size_t per_thread = (size_t)panel_block(K) * 32; /* floats, or more than the pairs need */
         float *pool = aligned_alloc(64, sizeof(float) * per_thread * (size_t)threads);
@@ -776,4 +790,4 @@ int longctx_rms_rows(const float *x, int64_t ldx, int M, int K, const float *w, 
 int longctx_linear_has_panels(void) { return HAVE_AVX2; }
 
 /* Whether bfloat16 weights from PANEL_MIN_ROWS rows on take x rounded to bfloat16 (vdpbf16ps). */
-int longctx_linear_bf16_panels(void) { return HAVE_BF16_PANELS; }
+int longctx_linear_bf16_panels(void) { return HAVE_BF16_PANELS && bf16_dot; }

@@ -1029,6 +1029,34 @@ static void mask_columns(const Args *a, int row0, int rows, int base, int n, int
         }
 }
 
+/* Whether bfloat16 pages take the vdpbf16ps products (q and p rounded to bfloat16; where the
+ * build has them) or are widened to float32 as a tile's rows are fetched, for the float32
+ * products (the int8 pages' way; q and p stay float32). Set for the process by
+ * longctx_flash_set_bf16_dot (kernels/cpu_tune.py measures which is faster at first use): on an
+ * Intel Xeon (family 6 model 207) whose VM passes no AMX, vdpbf16ps ran one layer's attention of
+ * the default model's second 4K chunk of an 8K prompt in 378 ms, widened 275 ms (best of 11,
+ * 2 threads; docs/kernels.md). */
+static int bf16_dot = 1;
+
+/* Returns whether this build has the vdpbf16ps products (the setting then applies). */
+int longctx_flash_set_bf16_dot(int on) {
+    bf16_dot = on != 0;
+#ifdef HAVE_BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where bfloat16 pages run by vdpbf16ps now (the build has it and the setting is on), else 0. */
+int longctx_flash_bf16_dot(void) {
+#ifdef HAVE_BF16_DOT
+    return bf16_dot;
+#else
+    return 0;
+#endif
+}
+
 /* One work item: rows [r0, r1) of KV head kvh against keys [k0, k1). Leaves the block's
  * running max (log2 units), sum and unnormalised O^T in s. */
 static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, Scratch *s) {
@@ -1037,7 +1065,7 @@ static void attend_item(const Args *a, int kvh, int r0, int r1, int k0, int k1, 
     const int d = a->d, first_new = a->ctx_len - a->q_len;
     const float qscale = a->scale * 1.44269504088896341f;
 #ifdef HAVE_BF16_DOT
-    const int pairs = a->dtype == 1; /* bfloat16 pages: P.V by vdpbf16ps */
+    const int pairs = a->dtype == 1 && bf16_dot; /* bfloat16 pages: P.V by vdpbf16ps */
 #else
     const int pairs = 0;
 #endif
