@@ -87,7 +87,17 @@ class Record:
         model 167 and 207 both say "Intel(R) Xeon(R) Processor")."""
         cpu = self.machine.get("cpu_id")
         model = cpu.get("model") if isinstance(cpu, dict) else None
-        return f"{self.folder}@{cpu.get('family')}-{model}" if model else self.folder
+        if not model:
+            return self.folder
+        return f"{self.folder}@{cpu.get('family')}-{model}" + ("-noamx" if without_amx(self.machine) else "")
+
+
+def without_amx(machine: dict) -> bool:
+    """An Intel CPU whose cores have AMX (AVX-512 FP16 came with it) in a VM that does not pass it
+    on: its bfloat16 paths differ from the same model's with AMX, so its records are a kind apart."""
+    cpu_id = machine.get("cpu_id") if isinstance(machine.get("cpu_id"), dict) else {}
+    isa = cpu_id.get("isa") if isinstance(cpu_id.get("isa"), list) else []
+    return cpu_id.get("vendor") == "GenuineIntel" and "avx512_fp16" in isa and "amx_tile" not in isa
 
 
 def is_record(data) -> bool:
@@ -221,9 +231,8 @@ def machine_name(rec: Record) -> str:
     if re.search(r"-avx2-\d+c$", rec.folder):  # the harness's folder of an AVX2-only x86 CPU
         notes.append("AVX2 only")
     cpu_id = m.get("cpu_id") if isinstance(m.get("cpu_id"), dict) else {}
-    isa = cpu_id.get("isa") if isinstance(cpu_id.get("isa"), list) else []
-    if cpu_id.get("vendor") == "GenuineIntel" and "avx512_fp16" in isa and "amx_tile" not in isa:
-        notes.append("no AMX")  # a Xeon whose cores have AMX, in a VM that does not pass it on
+    if without_amx(m):
+        notes.append("no AMX")
     if cpu_id.get("model"):
         notes.append(f"family {cpu_id.get('family', '?')} model {cpu_id['model']}")
     if notes:

@@ -334,3 +334,23 @@ def test_a_llama_cpp_record_without_the_exact_blocks_engine_counts_for_the_bars(
     assert not any("ddddddd" in line for line in lines)  # int8 pages alone: no bar against f16 KV
     assert [r.name for r in tables.llama_cpp_records([short, old16, new16], "1b-q4_k_m", per_folder=True)] == \
         [short.name, old16.name]
+
+
+def test_a_xeon_without_amx_is_a_kind_of_its_own(tables):
+    """The same Xeon model in a VM that passes no AMX flags (AVX-512 FP16 without amx_tile) is
+    named so and read apart from the model with AMX: its bfloat16 paths differ."""
+    def rec(isa: list[str], vendor: str = "GenuineIntel") -> object:
+        machine = {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2,
+                   "cpu_id": {"vendor": vendor, "family": "6", "model": "207", "isa": isa}}
+        return tables.Record("benchmarks/results/e2e/intel-xeon-processor-2c/r.json",
+                             "e2e/intel-xeon-processor-2c/r.json", {"bench": "e2e", "machine": machine})
+
+    base = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16"]
+    with_amx, without = rec(base + ["amx_tile", "amx_bf16"]), rec(base)
+    assert tables.machine_name(with_amx) == "Intel Xeon Processor (family 6 model 207), 2 cores"
+    assert tables.machine_name(without) == "Intel Xeon Processor (no AMX; family 6 model 207), 2 cores"
+    assert with_amx.kind == "e2e/intel-xeon-processor-2c@6-207"
+    assert without.kind == "e2e/intel-xeon-processor-2c@6-207-noamx"
+    # a CPU generation without AMX at all (no AVX-512 FP16), or another vendor, is not marked
+    assert rec(["avx2", "avx512f", "avx512_bf16"]).kind == "e2e/intel-xeon-processor-2c@6-207"
+    assert "no AMX" not in tables.machine_name(rec(base, vendor="AuthenticAMD"))
