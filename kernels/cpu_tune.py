@@ -110,8 +110,8 @@ def key(shapes: Iterable[tuple[int, int]], threads: int, way: str = "blas") -> s
     parts = [f"v{VERSION}", _cpu_model(), hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12],
              _build_name(cpu_linear._load()), torch.__version__, f"threads={threads}",
              ",".join(f"{k}x{n}" for k, n in shapes), ",".join(map(str, ROWS))]
-    if way == "amx":  # (the fused float32 way's keys carry no suffix)
-        parts += [way, _build_name(cpu_amx._LIBRARY.load())]
+    if way == "amx":  # (the fused float32 way's keys carry no suffix; the row kernel's bf16 way is measured against)
+        parts += [way, _build_name(cpu_amx._LIBRARY.load()), f"bf16dot={_BF16_DOT.get('linear')}"]
     elif way != "blas":
         parts.append(way)
     return "|".join(parts)
@@ -439,13 +439,13 @@ def settle_bf16_dot(kind: str, lib, threads: int | None = None) -> bool:
         set_dot(int(dot))
         _BF16_DOT[kind] = dot
         return dot
-    threads = threads or torch.get_num_threads()
-    k = "|".join([f"bf16dot{BF16_DOT_VERSION}", kind, _cpu_model(),
-                  hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12], _build_name(lib),
-                  f"threads={threads}"])
-    path = cache_file()
     dot = True
-    try:
+    try:  # (whatever fails below keeps vdpbf16ps, and says why)
+        threads = threads or torch.get_num_threads()
+        k = "|".join([f"bf16dot{BF16_DOT_VERSION}", kind, _cpu_model(),
+                      hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12], _build_name(lib),
+                      f"threads={threads}"])
+        path = cache_file()
         with cpu_build.flocked(path.with_name(path.name + ".lock")):
             record = _read(path).get(k)
             if not (isinstance(record, dict) and isinstance(record.get("dot"), bool)):
@@ -469,8 +469,8 @@ def settle_bf16_dot(kind: str, lib, threads: int | None = None) -> bool:
                          f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
                          if busy[0] else f"cached in {path}")
             dot = record["dot"]
-    except (OSError, RuntimeError, ValueError) as err:
-        log.warning("CPU tune could not measure or cache the bfloat16 %s products (%s): vdpbf16ps kept", kind, err)
+    except Exception as err:  # noqa: BLE001 - a failed measurement keeps the build's default, said
+        log.warning("CPU tune could not measure or cache the bfloat16 %s products (%r): vdpbf16ps kept", kind, err)
         dot = True
     set_dot(int(dot))
     _BF16_DOT[kind] = dot

@@ -27,8 +27,9 @@ ENV_VARS: dict[str, str] = {
                         "model's: for the AMX tiles, where the CPU has them): auto (default: measured at first use, "
                         "cached per CPU and build in the cache folder's cpu_kernels/tune.json), off (the kernel for "
                         "every step) or a row count (BLAS or AMX from that many rows)",
-    "LONGCTX_BF16_DOT": "on or off: bfloat16 weights' long products and bfloat16 KV pages' flash attention by "
-                        "vdpbf16ps (x, q and the softmax weights rounded to bfloat16) or widened to float32 "
+    "LONGCTX_BF16_DOT": "on or off: bfloat16 weights' long products in the row kernel and bfloat16 KV pages' "
+                        "flash attention in its vector build (not the AMX tiles' kernels) by vdpbf16ps (x, q and "
+                        "the softmax weights rounded to bfloat16) or widened to float32 "
                         "(default auto: measured at first use where the CPU has AVX-512 BF16, cached with "
                         "LONGCTX_CPU_TUNE's choices; LONGCTX_CPU_TUNE=off keeps vdpbf16ps)",
     "LONGCTX_FLASH_AMX": "0: bfloat16 KV pages' prefill attention keeps the flash kernel's vector build where the "

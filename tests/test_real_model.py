@@ -204,21 +204,25 @@ def _stays_near_float32(llm: LLM, document_ids, hf_model, hf_reference, label: s
 
 @pytest.fixture(params=["as-built", "widened"])
 def bf16_way(request):
-    """The row kernel's and the flash kernel's bfloat16 products for the test: as this process
-    chose (vdpbf16ps where the build has it: the tests keep LONGCTX_CPU_TUNE=off), or widened to
-    float32 (what ``cpu_tune`` picks on CPUs where vdpbf16ps measured slower); put back after."""
-    from longctx.kernels import cpu_flash, cpu_linear, cpu_tune
+    """The row kernel's and the flash kernel's (vector build's) bfloat16 products for the test: as
+    this process chose (vdpbf16ps where the build has it: the tests keep LONGCTX_CPU_TUNE=off), or
+    widened to float32 (what ``cpu_tune`` picks on CPUs where vdpbf16ps measured slower); put back
+    after. (On CPUs with AMX the flash kernel's AMX build, which has no such setting, takes this
+    model's bfloat16 pages either way.)"""
+    from longctx.kernels import cpu_flash, cpu_linear
 
-    setters = [(lib.longctx_linear_set_bf16_dot, "linear") for lib in [cpu_linear._load()] if lib is not None]
-    setters += [(lib.longctx_flash_set_bf16_dot, "flash") for lib in [cpu_flash._load()] if lib is not None]
-    if request.param == "widened":
-        if not any(set_dot(1) for set_dot, _ in setters):
-            pytest.skip("no vdpbf16ps here: the as-built run is the widened one")
-        for set_dot, _ in setters:
-            set_dot(0)
-    yield request.param
-    for set_dot, kind in setters:
-        set_dot(int(bool(cpu_tune.bf16_dot(kind))))
+    ways = [(lib.longctx_linear_set_bf16_dot, lib.longctx_linear_bf16_panels()) for lib in [cpu_linear._load()]
+            if lib is not None]
+    ways += [(lib.longctx_flash_set_bf16_dot, lib.longctx_flash_bf16_dot()) for lib in [cpu_flash._load()]
+             if lib is not None]
+    try:
+        if request.param == "widened":
+            if not any(set_dot(0) for set_dot, _ in ways):  # (each returns whether its build has vdpbf16ps)
+                pytest.skip("no vdpbf16ps here: the as-built run is the widened one")
+        yield request.param
+    finally:
+        for set_dot, was in ways:
+            set_dot(was)
 
 
 @pytest.mark.slow  # bfloat16 on tiny checkpoints of every family: tests/test_families.py

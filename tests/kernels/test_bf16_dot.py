@@ -23,13 +23,18 @@ def _flash_lib():
     return cpu_flash._load() if cpu_flash.available() else None
 
 
+def _state(lib, kind: str) -> int:
+    """The library's way now (1: vdpbf16ps, 0: widened or none in the build)."""
+    return int(lib.longctx_linear_bf16_panels() if kind == "linear" else lib.longctx_flash_bf16_dot())
+
+
 def _has_dot(lib, setter: str) -> bool:
-    """Whether ``lib``'s build has the vdpbf16ps products (the setter says so; the choice is put back)."""
+    """Whether ``lib``'s build has the vdpbf16ps products (the setter says so; the way is put back)."""
     if lib is None:
         return False
-    kind = "linear" if "linear" in setter else "flash"
+    was = _state(lib, "linear" if "linear" in setter else "flash")
     has = bool(getattr(lib, setter)(1))
-    getattr(lib, setter)(int(bool(cpu_tune.bf16_dot(kind))))
+    getattr(lib, setter)(was)
     return has
 
 
@@ -43,15 +48,17 @@ needs_flash_dot = pytest.mark.skipif(not FLASH_DOT, reason="the flash kernel's v
 def linear_way():
     """Set the row kernel's way for the test (1: vdpbf16ps, 0: widened); the choice put back after."""
     lib = cpu_linear._load()
+    was = _state(lib, "linear")
     yield lib.longctx_linear_set_bf16_dot
-    lib.longctx_linear_set_bf16_dot(int(bool(cpu_tune.bf16_dot("linear"))))
+    lib.longctx_linear_set_bf16_dot(was)
 
 
 @pytest.fixture
 def flash_way():
     lib = cpu_flash._load()
+    was = _state(lib, "flash")
     yield lib.longctx_flash_set_bf16_dot
-    lib.longctx_flash_set_bf16_dot(int(bool(cpu_tune.bf16_dot("flash"))))
+    lib.longctx_flash_set_bf16_dot(was)
 
 
 def test_the_process_chose_once_its_libraries_loaded():
@@ -286,9 +293,11 @@ def test_real_measurement_runs_both_ways_and_agrees_with_the_kernels(tune_cache)
     for kind, lib in (("linear", _linear_lib()), ("flash", _flash_lib())):
         if lib is None or not (LINEAR_DOT if kind == "linear" else FLASH_DOT):
             continue
+        was = _state(lib, kind)
         run, set_dot = (cpu_tune._linear_ways if kind == "linear" else cpu_tune._flash_ways)(lib, 2)
         try:
             got = cpu_tune.measure_bf16_dot(run, set_dot)
             assert got["dot_ms"] > 0 and got["widen_ms"] > 0 and isinstance(got["dot"], bool)
+            assert _state(lib, kind) == int(got["dot"])  # left at its choice
         finally:
-            set_dot(int(bool(cpu_tune.bf16_dot(kind))))
+            set_dot(was)

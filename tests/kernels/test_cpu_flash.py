@@ -144,8 +144,14 @@ def test_amx_build_agrees_with_the_vector_build_on_bfloat16_pages(monkeypatch, n
     assert cpu_flash._library_for(batch.k_cache) is amx and cpu_flash.row_block(batch.k_cache) == 192
     amx_out, amx_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
     monkeypatch.setenv("LONGCTX_FLASH_AMX", "0")
-    assert cpu_flash._library_for(batch.k_cache) is cpu_flash._LIBRARY.load()
-    vec_out, vec_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
+    vec = cpu_flash._LIBRARY.load()
+    assert cpu_flash._library_for(batch.k_cache) is vec
+    was = vec.longctx_flash_bf16_dot()
+    vec.longctx_flash_set_bf16_dot(1)  # its vdpbf16ps way, whatever this process chose (cpu_tune)
+    try:
+        vec_out, vec_lse = kernel_impl(splits).paged_attention(*batch.args(), tree_mask=batch.tree_mask)
+    finally:
+        vec.longctx_flash_set_bf16_dot(was)
     torch.testing.assert_close(amx_out.float(), vec_out.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(amx_lse, vec_lse, atol=1e-4, rtol=1e-5)
 
@@ -509,7 +515,7 @@ def test_bfloat16_pages_round_q_on_the_first_and_the_diagonal_keys_too(splits):
     table = torch.tensor([blocks], dtype=torch.int32)
     args = (k_cache.float(), v_cache.float(), table, torch.tensor([ctx], dtype=torch.int32),
             torch.tensor([0, q.shape[0]], dtype=torch.int32))
-    rounds = cpu_build.isa() == "avx512bf16"  # q in the scores and p in P.V rounded to bf16 at that level
+    rounds = cpu_flash.rounds_bf16(k_cache)  # q in the scores and p in P.V rounded to bf16 (vdpbf16ps)
     exact_out, exact_lse = reference.paged_attention(q, *args, scale=scale)
     c = scale * math.log2(math.e)  # (the kernel scores in log2 units: it rounds q * scale * log2 e)
     rounded_out, rounded_lse = reference.paged_attention((q * c).bfloat16().float() / c, *args, scale=scale)
@@ -546,7 +552,7 @@ def test_float32_q_over_bfloat16_pages_within_the_rounding_bound(name, splits):
     v_max = float(widened.v_cache[widened.v_cache.isfinite()].abs().max())
     scale = q.shape[-1] ** -0.5
     score_move = scale * 2 ** -9 * float((q.abs().flatten(0, 1) @ k.abs().T).max())
-    if cpu_build.isa() == "avx512bf16":
+    if cpu_flash.rounds_bf16(mixed.k_cache):
         atol, lse_tol = 1e-4 + 2 * score_move * v_max + 2 ** -9 * v_max, 1e-4 + score_move
     else:
         atol, lse_tol = 1e-4, 1e-4
