@@ -44,21 +44,22 @@ needs_linear_dot = pytest.mark.skipif(not LINEAR_DOT, reason="the row kernel's b
 needs_flash_dot = pytest.mark.skipif(not FLASH_DOT, reason="the flash kernel's vector build has no vdpbf16ps here")
 
 
+def _way(lib, kind: str):
+    """The library's setter for the test (1: vdpbf16ps, 0: widened); its way put back after."""
+    was = _state(lib, kind)
+    set_dot = lib.longctx_linear_set_bf16_dot if kind == "linear" else lib.longctx_flash_set_bf16_dot
+    yield set_dot
+    set_dot(was)
+
+
 @pytest.fixture
 def linear_way():
-    """Set the row kernel's way for the test (1: vdpbf16ps, 0: widened); the choice put back after."""
-    lib = cpu_linear._load()
-    was = _state(lib, "linear")
-    yield lib.longctx_linear_set_bf16_dot
-    lib.longctx_linear_set_bf16_dot(was)
+    yield from _way(cpu_linear._load(), "linear")
 
 
 @pytest.fixture
 def flash_way():
-    lib = cpu_flash._load()
-    was = _state(lib, "flash")
-    yield lib.longctx_flash_set_bf16_dot
-    lib.longctx_flash_set_bf16_dot(was)
+    yield from _way(cpu_flash._load(), "flash")
 
 
 def test_the_process_chose_once_its_libraries_loaded():
