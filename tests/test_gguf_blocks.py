@@ -331,9 +331,10 @@ def _integer_numerics_with_the_other_modes(model_file, numerics: str) -> None:
 needs_amx = pytest.mark.skipif(not cpu_amx.available(), reason=f"AMX kernel {cpu_amx.status()}")
 
 
-def _tile_layer(split, k: int, seed: int, tiles: bool = True):
+def _tile_layer(split, k: int, seed: int, tiles: bool = True, bf16_panels: bool = False):
     """A Linear over int8 and int4 parts (alternating, ``split`` rows each) with a bias, held by
-    BlockWeights with or without the AMX tiles; and its float32 weights (the dequantized parts)."""
+    BlockWeights with or without the AMX tiles (or the row kernel's bfloat16 panels); and its
+    float32 weights (the dequantized parts)."""
     from longctx.kernels import cpu_blocks
     from longctx.model.linear import BlockWeights
     from longctx.model.quantize import quantize_blocks
@@ -349,7 +350,7 @@ def _tile_layer(split, k: int, seed: int, tiles: bool = True):
     layer = Linear(k, n, bias=True)
     layer.weight = BlockMatrix(parts, k)
     layer.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
-    layer.hold(BlockWeights(tiles=tiles))
+    layer.hold(BlockWeights(tiles=tiles, bf16_panels=bf16_panels))
     w = torch.cat([cpu_blocks.dequantize(d, f, k) for d, f in parts])
     return layer, w, g
 
@@ -387,6 +388,52 @@ def test_bf16_tiles_match_float64_on_the_rounded_numbers(monkeypatch, split):
             assert torch.equal(got, plain(x, residual=res))
     x = torch.randn(16, k, generator=g)
     assert torch.equal(layer(x), plain(x))
+
+
+def _rounds_rows() -> bool:
+    from longctx.kernels import cpu_linear
+
+    return cpu_linear.available() and cpu_linear.rounds_bf16_rows() > 0
+
+
+@pytest.mark.skipif(not _rounds_rows(), reason="the row kernel does not round x to bfloat16 here (no vdpbf16ps)")
+@pytest.mark.parametrize("split", [(48, 96, 16), (64, 40)])
+def test_bf16_panels_match_float64_on_the_rounded_numbers(monkeypatch, split):
+    """A bfloat16 model's long steps over blocks without AMX (``BlockWeights.bf16_panels``):
+    slices of each part dequantized to bfloat16 and multiplied by the row kernel's vdpbf16ps
+    panels, across slice and part boundaries (any part's rows), with the bias and residual:
+    within float32 rounding of the float64 product of x and the weights rounded to bfloat16,
+    never BLAS (a BLAS row count of 1 is ignored); gate/up a slice of F at a time give the bits
+    of the whole product's activation; steps of up to 16 rows are the block kernel's, the same
+    bits as the float32 slices'."""
+    from longctx.model import linear
+    from longctx.model.llama import RMSNorm
+
+    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 64)  # slices of 64 rows (the least): 48+16 | 64 | 16 | 16
+    k = 64
+    layer, w, g = _tile_layer(split, k, seed=sum(split), tiles=False, bf16_panels=True)
+    layer.method.blas_from_rows = 1
+    plain, _, _ = _tile_layer(split, k, seed=sum(split), tiles=False)
+    for rows in (17, 41, 300):
+        x = torch.randn(rows, k, generator=g)
+        res = torch.randn(rows, sum(split), generator=g)
+        got = layer(x, residual=res)
+        assert got.shape == (rows, sum(split)) and got.dtype == torch.float32
+        rounded = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
+        want = rounded + layer.bias.double() + res.double()
+        err = float((got.double() - want).abs().max() / rounded.abs().max())
+        assert err < 2e-6, (rows, err)
+        exact = x.double() @ w.double().t() + layer.bias.double() + res.double()
+        assert (got.double() - exact).abs().max() > 1e-4  # x and w rounded: not the float32 numbers
+    x = torch.randn(16, k, generator=g)
+    assert torch.equal(layer(x), plain(x))
+    norm = RMSNorm(k, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    if len(split) == 3:  # F = 80: slices 64 | 16
+        for rows in (17, 300):
+            x = torch.randn(rows, k, generator=g)
+            whole = layer(x, norm=norm)
+            assert torch.equal(layer.method.gated(layer, x, norm, "silu"), layer.method.prologue(whole, None, True))
 
 
 @needs_amx
@@ -435,8 +482,9 @@ def test_gated_mlp_on_tiles_is_the_whole_products_swiglu(monkeypatch, act, split
 @pytest.mark.parametrize("model_file", [case if case in FORMATS_DEFAULT else pytest.param(case, marks=pytest.mark.slow)
                                         for case in CASES], indirect=True)
 def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(model_file, float_reference):
-    """dtype='bfloat16' over the blocks: prefill chunks on the AMX tiles where the CPU has them
-    (elsewhere the float32 slices), bfloat16 KV pages by default; prompt log-probs near float32's
+    """dtype='bfloat16' over the blocks: prefill chunks on the AMX tiles where the CPU has them,
+    else on the row kernel's bfloat16 panels where it rounds x (elsewhere the float32 slices),
+    bfloat16 KV pages by default; prompt log-probs near float32's
     (x and the weights rounded to bfloat16 in the long steps, K and V in the pages), and inside
     the other modes the tokens it gives alone: lookahead, a prefix hit whose 30 new rows are a
     long step again, two sequence-parallel ranks; int8 pages with lookahead up to a near tie."""
@@ -447,7 +495,8 @@ def test_bfloat16_blocks_work_with_lookahead_prefix_hits_int8_pages_and_ranks(mo
     follow = PROMPT[:80] + random_tokens(30, seed=23)
     with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False) as llm:
         methods = {m.method for m in llm.engine.model.modules() if isinstance(m, Linear)}
-        assert all(isinstance(m, BlockWeights) and m.tiles == cpu_amx.available() for m in methods)
+        assert all(isinstance(m, BlockWeights) and m.tiles == cpu_amx.available()
+                   and m.bf16_panels == (not cpu_amx.available() and _rounds_rows()) for m in methods)
         assert llm.engine.kv_format.dtype == torch.bfloat16
         out = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
         alone = [out.outputs[0].token_ids, llm.generate({"prompt_token_ids": follow}, GREEDY)[0].outputs[0].token_ids]

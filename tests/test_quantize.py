@@ -196,17 +196,20 @@ def test_fast_numerics_run_on_quantized_folders(folder):
 @pytest.mark.parametrize("scheme, group", [("int8", 32), ("int4", 128)])
 def test_bfloat16_compute_takes_the_tiles_and_stays_near_hf(folder, scheme, group):
     """dtype='bfloat16' over quantized matrices: prefill chunks on bfloat16 slices and the AMX
-    tiles where the CPU has them (elsewhere the float32 slices), bfloat16 KV pages; prompt
-    log-probs within 0.05 of HF's float32 on the same dequantized weights (x, the weights and
-    K/V rounded to bfloat16), and the same tokens with lookahead and two ranks as alone."""
-    from longctx.kernels import cpu_amx
+    tiles where the CPU has them, else on the row kernel's bfloat16 panels where it rounds x
+    (elsewhere the float32 slices), bfloat16 KV pages; prompt log-probs within 0.05 of HF's
+    float32 on the same dequantized weights (x, the weights and K/V rounded to bfloat16), and
+    the same tokens with lookahead and two ranks as alone."""
+    from longctx.kernels import cpu_amx, cpu_linear
 
     path, model = folder
     ref = _dequantized_hf(model, scheme, group)
     with torch.no_grad():
         ref_lp = torch.log_softmax(ref(torch.tensor([PROMPT])).logits[0].double(), -1)
     with _llm(path, scheme, group, dtype="bfloat16") as llm:
-        assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
+        panels = not cpu_amx.available() and cpu_linear.rounds_bf16_rows() > 0
+        assert all(m.method.tiles == cpu_amx.available() and m.method.bf16_panels == panels
+                   for m in llm.engine.model.modules() if isinstance(m, Linear))
         assert llm.engine.kv_format.dtype == torch.bfloat16
         out = _generate(llm, prompt_logprobs=1)
     worst = max(abs(out.prompt_logprobs[p][PROMPT[p]] - float(ref_lp[p - 1, PROMPT[p]])) for p in range(1, len(PROMPT)))

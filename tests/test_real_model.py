@@ -241,14 +241,16 @@ def test_bfloat16_on_the_cpu_stays_near_float32(document_ids, hf_model, hf_refer
 def test_bfloat16_over_the_blocks_stays_near_float32(document_ids, hf_model, hf_reference):
     """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file where the CPU has
     AMX): bf16 KV pages, decode on the block kernel's float32 products, prefill chunks on
-    bfloat16 slices and the AMX tiles where the CPU has them (else float32 products):
-    ``_stays_near_float32``."""
-    from longctx.kernels import cpu_amx
+    bfloat16 slices and the AMX tiles where the CPU has them, else the row kernel's bfloat16
+    panels where it rounds x (else float32 products): ``_stays_near_float32``."""
+    from longctx.kernels import cpu_amx, cpu_linear
     from longctx.model.linear import Linear
 
     llm = LLM("smollm2-135m", dtype="bfloat16", gguf_weights="blocks", block_size=64, max_num_batched_tokens=2048)
     assert llm.engine.cpu_matmul == "blocks" and llm.engine.kv_dtype == torch.bfloat16
-    assert all(m.method.tiles == cpu_amx.available() for m in llm.engine.model.modules() if isinstance(m, Linear))
+    panels = not cpu_amx.available() and cpu_linear.rounds_bf16_rows() > 0
+    assert all(m.method.tiles == cpu_amx.available() and m.method.bf16_panels == panels
+               for m in llm.engine.model.modules() if isinstance(m, Linear))
     _stays_near_float32(llm, document_ids, hf_model, hf_reference, "bf16 over the blocks,")
 
 

@@ -392,29 +392,38 @@ class BlockWeights(LinearMethod):
     ``blas_from_rows``: from that many rows (what ``cpu_tune.slices_from_rows`` measured faster
     here, the products bare), the slices' products are torch's BLAS instead of the row kernel's
     panels.
-    ``tiles`` (a bfloat16 model's blocks, where the CPU has AMX-BF16: ``use_bf16_tiles``): longer
+    ``tiles`` (a bfloat16 model's blocks, where the CPU has AMX-BF16: ``use_bf16_slices``): longer
     steps dequantize slices rounded to bfloat16 and multiply them on the AMX tiles (``cpu_amx``:
     x rounded to bfloat16, float32 sums), a matrix whose parts' rows are multiples of 16 and
     whose width is a multiple of 32 (every model dimension here); the block kernel's short steps
-    are the same as in float32."""
+    are the same as in float32.
+    ``bf16_panels`` (a bfloat16 model's blocks without AMX, where the row kernel rounds x to
+    bfloat16 for its vdpbf16ps panels: ``use_bf16_slices``): longer steps dequantize their slices
+    rounded to bfloat16 and run the row kernel on them as on a bfloat16 model's matrices (x
+    rounded to bfloat16, float32 sums: the tiles' numbers, up to the order of the sums), never
+    BLAS; the short steps as in float32."""
 
     name = "blocks"
 
-    def __init__(self, fast: int = 0, blas_from_rows: int = cpu_linear.UNBOUNDED, tiles: bool = False) -> None:
+    def __init__(self, fast: int = 0, blas_from_rows: int = cpu_linear.UNBOUNDED, tiles: bool = False,
+                 bf16_panels: bool = False) -> None:
         self.fast = int(fast)  # steps of up to BLOCK_ROWS rows on x in this many int8 terms
         self.blas_from_rows = int(blas_from_rows)
         self.tiles = bool(tiles)  # longer steps on bfloat16 slices and the AMX tiles
+        self.bf16_panels = bool(bf16_panels)  # longer steps on bfloat16 slices and the row kernel
         self._local = threading.local()  # the slice buffers: one per thread, never pickled
 
     def __getstate__(self) -> dict:
         # a buffer sent along to a sequence-parallel rank would be moved into shared memory and
         # written by both processes at once
-        return {"fast": self.fast, "blas_from_rows": self.blas_from_rows, "tiles": self.tiles}
+        return {"fast": self.fast, "blas_from_rows": self.blas_from_rows, "tiles": self.tiles,
+                "bf16_panels": self.bf16_panels}
 
     def __setstate__(self, state: dict) -> None:
         self.fast = state["fast"]
         self.blas_from_rows = state.get("blas_from_rows", cpu_linear.UNBOUNDED)
         self.tiles = state.get("tiles", False)
+        self.bf16_panels = state.get("bf16_panels", False)
         self._local = threading.local()
 
     def take(self, layer: "Linear") -> None:
@@ -472,6 +481,7 @@ class BlockWeights(LinearMethod):
                 out.add_(bias)
             return out if residual is None else out.add_(residual)
         lo = 0
+        slice_type = torch.bfloat16 if self.bf16_panels else torch.float32
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
             part_bias = None if bias is None else bias[lo:hi]
@@ -479,11 +489,11 @@ class BlockWeights(LinearMethod):
             step = _slice_rows(k)  # longer steps: slices of each part through the row kernel
             for r0 in range(0, hi - lo, step):
                 r1 = min(r0 + step, hi - lo)
-                w = self._buffer((r1 - r0) * k).view(r1 - r0, k)
+                w = self._buffer((r1 - r0) * k, slice_type).view(r1 - r0, k)
                 cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
                 b = None if part_bias is None else part_bias[r0:r1]
                 r = None if res is None else res[:, r0:r1]
-                if m >= self.blas_from_rows:  # BLAS, measured faster here at these rows, straight into
+                if m >= self.blas_from_rows and not self.bf16_panels:  # BLAS, measured faster here at these rows, straight into
                     cols = out[:, lo + r0:lo + r1]  # out's columns (BLAS takes the row stride: no copy)
                     torch.mm(x, w.t(), out=cols) if b is None else torch.addmm(b, x, w.t(), out=cols)
                     if r is not None:
@@ -591,8 +601,10 @@ class BlockWeights(LinearMethod):
 
     def _slice_product(self, blocks: BlockMatrix, bias: torch.Tensor | None, x: torch.Tensor, lo: int,
                        hi: int, out: torch.Tensor) -> None:
-        """out = x @ rows [lo, hi) of the stacked parts .T (+ their bias), through the slice buffer."""
-        w = self._buffer((hi - lo) * blocks.k).view(hi - lo, blocks.k)
+        """out = x @ rows [lo, hi) of the stacked parts .T (+ their bias), through the slice buffer
+        (bfloat16 with ``bf16_panels``)."""
+        w = self._buffer((hi - lo) * blocks.k, torch.bfloat16 if self.bf16_panels else torch.float32)
+        w = w.view(hi - lo, blocks.k)
         start = 0
         for data, fmt in blocks.parts:  # (a slice may cross from one part into the next)
             end = start + data.shape[0]
@@ -601,7 +613,7 @@ class BlockWeights(LinearMethod):
                 cpu_blocks.dequantize(data, fmt, blocks.k, first_row=a - start, num_rows=b - a, out=w[a - lo:b - lo])
             start = end
         b = None if bias is None else bias[lo:hi]
-        if x.shape[0] >= self.blas_from_rows:  # (straight into out's strided columns)
+        if x.shape[0] >= self.blas_from_rows and not self.bf16_panels:  # (straight into out's strided columns)
             torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
         else:
             cpu_linear.linear(x, w, b, out=out)
@@ -685,17 +697,24 @@ def _block_method(made: dict, method: BlockWeights, **change) -> BlockWeights:
     return made.setdefault(tuple(sorted(state.items())), BlockWeights(**state))
 
 
-def use_bf16_tiles(model: nn.Module) -> int:
-    """A bfloat16 model's GGUF blocks: their long steps on bfloat16 slices and the AMX tiles
-    (``BlockWeights.tiles``) where the CPU has them; elsewhere nothing changes (the float32
-    slices). Returns how many layers took it."""
-    if not cpu_amx.available():
+def use_bf16_slices(model: nn.Module) -> int:
+    """A bfloat16 model's GGUF blocks: their long steps on bfloat16 slices, multiplied on the AMX
+    tiles (``BlockWeights.tiles``) where the CPU has them, else by the row kernel's bfloat16
+    panels (``BlockWeights.bf16_panels``) where that kernel rounds x to bfloat16 (vdpbf16ps,
+    ``cpu_linear.rounds_bf16_rows``: AVX-512 BF16, measured faster than widening); elsewhere
+    nothing changes (the float32 slices, where x stays float32 and rounding the weights would
+    only cost precision). Returns how many layers took it."""
+    if cpu_amx.available():
+        change = {"tiles": True}
+    elif cpu_linear.available() and cpu_linear.rounds_bf16_rows():
+        change = {"bf16_panels": True}
+    else:
         return 0
     made: dict[tuple, LinearMethod] = {}
     taken = 0
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.method, BlockWeights):
-            module.method = _block_method(made, module.method, tiles=True)
+            module.method = _block_method(made, module.method, **change)
             taken += 1
     return taken
 

@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaForCausalLM, choose_cpu_matmul
 from .linear import (ROW_KERNEL, BlockWeights, Linear, all_on_tiles, blocks_available, tune_bf16_long_steps,
-                     tune_long_steps, use_bf16_tiles)
+                     tune_long_steps, use_bf16_slices)
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
 
@@ -101,10 +101,11 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
 
 def _blocks_tuned(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
     """A model of blocks (float32 activations) computing in ``dtype``: bfloat16 sends its prefill
-    chunks to bfloat16 slices on the AMX tiles where the CPU has them (``use_bf16_tiles``); the
-    rest as float32's (``_tuned``)."""
+    chunks to bfloat16 slices, on the AMX tiles where the CPU has them, else on the row kernel's
+    vdpbf16ps panels where it uses them (``use_bf16_slices``); the rest as float32's
+    (``_tuned``)."""
     if dtype == torch.bfloat16:
-        use_bf16_tiles(model)
+        use_bf16_slices(model)
     return _tuned(model)
 
 
