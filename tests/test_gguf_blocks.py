@@ -561,18 +561,20 @@ def test_a_model_whose_blocks_all_take_the_tiles_measures_nothing(model_file, mo
 
 
 def test_bfloat16_keeps_a_quantized_files_blocks_by_default(model_file, monkeypatch):
-    """gguf_weights='auto' under dtype='bfloat16': where the CPU has AMX, a file whose matrices
-    take fewer bytes as stored than as bfloat16 keeps its blocks; one of F16/BF16 matrices (no
-    smaller) is expanded to bf16 weights on the row kernel, as every file is without AMX."""
+    """gguf_weights='auto' under dtype='bfloat16': a file whose matrices take fewer bytes as
+    stored than as bfloat16 keeps its blocks, with or without AMX (its prefill slices then on the
+    tiles, the row kernel's bfloat16 panels or float32); one of F16/BF16 matrices (no smaller) is
+    expanded to bf16 weights on the row kernel."""
     from longctx.model.prepare import narrower_than_bf16
 
     quantized = not model_file.endswith("f16-bf16.gguf")
     assert narrower_than_bf16(model_file) == quantized
     with _llm(model_file, dtype="bfloat16", lookahead=False) as llm:
-        assert llm.engine.cpu_matmul == ("blocks" if quantized and cpu_amx.available() else "kernel")
-    monkeypatch.setattr(cpu_amx, "available", lambda: False)  # a CPU without AMX: the expansion
+        assert llm.engine.cpu_matmul == ("blocks" if quantized else "kernel")
+    monkeypatch.setattr(cpu_amx, "available", lambda: False)  # a CPU without AMX: the same choice
     with _llm(model_file, dtype="bfloat16", lookahead=False) as llm:
-        assert llm.engine.cpu_matmul == "kernel"
+        assert llm.engine.cpu_matmul == ("blocks" if quantized else "kernel")
+        assert not any(getattr(m.method, "tiles", False) for m in llm.engine.model.modules() if isinstance(m, Linear))
 
 
 def test_blocks_refused_where_they_cannot_serve(tmp_path):
