@@ -165,6 +165,9 @@ def worker_longctx(args) -> dict:
     res["batch"] = {"wall_s": wall, "output_tok_s": generated / wall,
                     "decode_tok_s": (generated - len(outs)) / (end - last_first)}
     res["peak_rss_gib"] = peak_rss_gib()
+    from longctx.kernels import cpu_tune  # (vdpbf16ps True, widened False, not loaded None)
+
+    res["bf16_dot"] = {kind: cpu_tune.bf16_dot(kind) for kind in cpu_tune.BF16_DOT_KINDS}
     return res
 
 

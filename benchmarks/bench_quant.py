@@ -130,9 +130,11 @@ while eng.has_unfinished():
             prefill_s = time.perf_counter() - t0
     else:
         steps.append(dt)
+from longctx.kernels import cpu_tune  # (which way this process took bfloat16 products: None, not loaded)
 print(json.dumps({"engine": "longctx " + mode, "cpu_matmul": eng.cpu_matmul, "load_s": load_s,
                   "prefill_s": prefill_s, "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
-                  "peak_rss_gib": peak_rss_gib()}))
+                  "peak_rss_gib": peak_rss_gib(),
+                  "bf16_dot": {kind: cpu_tune.bf16_dot(kind) for kind in cpu_tune.BF16_DOT_KINDS}}))
 '''
 
 LLAMA_CPP = PEAK_RSS + r'''
