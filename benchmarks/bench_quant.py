@@ -231,8 +231,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=["blocks", "fast", "float", "llama.cpp"],
                     help="blocks (exact numerics), blocks-int8kv (and int8 KV pages), blocks-bf16kv (and bfloat16 "
-                         "KV pages), blocks-bf16 (dtype='bfloat16': bfloat16 pages, prefill on AMX tiles where the "
-                         "CPU has them), fast "
+                         "KV pages), blocks-bf16 (dtype='bfloat16': bfloat16 pages, prefill on bfloat16 slices where "
+                         "the CPU has AMX tiles or faster vdpbf16ps), fast "
                          "(block_numerics='fast'), fast2 (block_numerics='fast2'), fast-bf16kv and fast2-bf16kv (with "
                          "bfloat16 KV pages), float, bf16 (dtype='bfloat16': the weights as bfloat16), "
                          "llama.cpp (f16 KV), llama.cpp-q8kv (q8_0 KV); "

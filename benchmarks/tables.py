@@ -493,7 +493,7 @@ def readme_results(records: list[Record], doc: Doc) -> list[str]:
             kv = (by.get("longctx blocks-int8kv"), by.get("llama.cpp q8_0 KV"))
             half = by.get("longctx blocks-bf16kv")  # 2-byte pages, as llama.cpp's f16 KV
             fast2 = by.get("longctx fast2-bf16kv")  # and block_numerics="fast2"
-            bf = by.get("longctx blocks-bf16")  # dtype="bfloat16": bfloat16 pages, prefill on AMX tiles
+            bf = by.get("longctx blocks-bf16")  # dtype="bfloat16": bfloat16 pages, prefill on bfloat16 slices (AMX, vdpbf16ps)
             rows.append([f"GGUF {label}, {tokens(ctx) if ctx else '?'} prompt: prefill / decode"
                          + (" (8-bit KV)" if all(kv) else ""),
                          f"{sec(lc['prefill_s'])} s / {f(lc['decode_ms'])} ms"

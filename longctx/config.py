@@ -107,11 +107,11 @@ class ModelLoadConfig:
                                           "the CPU. blocks: as the file stores them (Q8_0, Q4_0/1, Q5_0/1, "
                                           "Q4_K, Q5_K, Q6_K, F16, BF16), memory-mapped and multiplied by the "
                                           "block kernel (dtype float32 or bfloat16: bfloat16 also runs prefill "
-                                          "chunks on bfloat16 slices and AMX tiles where the CPU has them); "
-                                          "float: expanded to dtype at load (cached). auto: blocks where the "
-                                          "block kernel runs and dtype is float32, or bfloat16 with quantized "
-                                          "matrices (fewer bytes as stored than as bfloat16) on a CPU with AMX, "
-                                          "else float"})
+                                          "chunks on bfloat16 slices, on AMX tiles or vdpbf16ps where the CPU "
+                                          "has them); float: expanded to dtype at load (cached). auto: blocks "
+                                          "where the block kernel runs and dtype is float32, or bfloat16 with "
+                                          "quantized matrices (fewer bytes as stored than as bfloat16), else "
+                                          "float"})
     block_numerics: str = field(
         default="exact", metadata={"help": "exact | fast | fast2: with GGUF blocks, exact multiplies float32 "
                                            "activations by the exactly dequantized weights (HF's numbers); "

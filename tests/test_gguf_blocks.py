@@ -560,6 +560,60 @@ def test_a_model_whose_blocks_all_take_the_tiles_measures_nothing(model_file, mo
     assert measured == ["slices"]  # (the blocks model has no float32 row-kernel matrix: nothing else)
 
 
+@pytest.mark.skipif(cpu_amx.available() or not _rounds_rows(), reason="needs the bfloat16 panels without AMX")
+def test_a_model_whose_blocks_all_take_the_panels_measures_nothing(model_file, monkeypatch):
+    """bfloat16 over blocks on the row kernel's bfloat16 panels (no AMX): no float32 slice is
+    multiplied, so the BLAS tuning is not run (float32 over the same file: its slices measured)."""
+    from longctx.kernels import cpu_tune
+    from longctx.model.linear import BlockWeights
+
+    monkeypatch.setenv("LONGCTX_CPU_TUNE", "auto")
+    monkeypatch.setattr(cpu_tune, "_MEMO", {})
+    monkeypatch.setattr(cpu_tune, "_read", lambda path: {})
+    monkeypatch.setattr(cpu_tune, "_write", lambda path, data: None)
+    measured = []
+    monkeypatch.setattr(cpu_tune, "measure", lambda shapes, threads, way="blas": measured.append(way) or
+                        {"rows": {}, "blas_from_rows": None})
+    with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False) as llm:
+        assert all(isinstance(m.method, BlockWeights) and m.method.bf16_panels
+                   for m in llm.engine.model.modules() if isinstance(m, Linear))
+    assert measured == []
+    with _llm(model_file, gguf_weights="blocks", lookahead=False):
+        pass
+    assert measured == ["slices"]
+
+
+@pytest.fixture
+def widened():
+    """The row kernel's bfloat16 products widened to float32 for the test (x stays float32), as a
+    process whose measurement chose widening runs them; its way put back after."""
+    from longctx.kernels import cpu_linear
+
+    lib = cpu_linear._load()
+    if lib is None:
+        pytest.skip(f"the row kernel is {cpu_linear.status()}")
+    was = lib.longctx_linear_bf16_panels()
+    lib.longctx_linear_set_bf16_dot(0)
+    yield
+    lib.longctx_linear_set_bf16_dot(was)
+
+
+def test_bf16_slices_stay_float32_where_the_row_kernel_widens(model_file, widened, monkeypatch):
+    """Where this process widens bfloat16 products (x float32), a bfloat16 model's blocks keep
+    float32 slices: ``use_bf16_slices`` takes no panels, and a method handed ``bf16_panels`` (a
+    sequence-parallel rank's, chosen by rank 0) gives the float32 slices' bits."""
+    from longctx.model import linear
+
+    monkeypatch.setattr(linear, "SLICE_BYTES", 4 * 64 * 64)
+    with _llm(model_file, gguf_weights="blocks", dtype="bfloat16", lookahead=False) as llm:
+        assert not any(m.method.bf16_panels for m in llm.engine.model.modules() if isinstance(m, Linear))
+    layer, _, g = _tile_layer((48, 96, 16), 64, seed=5, tiles=False, bf16_panels=True)
+    plain, _, _ = _tile_layer((48, 96, 16), 64, seed=5, tiles=False)
+    for rows in (17, 300):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.equal(layer(x), plain(x))
+
+
 def test_bfloat16_keeps_a_quantized_files_blocks_by_default(model_file, monkeypatch):
     """gguf_weights='auto' under dtype='bfloat16': a file whose matrices take fewer bytes as
     stored than as bfloat16 keeps its blocks, with or without AMX (its prefill slices then on the
@@ -574,7 +628,9 @@ def test_bfloat16_keeps_a_quantized_files_blocks_by_default(model_file, monkeypa
     monkeypatch.setattr(cpu_amx, "available", lambda: False)  # a CPU without AMX: the same choice
     with _llm(model_file, dtype="bfloat16", lookahead=False) as llm:
         assert llm.engine.cpu_matmul == ("blocks" if quantized else "kernel")
-        assert not any(getattr(m.method, "tiles", False) for m in llm.engine.model.modules() if isinstance(m, Linear))
+        if quantized:  # (the row kernel's bfloat16 panels where it rounds x here, else float32 slices)
+            assert all(not m.method.tiles and m.method.bf16_panels == _rounds_rows()
+                       for m in llm.engine.model.modules() if isinstance(m, Linear))
 
 
 def test_blocks_refused_where_they_cannot_serve(tmp_path):

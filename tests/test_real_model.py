@@ -239,8 +239,7 @@ def test_bfloat16_on_the_cpu_stays_near_float32(document_ids, hf_model, hf_refer
 
 @pytest.mark.slow
 def test_bfloat16_over_the_blocks_stays_near_float32(document_ids, hf_model, hf_reference):
-    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file where the CPU has
-    AMX): bf16 KV pages, decode on the block kernel's float32 products, prefill chunks on
+    """dtype='bfloat16' over the file's blocks (the default for this Q4_1 file): bf16 KV pages, decode on the block kernel's float32 products, prefill chunks on
     bfloat16 slices and the AMX tiles where the CPU has them, else the row kernel's bfloat16
     panels where it rounds x (else float32 products): ``_stays_near_float32``."""
     from longctx.kernels import cpu_amx, cpu_linear

@@ -374,7 +374,7 @@ class BlockMatrix:
         return cpu_blocks.dequantize(data, fmt, self.k, stored).reshape(*index.shape, self.k)
 
 
-BLOCK_ROWS = 16  # rows up to which the block kernel multiplies; above, float32 slices and the row kernel's panels
+BLOCK_ROWS = 16  # rows up to which the block kernel multiplies; above, dequantized slices and the row kernel's panels
 SLICE_BYTES = 8 << 20  # a slice of dequantized rows for those steps
 
 
@@ -401,7 +401,9 @@ class BlockWeights(LinearMethod):
     bfloat16 for its vdpbf16ps panels: ``use_bf16_slices``): longer steps dequantize their slices
     rounded to bfloat16 and run the row kernel on them as on a bfloat16 model's matrices (x
     rounded to bfloat16, float32 sums: the tiles' numbers, up to the order of the sums), never
-    BLAS; the short steps as in float32."""
+    BLAS; the short steps as in float32. Checked at each step (``_panels``): a process whose
+    own measurement chose widening (a sequence-parallel rank handed the method) keeps the
+    float32 slices, where bfloat16 ones would only round the weights."""
 
     name = "blocks"
 
@@ -438,6 +440,10 @@ class BlockWeights(LinearMethod):
             scratch = torch.empty(numel, dtype=dtype)
             setattr(self._local, name, scratch)
         return scratch[:numel]
+
+    def _panels(self) -> bool:
+        """Whether this process's long steps take bfloat16 slices on the row kernel's panels."""
+        return self.bf16_panels and cpu_linear.rounds_bf16_rows() > 0
 
     def _on_tiles(self, blocks: BlockMatrix) -> bool:
         """Whether a long step over ``blocks`` runs on the AMX tiles."""
@@ -481,7 +487,8 @@ class BlockWeights(LinearMethod):
                 out.add_(bias)
             return out if residual is None else out.add_(residual)
         lo = 0
-        slice_type = torch.bfloat16 if self.bf16_panels else torch.float32
+        panels = self._panels()
+        slice_type = torch.bfloat16 if panels else torch.float32
         for data, fmt in blocks.parts:
             hi = lo + data.shape[0]
             part_bias = None if bias is None else bias[lo:hi]
@@ -493,7 +500,7 @@ class BlockWeights(LinearMethod):
                 cpu_blocks.dequantize(data, fmt, k, first_row=r0, num_rows=r1 - r0, out=w)
                 b = None if part_bias is None else part_bias[r0:r1]
                 r = None if res is None else res[:, r0:r1]
-                if m >= self.blas_from_rows and not self.bf16_panels:  # BLAS, measured faster here at these rows, straight into
+                if m >= self.blas_from_rows and not panels:  # BLAS, measured faster here at these rows, straight into
                     cols = out[:, lo + r0:lo + r1]  # out's columns (BLAS takes the row stride: no copy)
                     torch.mm(x, w.t(), out=cols) if b is None else torch.addmm(b, x, w.t(), out=cols)
                     if r is not None:
@@ -603,8 +610,8 @@ class BlockWeights(LinearMethod):
                        hi: int, out: torch.Tensor) -> None:
         """out = x @ rows [lo, hi) of the stacked parts .T (+ their bias), through the slice buffer
         (bfloat16 with ``bf16_panels``)."""
-        w = self._buffer((hi - lo) * blocks.k, torch.bfloat16 if self.bf16_panels else torch.float32)
-        w = w.view(hi - lo, blocks.k)
+        panels = self._panels()
+        w = self._buffer((hi - lo) * blocks.k, torch.bfloat16 if panels else torch.float32).view(hi - lo, blocks.k)
         start = 0
         for data, fmt in blocks.parts:  # (a slice may cross from one part into the next)
             end = start + data.shape[0]
@@ -613,7 +620,7 @@ class BlockWeights(LinearMethod):
                 cpu_blocks.dequantize(data, fmt, blocks.k, first_row=a - start, num_rows=b - a, out=w[a - lo:b - lo])
             start = end
         b = None if bias is None else bias[lo:hi]
-        if x.shape[0] >= self.blas_from_rows and not self.bf16_panels:  # (straight into out's strided columns)
+        if x.shape[0] >= self.blas_from_rows and not panels:  # (straight into out's strided columns)
             torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
         else:
             cpu_linear.linear(x, w, b, out=out)

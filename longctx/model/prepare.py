@@ -19,7 +19,7 @@ from longctx.kernels import cpu_blocks, cpu_build, cpu_tune
 from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaForCausalLM, choose_cpu_matmul
-from .linear import (ROW_KERNEL, BlockWeights, Linear, all_on_tiles, blocks_available, tune_bf16_long_steps,
+from .linear import (ROW_KERNEL, BlockWeights, Linear, blocks_available, tune_bf16_long_steps,
                      tune_long_steps, use_bf16_slices)
 from .loader import (TORCH_DTYPES, load_blocks_model, load_model, load_quantized_model, load_row_kernel_model,
                      resolve_model)
@@ -75,11 +75,12 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
     ``cpu_tune`` measured faster on this machine for its MLP shapes, BLAS (float32 matrices; GGUF
     blocks' slices, measured bare: nothing is fused there) or the AMX tiles (bfloat16 matrices,
     where the CPU has them). Only what the model multiplies in float32 is measured (nothing for
-    blocks that all went to the AMX tiles). The measurements run in the heap regime the steps
-    will (``keep_large_blocks``, which the engine sets anyway once loaded): before it, with
-    torch's large tensors on huge pages, each temporary of BLAS's way at 2,048 rows was mapped
-    and faulted in afresh (the 135M shapes' two products 67 ms against 30 in the heap; Intel
-    Xeon model 167), and the tune kept the kernel where BLAS ran 15% faster in the model."""
+    blocks whose long steps all take bfloat16 slices, on the AMX tiles or the panels). The
+    measurements run in the heap regime the steps will (``keep_large_blocks``, which the engine
+    sets anyway once loaded): before it, with torch's large tensors on huge pages, each
+    temporary of BLAS's way at 2,048 rows was mapped and faulted in afresh (the 135M shapes' two
+    products 67 ms against 30 in the heap; Intel Xeon model 167), and the tune kept the kernel
+    where BLAS ran 15% faster in the model."""
     shapes = model.mlp_shapes()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     cpu_build.keep_large_blocks()
@@ -89,7 +90,10 @@ def _tuned(model: LlamaForCausalLM, dtype: torch.dtype = torch.float32) -> Llama
             tune_bf16_long_steps(model, cpu_tune.amx_from_rows(shapes))
             return model
         kernel = any(m.method.name == ROW_KERNEL.name and m.weight.dtype == torch.float32 for m in linears)
-        blocks = any(isinstance(m.method, BlockWeights) for m in linears) and not all_on_tiles(model)
+        # (blocks whose long steps all take bfloat16 slices, on the tiles or the panels, multiply no
+        # float32 slice: nothing to measure)
+        blocks = any(isinstance(m.method, BlockWeights) and not m.method.bf16_panels
+                     and not m.method.long_steps_on_tiles(m.weight) for m in linears)
         rows = cpu_tune.blas_from_rows(shapes) if kernel else None
         slices = cpu_tune.slices_from_rows(shapes) if blocks else None
     except ValueError as err:  # LONGCTX_CPU_TUNE that is not auto, off or a row count
@@ -138,10 +142,10 @@ def _keeps_blocks(load: ModelLoadConfig, dtype: torch.dtype) -> bool:
     # is a product over float weights), in float32, or in bfloat16 where the file's matrices take
     # fewer bytes as stored than as bfloat16 (a quantized file: expanded, a Q4_K_M would take
     # ~3.5x its size). Its prefill then runs on bfloat16 slices with the AMX tiles or the row
-    # kernel's vdpbf16ps panels (the expanded weights' own kernel), else on float32 slices at the
-    # rate of the expanded weights' widened products (measured level on a Xeon without AMX, with
-    # decode at 0.76x and 0.43x the RSS); an F32/F16/BF16 file in bfloat16 is expanded to the row
-    # kernel's layout
+    # kernel's vdpbf16ps panels (the expanded weights' own kernel), else on float32 slices near
+    # the expanded weights' widened products (a Xeon without AMX, 1B-shaped Q4_K_M: level at 2K
+    # in one process, 1.05x at 4K in one record, decode 0.76x at 0.43x the RSS; AMD not measured
+    # yet); an F32/F16/BF16 file in bfloat16 is expanded to the row kernel's layout
     if not (is_gguf and load.cpu_matmul == "auto" and blocks_available()):
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and narrower_than_bf16(resolve_model(load.model)))
