@@ -293,49 +293,55 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* out[i] = x_i . w for R (1..4) rows x_i = x + i * ldx, over k elements */
-static inline void dot_rows(const float *x, int64_t ldx, int R, const float *w, int64_t k, float *out) {
+/* x's rows a dot_rows call takes at most: AVX-512 keeps eight sums in registers (eight chains of
+ * FMAs in flight, nine loads for eight FMAs), AVX2 four rows of two chains, the C loop four */
+#if HAVE_AVX512
+#define DOT_ROWS_MAX 8
+#else
+#define DOT_ROWS_MAX 4
+#endif
+/* widest k whose DOT_ROWS_MAX rows of x (float32) stay within a 32 KB L1 beside the weight row;
+ * wider rows take passes of four */
+#define DOT_ROWS_WIDE_K 1024
+
+/* out[i] = x_i . w for R (1..DOT_ROWS_MAX) rows x_i = x + i * ldx, over k elements. Each row's
+ * sum takes the same steps in the same order whatever R is and wherever the row sits, so a row
+ * gets the same bits alone or with others. */
+static inline __attribute__((always_inline)) void dot_rows_n(const float *x, int64_t ldx, const int R,
+                                                             const float *w, int64_t k, float *out) {
     int64_t i = 0;
-    float acc[4] = {0, 0, 0, 0};
+    float acc[DOT_ROWS_MAX] = {0};
 #if HAVE_AVX512
     {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a[DOT_ROWS_MAX];
+        for (int r = 0; r < R; r++)
+            a[r] = _mm512_setzero_ps();
         for (; i + 16 <= k; i += 16) {
             const __m512 wv = _mm512_loadu_ps(w + i);
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), wv, a0);
-            if (R > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + ldx + i), wv, a1);
-            if (R > 2) a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 2 * ldx + i), wv, a2);
-            if (R > 3) a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + 3 * ldx + i), wv, a3);
+            for (int r = 0; r < R; r++)
+                a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + i), wv, a[r]);
         }
-        acc[0] = hsum16(a0), acc[1] = hsum16(a1), acc[2] = hsum16(a2), acc[3] = hsum16(a3);
+        for (int r = 0; r < R; r++)
+            acc[r] = hsum16(a[r]);
     }
 #elif HAVE_AVX2
     {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0; /* two chains per row: FMA latency */
+        __m256 a[DOT_ROWS_MAX], b[DOT_ROWS_MAX]; /* two chains per row: FMA latency */
+        for (int r = 0; r < R; r++)
+            a[r] = b[r] = _mm256_setzero_ps();
         for (; i + 16 <= k; i += 16) {
             const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), w0, a0);
-            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), w1, b0);
-            if (R > 1) {
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + ldx + i), w0, a1);
-                b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + ldx + i + 8), w1, b1);
-            }
-            if (R > 2) {
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * ldx + i), w0, a2);
-                b2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 2 * ldx + i + 8), w1, b2);
-            }
-            if (R > 3) {
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * ldx + i), w0, a3);
-                b3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 3 * ldx + i + 8), w1, b3);
+            for (int r = 0; r < R; r++) {
+                a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i), w0, a[r]);
+                b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i + 8), w1, b[r]);
             }
         }
-        acc[0] = hsum8(_mm256_add_ps(a0, b0)), acc[1] = hsum8(_mm256_add_ps(a1, b1));
-        acc[2] = hsum8(_mm256_add_ps(a2, b2)), acc[3] = hsum8(_mm256_add_ps(a3, b3));
+        for (int r = 0; r < R; r++)
+            acc[r] = hsum8(_mm256_add_ps(a[r], b[r]));
     }
 #else
     {
-        float s[4][4] = {{0}};
+        float s[DOT_ROWS_MAX][4] = {{0}};
         for (; i + 4 <= k; i += 4)
             for (int r = 0; r < R; r++)
                 for (int l = 0; l < 4; l++)
@@ -349,6 +355,24 @@ static inline void dot_rows(const float *x, int64_t ldx, int R, const float *w, 
             acc[r] += x[r * ldx + i] * w[i];
     for (int r = 0; r < R; r++)
         out[r] = acc[r];
+}
+
+/* dot_rows_n with R a compile-time constant in each case (the sums stay in registers) */
+static void dot_rows(const float *x, int64_t ldx, int R, const float *w, int64_t k, float *out) {
+    switch (R) {
+    case 1: dot_rows_n(x, ldx, 1, w, k, out); break;
+    case 2: dot_rows_n(x, ldx, 2, w, k, out); break;
+    case 3: dot_rows_n(x, ldx, 3, w, k, out); break;
+#if DOT_ROWS_MAX > 4
+    case 4: dot_rows_n(x, ldx, 4, w, k, out); break;
+    case 5: dot_rows_n(x, ldx, 5, w, k, out); break;
+    case 6: dot_rows_n(x, ldx, 6, w, k, out); break;
+    case 7: dot_rows_n(x, ldx, 7, w, k, out); break;
+    default: dot_rows_n(x, ldx, 8, w, k, out); break;
+#else
+    default: dot_rows_n(x, ldx, 4, w, k, out); break;
+#endif
+    }
 }
 
 /* ------------------------------------------- AVX2: dequantized in registers, 32 weights a time */
@@ -1254,10 +1278,13 @@ int longctx_blocks_linear_parts(const float *x, int64_t ldx, int m, int nparts, 
                 if (!use_fast && !in_registers)
                     dequant_row(wr, fmt, k, buf);
                 const float b = bias ? bias[col] : 0.0f;
-                const int step = use_fast ? 4 / fast : 4; /* x's rows a call (2 terms: 2 rows, 4 of qx's) */
+                /* x's rows a call (fast, 2 terms: 2 rows, 4 of qx's); over the dequantized row,
+                 * passes of at most DOT_ROWS_MAX rows, as even as they go (9: 5 + 4) */
+                const int most = k <= DOT_ROWS_WIDE_K ? DOT_ROWS_MAX : 4, passes = (m + most - 1) / most;
+                const int step = use_fast ? 4 / fast : in_registers ? 4 : (m + passes - 1) / passes;
                 for (int i = 0; i < m; i += step) {
                     const int nr = m - i < step ? m - i : step;
-                    float out[4];
+                    float out[DOT_ROWS_MAX > 4 ? DOT_ROWS_MAX : 4];
 #if HAVE_AVX2
                     if (use_fast)
                         fast_dot_terms(wr, fmt, k, qx, fast, i, nr, out);

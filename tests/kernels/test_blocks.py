@@ -52,7 +52,8 @@ def reference_dequant(fmt: str, raw: np.ndarray, k: int) -> np.ndarray:
 
 # (M, N, K); K a multiple of 256. The long rows cross the decode paths' groups of super-blocks whose
 # scales are worked out first (linear_blocks.c's SCALES_AHEAD, 8), with a part group at the end.
-SHAPES = [(1, 37, 256), (3, 8, 512), (5, 67, 768), (9, 3, 256), (1, 19, 17 * 256), (2, 5, 11 * 256)]
+SHAPES = [(1, 37, 256), (3, 8, 512), (5, 67, 768), (9, 3, 256), (1, 19, 17 * 256), (2, 5, 11 * 256),
+          (16, 5, 768), (13, 4, 5 * 256)]  # (verification's sizes: passes of 8 + 8; of 4 at k > 1024)
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK))
@@ -101,6 +102,21 @@ def test_linear_matches_float64_reference(fmt, m, n, k):
     full = cpu_blocks.linear(x, torch.from_numpy(raw), fmt, k, bias, residual=residual)
     expect_full = expect + bias.double().numpy() + residual.double().numpy()
     assert np.all(np.abs(full.numpy() - expect_full) <= 1e-5 * (scale + 2 * np.abs(expect_full)) + 1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q5_1", "F16"])
+@pytest.mark.parametrize("k", [512, 2048])
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(fmt, k):
+    """Steps of 9 to 16 rows (lookahead's verification) take each dequantized weight row in passes
+    of x's rows, as even as they go (AVX-512: up to 8 rows where k <= 1024, else 4; 4 at AVX2):
+    each row's sums take the same steps in any pass, so a row's outputs are the same bits
+    whichever rows share its step (16: 8 + 8 or 4 x 4; its first 9: 5 + 4 or 3 x 3; 11; 13)."""
+    raw = torch.from_numpy(random_blocks(fmt, 7, k, seed=k))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k))
+    full = cpu_blocks.linear(x, raw, fmt, k)
+    for m in (9, 11, 13):
+        assert torch.equal(cpu_blocks.linear(x[:m], raw, fmt, k), full[:m]), m
+        assert torch.equal(cpu_blocks.linear(x[16 - m:], raw, fmt, k), full[16 - m:]), m
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -171,7 +187,7 @@ def test_lower_level_builds_in_a_subprocess(level):
     env = dict(os.environ, LONGCTX_CPU_ISA=level)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                            "-k", "bit_identical or float64_reference or fast_products or odd_block_counts or "
-                           "prologues or parts_in_one_call"], env=env, capture_output=True, text=True,
+                           "prologues or parts_in_one_call or rows_products"], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
@@ -180,18 +196,25 @@ FAST = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def _rounded_x(x: torch.Tensor, terms: int = 1) -> torch.Tensor:
-    """x as the fast path takes it: int8 in blocks of 32, scale d = amax / 127, ties to even
-    (float64); terms=2: plus what that rounding left (in float32, as the kernel computes it),
-    rounded on the scale d / 256 and clamped to +-127."""
+    """x as the fast path takes it: int8 in blocks of 32, scale d = amax / 127, each value times
+    the float32 reciprocal 1 / d in float32, rounded to nearest even and clamped to +-127 (the
+    kernel's steps: dividing by d instead parted from it by one int8 step on a value next to a
+    half, 1 case in ~10^5); terms=2: plus what that rounding left (in float32, as the kernel
+    computes it), rounded the same way on the scale d / 256."""
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32)
+
+    def rounded(values: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))  # float32, as the kernel's id
+        return torch.round(values * inv).clamp(-127, 127)
+
     d = (xb.abs().amax(-1, keepdim=True) / 127).float()  # the kernel's float32 scale
-    safe = torch.where(d > 0, d, torch.ones_like(d)).double()
-    taken = torch.round(xb.double() / safe) * d.double()
+    q = rounded(xb, d)
+    taken = q.double() * d.double()
     if terms == 2:
-        rest = xb - taken.float()  # xb - d * q in float32 (exact: one rounding at most)
-        d2 = (d / 256).double()
-        taken = taken + torch.round(rest.double() / (safe / 256)).clamp(-127, 127) * d2
+        rest = xb - d * q  # xb - d * q in float32, as the kernel's rest
+        d2 = d / 256
+        taken = taken + rounded(rest, d2).double() * d2.double()
     return taken.view(m, k)
 
 
