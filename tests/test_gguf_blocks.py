@@ -355,6 +355,17 @@ def _tile_layer(split, k: int, seed: int, tiles: bool = True, bf16_panels: bool 
     return layer, w, g
 
 
+def _near_the_rounded_product(got, x, w, bias, res) -> None:
+    """got within float32 rounding (2e-6 of the largest product) of the float64 product of x and
+    w rounded to bfloat16, + bias + res, and not the float32 numbers (x and w were rounded)."""
+    rounded = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
+    want = rounded + bias.double() + res.double()
+    err = float((got.double() - want).abs().max() / rounded.abs().max())
+    assert err < 2e-6, (x.shape[0], err)
+    exact = x.double() @ w.double().t() + bias.double() + res.double()
+    assert (got.double() - exact).abs().max() > 1e-4
+
+
 @needs_amx
 @pytest.mark.parametrize("split", [(48, 96, 16), (64, 40)])
 def test_bf16_tiles_match_float64_on_the_rounded_numbers(monkeypatch, split):
@@ -378,12 +389,7 @@ def test_bf16_tiles_match_float64_on_the_rounded_numbers(monkeypatch, split):
         got = layer(x, residual=res)
         assert got.shape == (rows, sum(split)) and got.dtype == torch.float32
         if on_tiles:
-            rounded = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
-            want = rounded + layer.bias.double() + res.double()
-            err = float((got.double() - want).abs().max() / rounded.abs().max())
-            assert err < 2e-6, (rows, err)
-            exact = x.double() @ w.double().t() + layer.bias.double() + res.double()
-            assert (got.double() - exact).abs().max() > 1e-4  # x and w rounded: not the float32 numbers
+            _near_the_rounded_product(got, x, w, layer.bias, res)
         else:
             assert torch.equal(got, plain(x, residual=res))
     x = torch.randn(16, k, generator=g)
@@ -419,12 +425,7 @@ def test_bf16_panels_match_float64_on_the_rounded_numbers(monkeypatch, split):
         res = torch.randn(rows, sum(split), generator=g)
         got = layer(x, residual=res)
         assert got.shape == (rows, sum(split)) and got.dtype == torch.float32
-        rounded = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().t()
-        want = rounded + layer.bias.double() + res.double()
-        err = float((got.double() - want).abs().max() / rounded.abs().max())
-        assert err < 2e-6, (rows, err)
-        exact = x.double() @ w.double().t() + layer.bias.double() + res.double()
-        assert (got.double() - exact).abs().max() > 1e-4  # x and w rounded: not the float32 numbers
+        _near_the_rounded_product(got, x, w, layer.bias, res)
     x = torch.randn(16, k, generator=g)
     assert torch.equal(layer(x), plain(x))
     norm = RMSNorm(k, eps=1e-5)
