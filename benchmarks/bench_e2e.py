@@ -167,7 +167,7 @@ def worker_longctx(args) -> dict:
     res["peak_rss_gib"] = peak_rss_gib()
     from longctx.kernels import cpu_tune  # (vdpbf16ps True, widened False, not loaded None)
 
-    res["bf16_dot"] = {kind: cpu_tune.bf16_dot(kind) for kind in cpu_tune.BF16_DOT_KINDS}
+    res["bf16_dot"] = cpu_tune.bf16_dot_ways()
     return res
 
 

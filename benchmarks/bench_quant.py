@@ -134,7 +134,7 @@ from longctx.kernels import cpu_tune  # (which way this process took bfloat16 pr
 print(json.dumps({"engine": "longctx " + mode, "cpu_matmul": eng.cpu_matmul, "load_s": load_s,
                   "prefill_s": prefill_s, "decode_ms": 1e3 * sum(steps) / len(steps), "tokens": tokens,
                   "peak_rss_gib": peak_rss_gib(),
-                  "bf16_dot": {kind: cpu_tune.bf16_dot(kind) for kind in cpu_tune.BF16_DOT_KINDS}}))
+                  "bf16_dot": cpu_tune.bf16_dot_ways()}))
 '''
 
 LLAMA_CPP = PEAK_RSS + r'''

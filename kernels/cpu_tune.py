@@ -35,7 +35,6 @@ tie keeps the kernel, whose rows do not depend on the step's other rows.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -52,7 +51,7 @@ import torch
 from . import cpu_amx, cpu_build, cpu_linear
 
 __all__ = ["NEVER", "ROWS", "WAYS", "blas_from_rows", "slices_from_rows", "amx_from_rows", "setting", "measure",
-           "cache_file", "key", "bf16_dot", "bf16_dot_setting", "settle_bf16_dot", "measure_bf16_dot"]
+           "cache_file", "key", "bf16_dot", "bf16_dot_ways", "bf16_dot_setting", "settle_bf16_dot", "measure_bf16_dot"]
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +102,16 @@ def _build_name(lib) -> str:
     return os.path.basename(getattr(lib, "_name", "") or "") if lib is not None else "none"
 
 
+def _flags_digest() -> str:
+    """The CPU's flags, hashed short: what tells two machines of one model name apart in a key."""
+    return hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12]
+
+
 def key(shapes: Iterable[tuple[int, int]], threads: int, way: str = "blas") -> str:
     """What a measurement holds for: the CPU (its model name and feature flags), the row
     kernel's build (its library's file name carries the hash of its source and flags), torch's
     version (its BLAS) or the AMX kernel's build, the threads and the measured shapes."""
-    parts = [f"v{VERSION}", _cpu_model(), hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12],
+    parts = [f"v{VERSION}", _cpu_model(), _flags_digest(),
              _build_name(cpu_linear._load()), torch.__version__, f"threads={threads}",
              ",".join(f"{k}x{n}" for k, n in shapes), ",".join(map(str, ROWS))]
     if way == "amx":  # (the fused float32 way's keys carry no suffix; the row kernel's bf16 way is measured against)
@@ -277,6 +281,29 @@ def amx_from_rows(shapes: Iterable[tuple[int, int]], threads: int | None = None)
     return _from_rows(shapes, threads, "amx")
 
 
+def _cached(k: str, valid: Callable[[object], bool], take: Callable[[], dict]) -> tuple[dict, str | None]:
+    """The cache file's record under ``k`` where ``valid`` accepts it (returned with None), else
+    ``take()``'s new measurement, stamped with its seconds and the load before it, and written
+    to the file unless the machine was busy (its timings then hold for this process only);
+    returned with a note of where it went. Entries of earlier versions are dropped on a write."""
+    path = cache_file()
+    with cpu_build.flocked(path.with_name(path.name + ".lock")):
+        record = _read(path).get(k)
+        if valid(record):
+            return record, None
+        busy = _busy()
+        t0 = time.perf_counter()
+        record = take()
+        record["seconds"], record["load_before"] = round(time.perf_counter() - t0, 2), busy[1]
+        if busy[0]:
+            return record, f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
+        data = {old: v for old, v in _read(path).items()
+                if old.startswith((f"v{VERSION}|", f"bf16dot{BF16_DOT_VERSION}|"))}
+        data[k] = record
+        _write(path, data)
+        return record, f"cached in {path}"
+
+
 def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str) -> int:
     forced = setting()
     if forced == "off" or not cpu_linear.available() or cpu_linear.max_rows() < NEVER:
@@ -288,30 +315,16 @@ def _from_rows(shapes: Iterable[tuple[int, int]], threads: int | None, way: str)
     k = key(shapes, threads, way)
     if k in _MEMO:
         return _MEMO[k]
-    path = cache_file()
     try:
-        with cpu_build.flocked(path.with_name(path.name + ".lock")):
-            record = _read(path).get(k)
-            if not (isinstance(record, dict) and "blas_from_rows" in record):
-                busy = _busy()
-                t0 = time.perf_counter()
-                record = measure(shapes, threads, way=way)
-                record["seconds"] = round(time.perf_counter() - t0, 2)
-                record["load_before"] = busy[1]
-                if not busy[0]:  # a busy machine's timings hold for this process only
-                    # (entries of an earlier VERSION are never read again: dropped)
-                    data = {old: v for old, v in _read(path).items()
-                            if old.startswith((f"v{VERSION}|", f"bf16dot{BF16_DOT_VERSION}|"))}
-                    data[k] = record
-                    _write(path, data)
-                other = {"blas": "BLAS", "slices": "BLAS (bare slices)", "amx": "the AMX tiles"}[way]
-                log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs %s ms %s; %s",
-                         _cpu_model(), threads, shapes,
-                         f"{other} from {record['blas_from_rows']} rows" if record["blas_from_rows"]
-                         else "the row kernel at every step", other,
-                         {r: (t["kernel_ms"], t["blas_ms"]) for r, t in record["rows"].items()},
-                         f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
-                         if busy[0] else f"cached in {path}")
+        record, kept = _cached(k, lambda r: isinstance(r, dict) and "blas_from_rows" in r,
+                               lambda: measure(shapes, threads, way=way))
+        if kept is not None:
+            other = {"blas": "BLAS", "slices": "BLAS (bare slices)", "amx": "the AMX tiles"}[way]
+            log.info("CPU tune (%s, %d threads, shapes %s): %s; kernel vs %s ms %s; %s",
+                     _cpu_model(), threads, shapes,
+                     f"{other} from {record['blas_from_rows']} rows" if record["blas_from_rows"]
+                     else "the row kernel at every step", other,
+                     {r: (t["kernel_ms"], t["blas_ms"]) for r, t in record["rows"].items()}, kept)
     except (OSError, RuntimeError, ValueError) as err:
         log.warning("CPU tune could not measure or cache (%s): the row kernel takes every step", err)
         return NEVER
@@ -339,6 +352,11 @@ def bf16_dot_setting() -> str:
     if raw in ("off", "0"):
         return "off"
     raise ValueError(f"{BF16_DOT_ENV} must be 'auto', 'on' or 'off', got {os.environ[BF16_DOT_ENV]!r}")
+
+
+def bf16_dot_ways() -> dict[str, bool | None]:
+    """``bf16_dot`` of every kind: what a benchmark records of the process it ran in."""
+    return {kind: bf16_dot(kind) for kind in BF16_DOT_KINDS}
 
 
 def bf16_dot(kind: str) -> bool | None:
@@ -428,8 +446,7 @@ def settle_bf16_dot(kind: str, lib, threads: int | None = None) -> bool:
     if kind not in BF16_DOT_KINDS:
         raise ValueError(f"kind must be one of {BF16_DOT_KINDS}, got {kind!r}")
     run_setter = {"linear": "longctx_linear_set_bf16_dot", "flash": "longctx_flash_set_bf16_dot"}[kind]
-    set_dot = getattr(lib, run_setter)
-    set_dot.restype, set_dot.argtypes = ctypes.c_int, [ctypes.c_int]
+    set_dot = getattr(lib, run_setter)  # (declared with the library)
     forced = bf16_dot_setting()
     if not set_dot(1):  # no vdpbf16ps in this build: nothing to choose
         _BF16_DOT[kind] = False
@@ -442,33 +459,24 @@ def settle_bf16_dot(kind: str, lib, threads: int | None = None) -> bool:
     dot = True
     try:  # (whatever fails below keeps vdpbf16ps, and says why)
         threads = threads or torch.get_num_threads()
-        k = "|".join([f"bf16dot{BF16_DOT_VERSION}", kind, _cpu_model(),
-                      hashlib.sha256(cpu_build._cpu_flags().encode()).hexdigest()[:12], _build_name(lib),
+        k = "|".join([f"bf16dot{BF16_DOT_VERSION}", kind, _cpu_model(), _flags_digest(), _build_name(lib),
                       f"threads={threads}"])
-        path = cache_file()
-        with cpu_build.flocked(path.with_name(path.name + ".lock")):
-            record = _read(path).get(k)
-            if not (isinstance(record, dict) and isinstance(record.get("dot"), bool)):
-                busy = _busy()
-                run, _ = (_linear_ways if kind == "linear" else _flash_ways)(lib, threads)
-                prev = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
-                    t0 = time.perf_counter()
-                    record = measure_bf16_dot(run, set_dot)
-                finally:
-                    torch.set_num_threads(prev)
-                record["seconds"], record["load_before"] = round(time.perf_counter() - t0, 2), busy[1]
-                if not busy[0]:
-                    data = _read(path)
-                    data[k] = record
-                    _write(path, data)
-                log.info("CPU tune (%s, %d threads): bfloat16 %s products %s (vdpbf16ps %.2f ms, widened %.2f ms); %s",
-                         _cpu_model(), threads, kind, "by vdpbf16ps" if record["dot"] else "widened to float32",
-                         record["dot_ms"], record["widen_ms"],
-                         f"not cached: the machine was busy (load average {busy[1]} on {os.cpu_count()} CPUs)"
-                         if busy[0] else f"cached in {path}")
-            dot = record["dot"]
+
+        def take() -> dict:
+            run, _ = (_linear_ways if kind == "linear" else _flash_ways)(lib, threads)
+            prev = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                return measure_bf16_dot(run, set_dot)
+            finally:
+                torch.set_num_threads(prev)
+
+        record, kept = _cached(k, lambda r: isinstance(r, dict) and isinstance(r.get("dot"), bool), take)
+        if kept is not None:
+            log.info("CPU tune (%s, %d threads): bfloat16 %s products %s (vdpbf16ps %.2f ms, widened %.2f ms); %s",
+                     _cpu_model(), threads, kind, "by vdpbf16ps" if record["dot"] else "widened to float32",
+                     record["dot_ms"], record["widen_ms"], kept)
+        dot = record["dot"]
     except Exception as err:  # noqa: BLE001 - a failed measurement keeps the build's default, said
         log.warning("CPU tune could not measure or cache the bfloat16 %s products (%r): vdpbf16ps kept", kind, err)
         dot = True
